@@ -1,0 +1,60 @@
+"""Drafters (SSMs): build one from its config entry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from spind.config import DrafterConfig, SpindConfig
+from spind.drafters.base import Draft, DraftInput, Drafter
+from spind.drafters.model import ModelDrafter
+from spind.drafters.ngram import NgramDrafter
+from spind.models.llama import load_llama
+from spind.models.loader import resolve_model_dir
+from spind.models.quant import quantize_linears
+from spind.models.tokenizer import Tokenizer
+
+__all__ = ["Draft", "DraftInput", "Drafter", "build_drafter", "TokenizerMismatchError"]
+
+
+class TokenizerMismatchError(ValueError):
+    """A drafter model does not share the target's tokenizer, so its tokens would mean something else."""
+
+
+def check_same_tokenizer(name: str, drafter_dir: Path, target_tok: Tokenizer, drafter_vocab: int,
+                         target_vocab: int) -> None:
+    if drafter_vocab != target_vocab:
+        raise TokenizerMismatchError(
+            f"drafter {name!r}: vocabulary size {drafter_vocab} != target's {target_vocab}; "
+            f"a drafter must share the target's tokenizer")
+    if list(drafter_dir.glob("tokenizer*.json")):
+        if Tokenizer(drafter_dir).fingerprint() != target_tok.fingerprint():
+            raise TokenizerMismatchError(f"drafter {name!r}: its tokenizer differs from the target's")
+
+
+def build_drafter(dc: DrafterConfig, cfg: SpindConfig, target_dir: Path, target_tok: Tokenizer,
+                  device: str = "cpu") -> Drafter:
+    if dc.kind == "ngram":
+        return NgramDrafter(dc.name, dc.ngram_max, dc.ngram_min)
+    dtype = cfg.model.dtype
+    if dc.kind == "self":
+        if dc.variant == "bf16":
+            model = load_llama(target_dir, "bfloat16", device)
+        elif dc.variant == "int8-weight-only":
+            model = quantize_linears(load_llama(target_dir, "bfloat16", device), dc.variant)
+        elif dc.variant == "int8-dynamic":
+            model = quantize_linears(load_llama(target_dir, "float32", device), dc.variant)
+        else:  # layers
+            model = load_llama(target_dir, dtype, device, layers=dc.layers)
+    else:
+        drafter_dir = resolve_model_dir(dc.path, cfg.cache_path)
+        model = load_llama(drafter_dir, dtype, device)
+        target_vocab = load_vocab_size(target_dir)
+        check_same_tokenizer(dc.name, drafter_dir, target_tok, model.args.vocab_size, target_vocab)
+    r = cfg.runtime
+    return ModelDrafter(dc.name, dc.kind, model, r.kv_num_blocks, r.kv_block_size, r.attention,
+                        cfg.model.max_model_len)
+
+
+def load_vocab_size(model_dir: Path) -> int:
+    import json
+    return json.loads((model_dir / "config.json").read_text())["vocab_size"]

@@ -1,0 +1,75 @@
+"""The drafter (SSM) interface: every kind of drafter proposes tokens the same way.
+
+A drafter mirrors each request's committed token sequence and proposes up to k next tokens. It never
+decides what is committed: the target's verification does, and the next `propose` call carries the
+sequence as it now stands (a drafter with a KV cache rolls back to the common prefix itself).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from spind.sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), V] proposal distributions; None = point mass
+
+
+@dataclass
+class DraftInput:
+    req_id: str
+    tokens: list[int]  # the committed sequence (prompt + generated so far)
+    k: int
+
+
+class Drafter(ABC):
+    kind: str = ""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.params: dict[str, SamplingParams] = {}
+        self._ms_per_token: float | None = None  # EMA of measured propose time per drafted token
+
+    # ---- request lifecycle ----------------------------------------------------------------------
+    def add_request(self, req_id: str, params: SamplingParams) -> None:
+        self.params[req_id] = params
+
+    def free_request(self, req_id: str) -> None:
+        self.params.pop(req_id, None)
+
+    def precompute(self, req_id: str, tokens: list[int]) -> None:
+        """Bring this drafter's state for `tokens` up to date ahead of use (the KV-precompute queue)."""
+
+    # ---- drafting ----------------------------------------------------------------------------------
+    def propose(self, inputs: list[DraftInput]) -> list[Draft]:
+        start = time.perf_counter()
+        drafts = self._propose(inputs)
+        num = sum(len(d.tokens) for d in drafts)
+        if num:
+            ms = (time.perf_counter() - start) * 1e3 / num
+            self._ms_per_token = ms if self._ms_per_token is None else 0.9 * self._ms_per_token + 0.1 * ms
+        return drafts
+
+    @abstractmethod
+    def _propose(self, inputs: list[DraftInput]) -> list[Draft]: ...
+
+    @property
+    def ms_per_token(self) -> float | None:
+        return self._ms_per_token
+
+    def describe(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "ms_per_token": self._ms_per_token}
+
+
+def timed(fn):
+    """Run fn() and return its wall time in ms (for cost probes)."""
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
