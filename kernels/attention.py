@@ -45,6 +45,20 @@ def _causal_mask(q_len: int, ctx_len: int, device) -> torch.Tensor | None:
     return torch.arange(ctx_len, device=device)[None, :] <= q_pos[:, None]
 
 
+def fold_gqa(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[n, H, D] -> [Hkv, g*n, D]: the g query heads sharing a KV head become extra query rows, so attention
+    runs as plain multi-head attention over the unexpanded KV (no repeat of K/V, the fused kernel applies)."""
+    n, h, d = q.shape
+    g = h // num_kv_heads
+    return q.view(n, num_kv_heads, g, d).permute(1, 2, 0, 3).reshape(num_kv_heads, g * n, d)
+
+
+def unfold_gqa(o: torch.Tensor, n: int, num_heads: int) -> torch.Tensor:
+    """Inverse of fold_gqa: [Hkv, g*n, D] -> [n, H, D]."""
+    hkv, _, d = o.shape
+    return o.view(hkv, num_heads // hkv, n, d).permute(2, 0, 1, 3).reshape(n, num_heads, d)
+
+
 class PackedAttention:
     name = "packed"
 
@@ -56,15 +70,19 @@ class PackedAttention:
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  scale: float) -> torch.Tensor:
         # q: [T, H, D]; caches: [slots, Hkv, D] -> out [T, H, D]
+        t, h, d = q.shape
+        hkv = k_cache.shape[1]
+        g = h // hkv
         out = torch.empty_like(q)
         for i, slots in enumerate(self.batch.read_slots):
             lo, hi = self.cu_q[i], self.cu_q[i + 1]
-            qi = q[lo:hi].transpose(0, 1)  # [H, q, D]
+            n = hi - lo
+            qi = fold_gqa(q[lo:hi], hkv)  # [Hkv, g*n, D]
             ki = k_cache.index_select(0, slots).transpose(0, 1)  # [Hkv, ctx, D]
             vi = v_cache.index_select(0, slots).transpose(0, 1)
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=self.masks[i], scale=scale,
-                                                enable_gqa=True)
-            out[lo:hi] = oi.transpose(0, 1)
+            mask = None if self.masks[i] is None else self.masks[i].repeat(g, 1)
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+            out[lo:hi] = unfold_gqa(oi, n, h)
         return out
 
 
@@ -92,11 +110,15 @@ class PaddedAttention:
                  scale: float) -> torch.Tensor:
         t, h, d = q.shape
         qp = q.new_zeros(self.b * self.max_q, h, d).index_copy_(0, self.q_index, q)
-        qp = qp.view(self.b, self.max_q, h, d).transpose(1, 2)  # [B, H, maxq, D]
-        kp = k_cache.index_select(0, self.slots).view(self.b, self.max_ctx, -1, d).transpose(1, 2)
-        vp = v_cache.index_select(0, self.slots).view(self.b, self.max_ctx, -1, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=self.mask, scale=scale, enable_gqa=True)
-        return o.transpose(1, 2).reshape(self.b * self.max_q, h, d).index_select(0, self.q_index)
+        hkv = k_cache.shape[1]
+        g = h // hkv
+        # [B, maxq, Hkv, g, D] -> [B, Hkv, g*maxq, D] (GQA folded into query rows, as in fold_gqa)
+        qp = qp.view(self.b, self.max_q, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(self.b, hkv, g * self.max_q, d)
+        kp = k_cache.index_select(0, self.slots).view(self.b, self.max_ctx, hkv, d).transpose(1, 2)
+        vp = v_cache.index_select(0, self.slots).view(self.b, self.max_ctx, hkv, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=self.mask.repeat(1, 1, g, 1), scale=scale)
+        o = o.view(self.b, hkv, g, self.max_q, d).permute(0, 3, 1, 2, 4)  # [B, maxq, Hkv, g, D]
+        return o.reshape(self.b * self.max_q, h, d).index_select(0, self.q_index)
 
 
 BACKENDS = {"packed": PackedAttention, "padded": PaddedAttention}
