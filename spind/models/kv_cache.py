@@ -30,8 +30,12 @@ class KVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # empty, not zeros: pages are only committed as blocks get used. Slot 0 is what padded attention
+        # reads for padding (masked out), so it must at least hold finite numbers.
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for t in self.k + self.v:
+            t[:block_size].zero_()
         self._free_blocks = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.seqs: dict[str, SeqKV] = {}
 
