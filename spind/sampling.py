@@ -68,7 +68,7 @@ def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
 @dataclass(frozen=True)
@@ -92,17 +92,17 @@ def verify_stochastic(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
     (a deterministic drafter such as n-gram lookup, for which q(x) = 1 at the drafted token)."""
     k = len(draft)
     if k:
-        idx = torch.tensor(draft)
-        p_x = p[torch.arange(k), idx]
-        q_x = torch.ones(k) if q is None else q[torch.arange(k), idx]
-        u = torch.rand(k, generator=generator)
+        rows, idx = torch.arange(k, device=p.device), torch.tensor(draft, device=p.device)
+        p_x = p[rows, idx]
+        q_x = torch.ones(k, device=p.device) if q is None else q[rows, idx]
+        u = torch.rand(k, generator=generator).to(p.device)  # the generator lives on the CPU
         rejected = (u * q_x > p_x).nonzero()  # accept iff u < p/q, written without dividing by q
         n = int(rejected[0]) if len(rejected) else k
     else:
         n = 0
     if n == k:
         return VerifyResult(k, draft + [sample(p[k], generator)])
-    q_n = torch.zeros_like(p[n]).index_fill_(0, torch.tensor([draft[n]]), 1.0) if q is None else q[n]
+    q_n = torch.zeros_like(p[n]).index_fill_(0, torch.tensor([draft[n]], device=p.device), 1.0) if q is None else q[n]
     residual = (p[n] - q_n).clamp_min(0)
     total = residual.sum()
     recovered = sample(residual / total if total > 0 else p[n], generator)
