@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from spind.config import load_config
-from spind.daemon.engine import KVBudget, SelectInput, StaticSelector, visible_len
+from spind.daemon.policies import KVBudget, SelectInput, StaticSelector, visible_len
 from spind.daemon.metrics import EngineMetrics, Registry, SlotTimes
 from spind.daemon.worker import TARGET_WORKER, threads_for, worker_names
 
