@@ -34,6 +34,7 @@ from spind import protocol as P
 from spind.config import SpindConfig
 from spind.daemon.interface import Delta, EngineError, EngineRequest, Usage
 from spind.daemon.metrics import EngineMetrics, SlotTimes
+from spind.daemon.policies import KVBudget, SelectInput, StaticSelector, visible_len
 from spind.daemon.supervisor import Supervisor, WorkerDied, WorkerError, default_run_dir
 from spind.engine.sequence import Sequence, SpecStats
 from spind.models.loader import resolve_model_dir

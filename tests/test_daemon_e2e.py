@@ -1,0 +1,546 @@
+"""End to end through the real daemon: `spind start` as a subprocess with its real worker processes and the
+default model; HTTP through aiohttp and the unmodified `openai` client, and the ZeroMQ client API.
+
+The daemon is started once for the module. Tests run in file order; the last one drains it with SIGTERM.
+Greedy references come from the offline `Runtime` in this process (plain target decoding, one at a time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import msgpack
+import openai
+import pytest
+import zmq
+
+from spind import protocol as P
+from spind.client import AsyncSpindClient, SpindClient, SpindError, http_json, make_request
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 16
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+CHAT = [{"role": "user", "content": "Name three colors."}]
+START_TIMEOUT_S = 900
+CONFIG = """
+[model]
+max_model_len = 1024
+[runtime]
+kv_num_blocks = 512
+[speculation]
+default_drafter = "int8"
+[server]
+port = {port}
+zmq_port = {zmq_port}
+run_dir = "{run_dir}"
+[[drafters]]
+name = "ngram"
+kind = "ngram"
+worker = "target"
+[[drafters]]
+name = "int8"
+kind = "self"
+variant = "int8-weight-only"
+worker = "draft"
+[[workers]]
+name = "target"
+[[workers]]
+name = "draft"
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen
+    config: Path
+    run_dir: Path
+    log: Path
+    port: int
+    zmq_port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def zmq_address(self) -> str:
+        return f"tcp://127.0.0.1:{self.zmq_port}"
+
+    def state(self) -> dict:
+        status, body = http_json(self.url + "/v1/spind/state")
+        assert status == 200, body
+        return body
+
+    def worker_pids(self) -> dict[str, int]:
+        return {w["name"]: w["pid"] for w in self.state()["workers"]}
+
+    def wait_no_requests(self, timeout_s: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            state = self.state()
+            if not state["requests"]:
+                return state
+            time.sleep(0.1)
+        raise AssertionError(f"requests still held: {state['requests']}")
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Daemon:
+    root = Path(tempfile.mkdtemp(prefix="spind-e2e-"))  # short: worker ipc socket paths must fit ~100 bytes
+    port, zmq_port = free_port(), free_port()
+    config = root / "config.toml"
+    config.write_text(CONFIG.format(port=port, zmq_port=zmq_port, run_dir=root / "run"))
+    log = root / "daemon.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "spind.cli", "-v", "start", "--config", str(config),
+                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    d = Daemon(proc, config, root / "run", log, port, zmq_port)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while http_json(d.url + "/health")[0] != 200:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            text = log.read_text()[-4000:]
+            shutil.rmtree(root, ignore_errors=True)
+            pytest.fail(f"the daemon did not come up:\n{text}")
+        time.sleep(0.5)
+    yield d
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Reference:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+@pytest.fixture(scope="module")
+def refs(daemon: Daemon) -> dict[str, Reference]:
+    """Greedy outputs of the offline runtime (plain decoding, one request at a time) for PROMPTS and CHAT."""
+    import torch
+
+    from spind.config import load_config
+    from spind.engine.offline import GenRequest, Runtime
+    from spind.sampling import SamplingParams
+
+    torch.set_num_threads(1)
+    rt = Runtime.load(load_config(daemon.config), drafters=[])
+    inputs = {p: rt.tokenizer.encode(p) for p in PROMPTS} | {"chat": rt.tokenizer.apply_chat(CHAT)}
+    out = {}
+    for name, ids in inputs.items():
+        res = rt.generate([GenRequest(name, ids, SamplingParams(max_tokens=MAX_TOKENS), None, 0)], max_batch=1)[0]
+        out[name] = Reference(ids, res.token_ids, res.text, res.finish_reason)
+    return out
+
+
+# ---- HTTP helpers ------------------------------------------------------------------------------------------
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict | bytes) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with session.post(url, data=data) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+async def read_events(resp: aiohttp.ClientResponse) -> list[dict | str]:
+    """SSE `data:` payloads in order; "[DONE]" stays a string."""
+    events = []
+    async for raw in resp.content:
+        line = raw.decode().rstrip("\n")
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+        else:
+            assert line == "", line
+    return events
+
+
+async def stream(session: aiohttp.ClientSession, url: str, body: dict) -> list[dict | str]:
+    async with session.post(url, json={**body, "stream": True}) as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        return await read_events(resp)
+
+
+def stream_text(events: list[dict | str], is_chat: bool) -> str:
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    pieces = [c["choices"][0]["delta"].get("content") or "" if is_chat else c["choices"][0]["text"]
+              for c in events[:-1] if c["choices"]]
+    return "".join(pieces)
+
+
+def finish_chunk(events: list[dict | str]) -> dict:
+    (last,) = [c for c in events[:-1] if c["choices"] and c["choices"][0]["finish_reason"] is not None]
+    return last
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+# ---- tests -------------------------------------------------------------------------------------------------
+
+def test_completions_match_offline_greedy_for_every_drafter(daemon: Daemon, refs: dict[str, Reference]):
+    ref = refs[PROMPTS[0]]
+
+    async def check():
+        async with aiohttp.ClientSession(daemon.url) as s:
+            for drafter in ("none", "ngram", "int8", "auto"):
+                body = {"model": "spind", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
+                        "spind": {"drafter": drafter}}
+                status, out = await post(s, "/v1/completions", body)
+                assert status == 200, out
+                assert out["object"] == "text_completion" and out["choices"][0]["text"] == ref.text, drafter
+                assert out["choices"][0]["finish_reason"] == ref.finish_reason
+                assert out["usage"] == {"prompt_tokens": len(ref.prompt_ids), "completion_tokens": len(ref.token_ids),
+                                        "total_tokens": len(ref.prompt_ids) + len(ref.token_ids)}
+                spind = out["spind"]
+                assert spind["time_slots"] >= 1 and spind["mean_accepted_length"] >= 1.0
+                used = {"none": set(), "auto": {"int8"}}.get(drafter, {drafter})
+                assert set(spind["drafters"]) <= used and (drafter == "none" or spind["drafters"])
+                events = await stream(s, "/v1/completions", body)
+                assert stream_text(events, is_chat=False) == ref.text
+                assert {c["id"] for c in events[:-1]} == {events[0]["id"]}
+                assert finish_chunk(events)["spind"]["time_slots"] >= 1
+            status, out = await post(s, "/v1/completions", {"prompt": ref.prompt_ids, "max_tokens": MAX_TOKENS,
+                                                            "temperature": 0})
+            assert status == 200 and out["choices"][0]["text"] == ref.text
+    run(check())
+
+
+def test_chat_plain_and_streamed_with_usage(daemon: Daemon, refs: dict[str, Reference]):
+    ref = refs["chat"]
+
+    async def check():
+        async with aiohttp.ClientSession(daemon.url) as s:
+            body = {"messages": CHAT, "max_completion_tokens": MAX_TOKENS, "temperature": 0}
+            status, out = await post(s, "/v1/chat/completions", body)
+            assert status == 200, out
+            assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
+            assert out["choices"][0]["message"] == {"role": "assistant", "content": ref.text}
+            assert out["usage"]["completion_tokens"] == len(ref.token_ids) and "drafters" in out["spind"]
+            events = await stream(s, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+            assert events[0]["object"] == "chat.completion.chunk"
+            assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            assert stream_text(events, is_chat=True) == ref.text
+            assert finish_chunk(events)["choices"][0]["delta"] == {} and "spind" in finish_chunk(events)
+            usage = events[-2]
+            assert usage["choices"] == [] and usage["usage"] == out["usage"] and usage["spind"]["time_slots"] >= 1
+            assert all(c["usage"] is None for c in events[:-2])
+    run(check())
+
+
+def test_unmodified_openai_client(daemon: Daemon, refs: dict[str, Reference]):
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["spind"]
+    chat = client.chat.completions.create(model="spind", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
+    assert chat.choices[0].message.content == refs["chat"].text
+    assert chat.usage.completion_tokens == len(refs["chat"].token_ids) and "spind" in chat.model_extra
+    chunks = list(client.chat.completions.create(model="spind", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"spind": {"drafter": "ngram", "k": 3}}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == refs["chat"].text
+    assert chunks[-1].usage.completion_tokens == len(refs["chat"].token_ids)
+    assert set(chunks[-1].model_extra["spind"]["drafters"]) <= {"ngram"}
+    text = client.completions.create(model="spind", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
+    assert text.choices[0].text == refs[PROMPTS[1]].text
+    pieces = client.completions.create(model="spind", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in pieces) == refs[PROMPTS[1]].text
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="spind", messages=CHAT, n=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="spind", prompt="x", extra_body={"spind": {"drafter": "nope"}})
+
+
+def test_zmq_clients(daemon: Daemon, refs: dict[str, Reference]):
+    ref = refs[PROMPTS[2]]
+    with SpindClient(daemon.zmq_address, timeout_s=120) as c:
+        done = c.complete(PROMPTS[2], max_tokens=MAX_TOKENS, drafter="int8")
+        assert done.token_ids == ref.token_ids and done.text == ref.text and done.finish_reason == ref.finish_reason
+        assert done.usage.completion_tokens == len(ref.token_ids) and done.usage.num_steps >= 1
+        assert "".join(c.stream(ref.prompt_ids, max_tokens=MAX_TOKENS, drafter="ngram")) == ref.text
+        assert c.generate(messages=CHAT, max_tokens=MAX_TOKENS) == refs["chat"].text
+        with pytest.raises(SpindError) as e:
+            c.generate(PROMPTS[2], drafter="nope")
+        assert e.value.status == 400
+        with pytest.raises(SpindError) as e:
+            c.generate(list(range(1, 1100)), max_tokens=4)
+        assert e.value.status == 413
+
+    async def concurrent():
+        async with AsyncSpindClient(daemon.zmq_address, timeout_s=120) as a:
+            texts = await asyncio.gather(*[a.generate(p, max_tokens=MAX_TOKENS) for p in PROMPTS])
+            assert texts == [refs[p].text for p in PROMPTS]
+            assert "".join([t async for t in a.stream(PROMPTS[3], max_tokens=MAX_TOKENS)]) == refs[PROMPTS[3]].text
+    run(concurrent())
+
+
+def test_16_concurrent_streaming_clients(daemon: Daemon, refs: dict[str, Reference]):
+    drafters = ("auto", "ngram", "none", "int8")
+
+    async def one(s: aiohttp.ClientSession, i: int) -> tuple[str, str]:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "spind": {"drafter": drafters[i // 4]}}
+        return prompt, stream_text(await stream(s, "/v1/completions", body), is_chat=False)
+
+    async def check():
+        async with aiohttp.ClientSession(daemon.url) as s:
+            return await asyncio.gather(*[one(s, i) for i in range(16)])
+    results = run(check())
+    assert [text for _, text in results] == [refs[p].text for p, _ in results]
+    daemon.wait_no_requests()
+
+
+def test_worker_sigkill_mid_generation_changes_nothing(daemon: Daemon, refs: dict[str, Reference]):
+    before = daemon.worker_pids()
+
+    async def check():
+        async with aiohttp.ClientSession(daemon.url) as s:
+            async def one(i: int, started: asyncio.Event) -> str:
+                body = {"prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+                        "spind": {"drafter": "none" if i % 2 else "int8"}}
+                async with s.post("/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    events = []
+                    async for raw in resp.content:
+                        if raw.startswith(b"data: {") and b'"text":""' not in raw:
+                            started.set()
+                        events.append(raw.decode())
+                    return "".join(events)
+
+            flags = [asyncio.Event() for _ in PROMPTS]
+            tasks = [asyncio.create_task(one(i, f)) for i, f in enumerate(flags)]
+            await asyncio.wait_for(flags[1].wait(), 120)  # a plain-decoding request is under way
+            for pid in before.values():
+                os.kill(pid, signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 600)
+    raw_streams = run(check())
+    for prompt, raw in zip(PROMPTS, raw_streams):
+        events = [line[len("data: "):] for line in raw.splitlines() if line.startswith("data: ")]
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert events[-1] == "[DONE]" and "".join(c["choices"][0]["text"] for c in chunks) == refs[prompt].text
+    with SpindClient(daemon.zmq_address, timeout_s=300) as c:  # uses (and so restarts) every worker
+        assert c.generate(PROMPTS[0], max_tokens=MAX_TOKENS, drafter="int8") == refs[PROMPTS[0]].text
+    after = daemon.state()["workers"]
+    assert all(w["alive"] and w["restarts"] >= 1 and w["pid"] != before[w["name"]] for w in after), after
+
+
+def test_fuzzed_http_bodies_get_errors_and_the_daemon_keeps_serving(daemon: Daemon, refs: dict[str, Reference]):
+    cases = malformed_http_bodies(random.Random(0))
+    assert len(cases) >= 200
+
+    async def check():
+        async with aiohttp.ClientSession(daemon.url) as s:
+            for path, body in cases:
+                status, out = await post(s, path, body)
+                assert status in (400, 404, 413), (path, body[:200], status, out)
+                assert set(out["error"]) == {"message", "type", "param", "code"}
+                assert "Traceback" not in out["error"]["message"]
+            status, out = await post(s, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
+                                                            "temperature": 0})
+            assert status == 200 and out["choices"][0]["text"] == refs[PROMPTS[0]].text
+    run(check())
+    daemon.wait_no_requests()
+    assert "Traceback" not in daemon.log.read_text()
+
+
+def malformed_http_bodies(rng: random.Random) -> list[tuple[str, bytes]]:
+    """Bodies that are each wrong in one way, for both endpoints: bad fields, bad JSON, truncations, noise."""
+    bad_fields = {
+        "model": [1, "nope", [], {}], "max_tokens": [0, -1, "1", 1.5, True, 10**9], "temperature": ["x", -1, 1e9, []],
+        "top_p": [0, 2, "x", -0.5], "top_k": [1.5, "x", -2], "seed": ["x", 1.5, 2**70], "n": [2, 0, "1"],
+        "stop": [1, [1], [""], ["a"] * 20, {"a": 1}], "stream": ["yes", 1], "stream_options": [{"include_usage": 1}],
+        "spind": ["x", {"drafter": "nope"}, {"drafter": 1}, {"k": -1}, {"k": "2"}, {"k": 100}, {"z": 1}],
+        "logprobs": [3], "best_of": [2], "presence_penalty": [1.0], "logit_bias": [{"1": 5}]}
+    bad_inputs = {"/v1/completions": ("prompt", ["", [], 5, [1.5], [-1], ["a", "b"], {"x": 1}, True, [10**12],
+                                                 list(range(1, 1100))]),
+                  "/v1/chat/completions": ("messages", [
+                      [], "hi", [{"role": "user"}], [{"content": "x"}], [1], [{"role": "tool", "content": "x"}],
+                      [{"role": 1, "content": "x"}], [{"role": "user", "content": [{"type": "image_url"}]}]])}
+    cases = []
+    for path, (field, bad_values) in bad_inputs.items():
+        valid = {field: PROMPTS[0] if field == "prompt" else CHAT, "max_tokens": 4}
+        cases += [(path, json.dumps({**valid, field: v}).encode()) for v in bad_values]
+        cases += [(path, json.dumps({**valid, name: v}).encode()) for name, vs in bad_fields.items() for v in vs]
+        whole = json.dumps({**valid, "temperature": 0, "stop": ["\n"], "spind": {"drafter": "ngram"}}).encode()
+        cases += [(path, whole[:rng.randrange(len(whole))]) for _ in range(15)]
+        cases += [(path, b) for b in (b"", b"null", b"[]", b"42", b'"s"', b"[" * 50_000, b"{" * 10, b"\xff\xfe{}",
+                                      b'{"prompt": NaN}', b"x" * (1 << 20 | 1))]
+        for _ in range(40):
+            noise = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))
+            try:
+                json.loads(noise)
+            except ValueError:
+                cases.append((path, noise))
+    return cases
+
+
+def test_fuzzed_zmq_frames_get_errors_and_the_daemon_keeps_serving(daemon: Daemon, refs: dict[str, Reference]):
+    frames = malformed_zmq_frames(random.Random(1))
+    assert len(frames) >= 200
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.zmq_address)
+    try:
+        for parts in frames:
+            sock.send_multipart(parts)
+            assert sock.poll(30_000), parts
+            reply = P.decode(sock.recv_multipart()[-1])
+            assert isinstance(reply, P.ClientError) and reply.status in (400, 413), (parts, reply)
+            assert not sock.poll(0)  # exactly one answer per frame
+        sock.send(b"x" * (2 << 20))  # over the frame limit: ZeroMQ drops this connection, the daemon lives on
+    finally:
+        sock.close(0)
+        ctx.term()
+    with SpindClient(daemon.zmq_address, timeout_s=120) as c:
+        assert c.generate(PROMPTS[0], max_tokens=MAX_TOKENS) == refs[PROMPTS[0]].text
+    daemon.wait_no_requests()
+    assert "Traceback" not in daemon.log.read_text()
+
+
+def malformed_zmq_frames(rng: random.Random) -> list[list[bytes]]:
+    valid = make_request(PROMPTS[0], max_tokens=4, drafter="ngram")
+    whole = P.encode(valid)
+    _, tag, fields = msgpack.unpackb(whole)
+    frames: list[bytes] = [b"", whole[:1], msgpack.packb([]), msgpack.packb({"a": 1}), msgpack.packb([1, tag]),
+                           msgpack.packb([2, tag, fields]), msgpack.packb([1, "nope", fields]),
+                           msgpack.packb([1, tag, []]), msgpack.packb([1, tag, {**fields, "extra": 1}]),
+                           P.encode(P.Ping(1)), P.encode(P.Shutdown(1)), P.encode(P.FreeRequests(1, ["x"]))]
+    frames += [whole[:rng.randrange(1, len(whole))] for _ in range(60)]
+    frames += [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300))) for _ in range(100)]
+    wrong_types = {"req_id": [1, None, b"x"], "params": [1, "x", {"max_tokens": "4"}, {"temperature": "hot"},
+                                                         {"stop": "x"}, {"seed": 1.5}, {"bogus": 1}],
+                   "prompt": [1, ["x"]], "prompt_ids": ["x", [1.5], [None]], "messages": ["x", [1], [{"role": 1}]],
+                   "drafter": [1, None], "k": ["2", 1.5], "stream": [1, "yes"]}
+    for name, values in wrong_types.items():
+        for v in values:
+            if name == "params" and isinstance(v, dict):
+                v = {**fields["params"], **v}
+            frames.append(msgpack.packb([1, tag, {**fields, name: v}]))
+    def variant(**changes) -> bytes:
+        r = make_request(PROMPTS[0], max_tokens=4)
+        for k, v in changes.items():
+            setattr(r, k, v)
+        return P.encode(r)
+    sampling = P.Sampling(max_tokens=4)
+    frames += [variant(drafter="nope"), variant(k=-1), variant(k=99), variant(prompt=""), variant(prompt=None),
+               variant(prompt_ids=[1, 2]), variant(prompt=None, prompt_ids=[]), variant(prompt=None, prompt_ids=[-5]),
+               variant(prompt=None, prompt_ids=list(range(1, 1100))), variant(prompt=None, messages=[]),
+               variant(prompt=None, messages=[P.ChatMessage("tool", "x")]),
+               variant(params=P.Sampling(max_tokens=0)), variant(params=P.Sampling(temperature=-1.0)),
+               variant(params=P.Sampling(max_tokens=4, top_p=0.0)), variant(params=P.Sampling(top_k=-3)),
+               variant(params=P.Sampling(stop=[""])), variant(params=P.Sampling(max_tokens=10**6)),
+               variant(params=sampling, drafter="")]
+    out = [[f] for f in frames]
+    out += [[whole, whole], [b"", b"x"], [whole, b""], [b"a", b"b", b"c"]] * 3
+    return out
+
+
+def test_metrics_state_and_models(daemon: Daemon):
+    async def check():
+        async with aiohttp.ClientSession(daemon.url) as s:
+            async with s.get("/metrics") as resp:
+                assert resp.status == 200 and resp.content_type == "text/plain"
+                text = await resp.text()
+            async with s.get("/v1/models") as resp:
+                models = await resp.json()
+        return text, models
+    text, models = run(check())
+    assert "# TYPE spind_generation_tokens_total counter" in text
+    finished = [line for line in text.splitlines() if line.startswith('spind_requests_total{status="length"}')]
+    assert finished and float(finished[0].split()[-1]) > 0
+    assert models["data"][0]["id"] == "spind" and models["data"][0]["max_model_len"] == 1024
+    state = daemon.state()
+    assert {w["name"] for w in state["workers"]} == {"target", "draft"} and state["api"]["status"] == "ok"
+    assert state["drafters"]["int8"]["drafted"] > 0
+
+
+def test_client_disconnect_frees_its_request(daemon: Daemon):
+    async def http_disconnect() -> str:
+        async with aiohttp.ClientSession(daemon.url) as s:
+            body = {"prompt": PROMPTS[2], "max_tokens": 512, "ignore_eos": True, "stream": True,
+                    "spind": {"drafter": "none"}}
+            resp = await s.post("/v1/completions", json=body)
+            async for raw in resp.content:
+                if raw.startswith(b"data: {"):
+                    req_id = json.loads(raw[len(b"data: "):])["id"]
+                    break
+            assert req_id in [r["req_id"] for r in daemon.state()["requests"]]
+            resp.close()  # drop the connection mid-stream
+            return req_id
+    req_id = run(http_disconnect())
+    state = daemon.wait_no_requests(timeout_s=30)
+    assert req_id not in [r["req_id"] for r in state["requests"]]
+
+    with SpindClient(daemon.zmq_address, timeout_s=120) as c:
+        pieces = c.stream(PROMPTS[2], max_tokens=512, ignore_eos=True, drafter="none")
+        assert next(pieces)
+        assert len(daemon.state()["requests"]) == 1
+        pieces.close()  # sends ClientAbort
+        daemon.wait_no_requests(timeout_s=30)
+
+
+def test_status_cli_reports_the_running_daemon(daemon: Daemon):
+    out = subprocess.run([sys.executable, "-m", "spind.cli", "status", "--config", str(daemon.config)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"pid {daemon.proc.pid}" in out.stdout and "worker name=target" in out.stdout
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0(daemon: Daemon):
+    async def check() -> dict:
+        async with aiohttp.ClientSession(daemon.url) as s:
+            body = {"prompt": PROMPTS[0], "max_tokens": 48, "ignore_eos": True, "stream": True,
+                    "spind": {"drafter": "none"}}
+            async with s.post("/v1/completions", json=body) as resp:
+                events = []
+                async for raw in resp.content:
+                    if raw.startswith(b"data: "):
+                        events.append(raw[len(b"data: "):].strip().decode())
+                        if len(events) == 1:
+                            daemon.proc.send_signal(signal.SIGTERM)
+                            await asyncio.sleep(0.5)
+                            status, out = await post(s, "/v1/completions", {"prompt": "x", "max_tokens": 1})
+                            assert status == 503 and out["error"]["code"] == "draining", out
+                            async with s.get("/health") as health:
+                                assert health.status == 503
+            assert events[-1] == "[DONE]"
+            return json.loads(events[-2])
+    last = run(check())
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert daemon.proc.wait(120) == 0
+    assert not (daemon.run_dir / "spind.pid").exists()
+    out = subprocess.run([sys.executable, "-m", "spind.cli", "status", "--config", str(daemon.config)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "not running" in out.stdout
