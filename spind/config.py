@@ -105,21 +105,25 @@ class SpindConfig:
         return Path(self.model.cache_dir).expanduser()
 
 
-def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
+_SCALAR_TYPES = {"str": str, "int": int, "bool": bool, "float": (int, float)}
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{where}] must be a table, got {raw!r}")
     names = {f.name: f for f in dataclasses.fields(cls)}
     unknown = set(raw) - set(names)
     if unknown:
         raise ConfigError(f"[{where}] unknown key(s): {', '.join(sorted(unknown))}")
     kwargs = {}
     for key, value in raw.items():
-        f = names[key]
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if isinstance(default, tuple) or key == "layers":
-            if not isinstance(value, list):
-                raise ConfigError(f"[{where}] {key} must be a list")
+        kind = names[key].type  # the annotation as a string: "str", "int", "float", "bool" or "tuple[int, ...]"
+        if kind.startswith("tuple"):
+            if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                raise ConfigError(f"[{where}] {key} must be a list of integers, got {value!r}")
             value = tuple(value)
-        elif default is not None and not isinstance(value, type(default)):
-            raise ConfigError(f"[{where}] {key} must be {type(default).__name__}, got {value!r}")
+        elif not isinstance(value, _SCALAR_TYPES[kind]) or (kind != "bool" and isinstance(value, bool)):
+            raise ConfigError(f"[{where}] {key} must be {kind}, got {value!r}")
         kwargs[key] = value
     try:
         return cls(**kwargs)
@@ -150,6 +154,8 @@ def validate(cfg: SpindConfig) -> SpindConfig:
             raise ConfigError(f"[[drafters]] {d.name}: variant must be one of {SELF_DRAFT_VARIANTS}")
         if d.kind == "self" and d.variant == "layers" and not d.layers:
             raise ConfigError(f"[[drafters]] {d.name}: variant 'layers' needs layers = [...]")
+        if any(i < 0 for i in d.layers):
+            raise ConfigError(f"[[drafters]] {d.name}: layers must be layer indices >= 0, got {list(d.layers)}")
         if d.kind == "model" and not d.path:
             raise ConfigError(f"[[drafters]] {d.name}: kind 'model' needs path = ...")
         if d.ngram_min < 1 or d.ngram_max < d.ngram_min:
@@ -159,14 +165,20 @@ def validate(cfg: SpindConfig) -> SpindConfig:
     return cfg
 
 
+def _array(value: Any, where: str) -> list:
+    if not isinstance(value, list):
+        raise ConfigError(f"[[{where}]] must be an array of tables ([[{where}]] entries), got {value!r}")
+    return value
+
+
 def from_dict(raw: dict[str, Any]) -> SpindConfig:
     raw = dict(raw)
     sections = {}
     for key, cls in (("model", ModelConfig), ("runtime", RuntimeConfig),
                      ("speculation", SpeculationConfig), ("server", ServerConfig)):
         sections[key] = _build(cls, raw.pop(key, {}), key)
-    drafters = tuple(_build(DrafterConfig, d, "drafters") for d in raw.pop("drafters", []))
-    workers = tuple(_build(WorkerConfig, w, "workers") for w in raw.pop("workers", []))
+    drafters = tuple(_build(DrafterConfig, d, "drafters") for d in _array(raw.pop("drafters", []), "drafters"))
+    workers = tuple(_build(WorkerConfig, w, "workers") for w in _array(raw.pop("workers", []), "workers"))
     if raw:
         raise ConfigError(f"unknown top-level section(s): {', '.join(sorted(raw))}")
     return validate(SpindConfig(**sections, drafters=drafters, workers=workers))

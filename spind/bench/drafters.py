@@ -1,8 +1,41 @@
-"""Drafter descriptions and cost probes."""
+"""Drafter descriptions, cost probes, and `spind bench drafters`: what each drafter costs and what it earns.
+
+Every figure comes from the project's own runtime, with all drafters measured side by side in one process
+(the same prompts, interleaved), so that their ratios hold even when absolute timings are noisy:
+- the target: median ms per decode step (1 token) and per verify step (k+1 tokens), batch 1, fp32 and bf16;
+- each drafter: median ms per draft token, batch 1, in steady state (a 1-token catch-up, then k drafts);
+- per dataset: greedy acceptance rate, and end-to-end tokens/s over plain decoding at batch 1;
+- with a bf16 target: the share of each output that matches bf16 plain decoding, since a (k+1)-row bf16
+  verify forward rounds differently from 1-row decoding (with fp32 every drafter matches exactly).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from spind.bench.datasets import DEFAULT_DATASETS_DIR, encode_prompt, load_prompts
+from spind.bench.report import Progress, fmt, format_table
 from spind.config import SpindConfig
+from spind.drafters import Drafter, DraftInput
+from spind.drafters.base import timed
+from spind.drafters.model import common_prefix
+from spind.engine.offline import GenRequest, GenResult, Runtime
+from spind.engine.target import TargetVerifier
+from spind.models.llama import LlamaModel, load_llama
+from spind.models.loader import resolve_model_dir
+from spind.models.runner import ForwardItem, ModelRunner
+from spind.sampling import SamplingParams
+
+PLAIN = "none"
+PROBE = "bench-probe"
 
 
 def describe_drafters(cfg: SpindConfig, measure: bool = False) -> list[dict]:
@@ -14,22 +47,210 @@ def describe_drafters(cfg: SpindConfig, measure: bool = False) -> list[dict]:
              "ms_per_token": costs.get(d.name)} for d in cfg.drafters]
 
 
-def measure_draft_costs(cfg: SpindConfig, k: int = 4, rounds: int = 3) -> dict[str, float | None]:
-    from spind.drafters import DraftInput
-    from spind.engine.offline import Runtime
-    from spind.sampling import SamplingParams
-
+def measure_draft_costs(cfg: SpindConfig, k: int = 4, rounds: int = 5) -> dict[str, float | None]:
     rt = Runtime.load(cfg)
     prompt = rt.tokenizer.apply_chat([{"role": "user", "content": "Tell me about the history of Rome."}])
-    out: dict[str, float | None] = {}
-    for name, drafter in rt.drafters.items():
-        drafter.add_request("probe", SamplingParams())
-        tokens = list(prompt)
-        drafter.propose([DraftInput("probe", tokens, k)])  # warm-up and prefill
-        drafter._ms_per_token = None
+    return time_draft_tokens(rt.drafters, prompt, k, rounds)
+
+
+def time_draft_tokens(drafters: dict[str, Drafter], prompt: list[int], k: int,
+                      rounds: int) -> dict[str, float | None]:
+    """Median ms per drafted token at batch 1. Each round commits the drafter's first token, as an accepted
+    draft would, and times one propose of k (None: the drafter never proposed anything)."""
+    seqs = {name: list(prompt) for name in drafters}
+    samples: dict[str, list[float]] = {name: [] for name in drafters}
+    for name, drafter in drafters.items():
+        drafter.add_request(PROBE, SamplingParams())
+        drafter.propose([DraftInput(PROBE, seqs[name], k)])  # prefill + warm-up, not timed
+    try:
         for _ in range(rounds):
-            d = drafter.propose([DraftInput("probe", tokens, k)])[0]
-            tokens = tokens + (d.tokens[:1] or [tokens[-1]])
-        drafter.free_request("probe")
-        out[name] = drafter.ms_per_token
-    return out
+            for name, drafter in drafters.items():  # interleaved: every drafter sees the same machine load
+                start = time.perf_counter()
+                tokens = drafter.propose([DraftInput(PROBE, seqs[name], k)])[0].tokens
+                if tokens:
+                    samples[name].append((time.perf_counter() - start) * 1e3 / len(tokens))
+                seqs[name].append(tokens[0] if tokens else prompt[len(seqs[name]) % len(prompt)])
+    finally:
+        for drafter in drafters.values():
+            drafter.free_request(PROBE)
+    return {name: statistics.median(s) if s else None for name, s in samples.items()}
+
+
+def time_target_steps(models: dict[str, LlamaModel], prompt: list[int], steps: int, k: int,
+                      block_size: int) -> dict[str, dict[str, float]]:
+    """Median ms of a 1-token decode forward and a (k+1)-token verify forward (rolled back), batch 1."""
+    num_blocks = -(-(len(prompt) + steps + k + 1) // block_size)
+    runners = {label: ModelRunner(m, num_blocks, block_size) for label, m in models.items()}
+    decode: dict[str, list[float]] = defaultdict(list)
+    verify: dict[str, list[float]] = defaultdict(list)
+    for runner in runners.values():
+        runner.add_request(PROBE)
+        runner.forward([ForwardItem(PROBE, prompt)])
+    token = prompt[-1]
+    for _ in range(steps):
+        for label, runner in runners.items():
+            decode[label].append(timed(lambda: runner.forward([ForwardItem(PROBE, [token])])))
+            length = runner.length(PROBE)
+            verify[label].append(timed(lambda: runner.forward([ForwardItem(PROBE, [token] * (k + 1), k + 1)])))
+            runner.truncate(PROBE, length)
+    return {label: {"decode_ms": statistics.median(decode[label]), "verify_ms": statistics.median(verify[label])}
+            for label in runners}
+
+
+@dataclass(frozen=True)
+class DrafterBenchSettings:
+    datasets: tuple[str, ...]
+    drafters: tuple[str, ...]
+    num_prompts: int = 6
+    max_tokens: int = 48
+    k: int = 4
+    decode_steps: int = 32
+    datasets_dir: Path = DEFAULT_DATASETS_DIR
+    include_bf16: bool = True
+
+
+@dataclass
+class Tally:
+    """Sums over the prompts of one (target dtype, dataset, drafter) cell."""
+
+    num_prompts: int = 0
+    num_tokens: int = 0
+    elapsed_s: float = 0.0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_matching: int = 0  # output tokens before the first divergence from plain decoding
+    num_compared: int = 0  # sum over prompts of the longer of the two outputs
+    num_identical: int = 0  # outputs equal to plain decoding
+
+    def add(self, res: GenResult, plain: GenResult) -> None:
+        self.num_prompts += 1
+        self.num_tokens += len(res.token_ids)
+        self.elapsed_s += res.elapsed_s
+        self.num_drafted += res.num_drafted
+        self.num_accepted += res.num_accepted
+        self.num_matching += common_prefix(res.token_ids, plain.token_ids)
+        self.num_compared += max(len(res.token_ids), len(plain.token_ids))
+        self.num_identical += res.token_ids == plain.token_ids
+
+    def merged(self, other: "Tally") -> "Tally":
+        return Tally(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+    def to_json(self, plain: "Tally") -> dict:
+        return {**dataclasses.asdict(self), "tokens_per_s": self.tokens_per_s,
+                "acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else None,
+                "speedup": self.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else None,
+                "match_rate": self.num_matching / self.num_compared if self.num_compared else None}
+
+
+def run_drafter_bench(cfg: SpindConfig, settings: DrafterBenchSettings) -> dict:
+    """Run every measurement; returns the JSON-ready results (see the module docstring)."""
+    texts = {name: load_prompts(name, settings.num_prompts, settings.datasets_dir) for name in settings.datasets}
+    rt = Runtime.load(cfg, drafters=list(settings.drafters))
+    prompts = {name: [encode_prompt(rt.tokenizer, p) for p in ps] for name, ps in texts.items()}
+    longest = max((ids for ps in prompts.values() for ids in ps), key=len)
+    models = {cfg.model.dtype: rt.target.runner.model}
+    bf16_runtime = None
+    if settings.include_bf16 and cfg.model.dtype != "bfloat16":
+        bf16_runtime = _with_target_dtype(rt, "bfloat16")
+        models["bfloat16"] = bf16_runtime.target.runner.model
+    passes = [(cfg.model.dtype, rt)] + ([("bfloat16", bf16_runtime)] if bf16_runtime else [])
+    modes = [None, *settings.drafters]
+    progress = Progress(total=len(passes) * len(modes) * sum(map(len, prompts.values())) + 2)
+    target_costs = time_target_steps(models, longest, settings.decode_steps, settings.k, cfg.runtime.kv_block_size)
+    progress.step(f"target steps: {len(models)} dtypes x {settings.decode_steps} steps")
+    draft_costs = time_draft_tokens(rt.drafters, longest, settings.k, settings.decode_steps)
+    progress.step(f"draft tokens: {len(rt.drafters)} drafters x {settings.decode_steps} rounds")
+    cells = []
+    for dtype, runtime in passes:
+        tallies = _run_pass(runtime, dtype, prompts, modes, settings, progress)
+        cells += _cells(dtype, tallies, settings)
+    return {
+        "settings": {**dataclasses.asdict(settings), "datasets_dir": str(settings.datasets_dir),
+                     "probe_prompt_tokens": len(longest)},
+        "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+                        "model": cfg.model.target},
+        "target": [{"dtype": dtype, **costs} for dtype, costs in target_costs.items()],
+        "drafters": [{"name": name, "kind": cfg.drafter(name).kind, "variant": cfg.drafter(name).variant,
+                      "ms_per_draft_token": draft_costs[name]} for name in settings.drafters],
+        "cells": cells,
+    }
+
+
+def _with_target_dtype(rt: Runtime, dtype: str) -> Runtime:
+    """The same drafters in front of a copy of the target in another dtype."""
+    cfg = dataclasses.replace(rt.cfg, model=dataclasses.replace(rt.cfg.model, dtype=dtype))
+    model = load_llama(resolve_model_dir(cfg.model.target, cfg.cache_path), dtype, str(rt.target.runner.model.device))
+    r = cfg.runtime
+    runner = ModelRunner(model, r.kv_num_blocks, r.kv_block_size, r.attention, cfg.model.max_model_len)
+    return Runtime(cfg, rt.tokenizer, TargetVerifier(runner), rt.drafters)
+
+
+def _run_pass(rt: Runtime, dtype: str, prompts: dict[str, list[list[int]]], modes: list[str | None],
+              settings: DrafterBenchSettings, progress: Progress) -> dict[tuple[str, str], Tally]:
+    """Each prompt alone (batch 1), plain first, then every drafter on it, back to back."""
+    params = SamplingParams(max_tokens=settings.max_tokens)
+    warm = next(iter(prompts.values()))[0]
+    rt.generate([GenRequest(f"warm-{dtype}-{m}", warm, SamplingParams(max_tokens=4), m, settings.k) for m in modes])
+    tallies: dict[tuple[str, str], Tally] = defaultdict(Tally)
+    for dataset, id_lists in prompts.items():
+        for i, ids in enumerate(id_lists):
+            plain: GenResult | None = None
+            for mode in modes:
+                res = rt.generate([GenRequest(f"{dtype}-{dataset}-{i}-{mode}", ids, params, mode, settings.k)])[0]
+                plain = plain or res
+                tallies[(dataset, mode or PLAIN)].add(res, plain)
+                progress.step(f"{dtype} {dataset} #{i} {mode or PLAIN}: {len(res.token_ids)} tokens "
+                              f"in {res.elapsed_s:.2f}s, accepted {res.num_accepted}/{res.num_drafted}")
+    return tallies
+
+
+def _cells(dtype: str, tallies: dict[tuple[str, str], Tally], settings: DrafterBenchSettings) -> list[dict]:
+    """One JSON row per (dataset, drafter), plus dataset "all" summed over datasets."""
+    modes = [PLAIN, *settings.drafters]
+    totals = {m: Tally() for m in modes}
+    rows = []
+    for dataset in settings.datasets:
+        for mode in modes:
+            totals[mode] = totals[mode].merged(tallies[(dataset, mode)])
+            rows.append({"target_dtype": dtype, "dataset": dataset, "drafter": mode,
+                         **tallies[(dataset, mode)].to_json(tallies[(dataset, PLAIN)])})
+    rows += [{"target_dtype": dtype, "dataset": "all", "drafter": m, **totals[m].to_json(totals[PLAIN])}
+             for m in modes]
+    return rows
+
+
+def render_tables(results: dict) -> str:
+    """The results as the tables of the issue note."""
+    s = results["settings"]
+    k, drafters, datasets = s["k"], s["drafters"], [*s["datasets"], "all"]
+    target = format_table(
+        f"Target forward, batch 1 (median of {s['decode_steps']} steps after a {s['probe_prompt_tokens']}-token "
+        f"prompt; {results['environment']['threads']} torch threads)",
+        ["dtype", "decode ms (1 token)", f"verify ms ({k + 1} tokens)"],
+        [[t["dtype"], fmt(t["decode_ms"], 1), fmt(t["verify_ms"], 1)] for t in results["target"]])
+    plain_ms = results["target"][0]["decode_ms"]
+    costs = format_table(
+        f"Drafters: ms per draft token (batch 1, k={k}); ratio to one {results['target'][0]['dtype']} decode step",
+        ["drafter", "kind/variant", "ms/token", "x target"],
+        [[d["name"], d["variant"] or d["kind"], fmt(d["ms_per_draft_token"], 3),
+          fmt(d["ms_per_draft_token"] / plain_ms if d["ms_per_draft_token"] is not None else None, 3)]
+         for d in results["drafters"]])
+    tables = [target, costs]
+    for dtype in dict.fromkeys(c["target_dtype"] for c in results["cells"]):
+        cell = {(c["dataset"], c["drafter"]): c for c in results["cells"] if c["target_dtype"] == dtype}
+
+        def matrix(title: str, field: str, rows: list[str], digits: int = 2) -> str:
+            return format_table(title, ["drafter", *datasets],
+                                [[r, *(fmt(cell[(d, r)][field], digits) for d in datasets)] for r in rows])
+
+        where = f"{dtype} target, {s['num_prompts']} prompts/dataset, {s['max_tokens']} tokens max, batch 1"
+        tables += [matrix(f"Plain decoding tokens/s ({where})", "tokens_per_s", [PLAIN], 1),
+                   matrix(f"Greedy acceptance rate, accepted/drafted ({where})", "acceptance_rate", drafters),
+                   matrix(f"End-to-end speedup over plain decoding, tokens/s ratio ({where})", "speedup", drafters),
+                   matrix(f"Output tokens matching plain decoding before the first divergence ({where})",
+                          "match_rate", drafters, 3)]
+    return "\n\n".join(tables)

@@ -58,7 +58,8 @@ class Sequence:
 
     def append(self, new_ids: list[int], tokenizer: Tokenizer | None) -> list[int]:
         """Commit verified tokens, honouring EOS, max_tokens, stop strings and the context limit.
-        Returns the ids actually kept (a prefix of new_ids)."""
+        Returns the ids actually kept (a prefix of new_ids): those one-token-at-a-time decoding would keep."""
+        start = len(self.output_ids)
         kept = []
         for tok in new_ids:
             kept.append(tok)
@@ -73,12 +74,22 @@ class Sequence:
                 break
         if tokenizer is not None:
             self.text = tokenizer.decode(self.output_ids)
-            if self.params.stop:
-                self._apply_stop()
-        return kept
+            if self.params.stop and self._find_stop(self.text) >= 0:
+                self._stop_at_first_match(tokenizer, start)
+        return kept[:len(self.output_ids) - start]
 
-    def _apply_stop(self) -> None:
-        cut = min((i for i in (self.text.find(s) for s in self.params.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.text = self.text[:cut]
-            self.finish_reason = "stop"
+    def _find_stop(self, text: str) -> int:
+        """Index of the earliest stop string in text; -1 if none."""
+        return min((i for i in (text.find(s) for s in self.params.stop) if i >= 0), default=-1)
+
+    def _stop_at_first_match(self, tokenizer: Tokenizer, start: int) -> None:
+        """Drop the tokens after the one that completed a stop string (a verified chunk may run past it,
+        plain decoding stops there); the text ends before the stop string."""
+        for n in range(start + 1, len(self.output_ids) + 1):
+            text = tokenizer.decode(self.output_ids[:n])
+            cut = self._find_stop(text)
+            if cut >= 0:
+                del self.output_ids[n:]
+                self.text = text[:cut]
+                self.finish_reason = "stop"
+                return

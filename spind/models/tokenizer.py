@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -36,12 +37,12 @@ class Tokenizer:
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.hf.encode(text, add_special_tokens=False)
 
-    def fingerprint(self) -> tuple[int, tuple[str, ...]]:
-        """What two models must share for one to draft for the other: vocab size and a sample of tokens."""
-        vocab = self.hf.get_vocab()
-        inv = sorted(vocab.items(), key=lambda kv: kv[1])
-        sample = tuple(tok for tok, _ in inv[:: max(1, len(inv) // 256)])
-        return len(vocab), sample
+    def fingerprint(self) -> tuple[int, str]:
+        """What two models must share for one to draft for the other: the whole id -> token map
+        (vocab size and a digest of every entry; a sample would miss two swapped ids)."""
+        vocab = sorted(self.hf.get_vocab().items(), key=lambda kv: kv[1])
+        digest = hashlib.sha256("\n".join(f"{i}\t{tok}" for tok, i in vocab).encode()).hexdigest()
+        return len(vocab), digest
 
 
 class IncrementalDecoder:

@@ -1,0 +1,123 @@
+"""Paged KV cache: rollback correctness on the real model, and block accounting on a tiny pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spind.engine.offline import Runtime
+from spind.models.kv_cache import KVCache, KVCacheFullError
+from spind.models.runner import ForwardItem, ModelRunner
+
+BLOCK = 4
+
+
+def _kv_rows(runner: ModelRunner, req_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer's K and V of a request's written positions. # [layers, length, Hkv, D] each"""
+    kv = runner.kv
+    slots = kv.slots(req_id, 0, kv.length(req_id))
+    return torch.stack([k[slots] for k in kv.k]), torch.stack([v[slots] for v in kv.v])
+
+
+def test_rollback_then_reappend_equals_fresh_prefill(runtime: Runtime, tokenizer) -> None:
+    """A rejected draft that spilled into new blocks, rolled back, then a different continuation:
+    the logits and every KV slot equal those of a request that never saw the rejected draft."""
+    runner = ModelRunner(runtime.target.runner.model, num_blocks=64, block_size=BLOCK)
+    prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog because")
+    rejected = tokenizer.encode(" it was bored and wanted to see what lay beyond")
+    accepted = tokenizer.encode(" the dog")
+    assert len(prompt) % BLOCK != 0 and len(rejected) > 2 * BLOCK  # the draft spans partial + whole blocks
+
+    runner.add_request("rolled")
+    runner.forward([ForwardItem("rolled", prompt)])
+    free_before_draft = runner.kv.num_free_blocks
+    runner.forward([ForwardItem("rolled", rejected)])
+    runner.truncate("rolled", len(prompt))
+    assert runner.kv.num_free_blocks == free_before_draft  # the draft's whole blocks came back
+    rolled = runner.forward([ForwardItem("rolled", accepted, len(accepted))])[0]
+
+    runner.add_request("fresh")
+    runner.forward([ForwardItem("fresh", prompt)])  # the same forward shapes as "rolled" minus the draft
+    fresh = runner.forward([ForwardItem("fresh", accepted, len(accepted))])[0]
+    assert torch.equal(rolled, fresh)
+    for a, b in zip(_kv_rows(runner, "rolled"), _kv_rows(runner, "fresh")):
+        assert torch.equal(a, b)
+
+    runner.add_request("oneshot")  # prompt + continuation in one prefill: other shapes, same numbers
+    oneshot = runner.forward([ForwardItem("oneshot", prompt + accepted, len(accepted))])[0]
+    torch.testing.assert_close(oneshot, rolled, atol=1e-4, rtol=1e-5)
+    for a, b in zip(_kv_rows(runner, "rolled"), _kv_rows(runner, "oneshot")):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    assert runner.length("rolled") == runner.length("oneshot") == len(prompt) + len(accepted)
+
+
+def _tiny(num_blocks: int = 4) -> KVCache:
+    return KVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=num_blocks, block_size=BLOCK,
+                   dtype=torch.float32)
+
+
+def test_can_allocate_counts_whole_blocks() -> None:
+    kv = _tiny(num_blocks=4)
+    assert kv.blocks_for(0) == 0 and kv.blocks_for(1) == 1 and kv.blocks_for(BLOCK) == 1
+    assert kv.blocks_for(BLOCK + 1) == 2
+    assert kv.can_allocate(4 * BLOCK) and not kv.can_allocate(4 * BLOCK + 1)
+
+
+def test_reserve_truncate_free_return_blocks() -> None:
+    kv = _tiny(num_blocks=4)
+    kv.allocate("a")
+    kv.reserve("a", 2 * BLOCK + 1)
+    assert kv.num_free_blocks == 1 and len(kv.seqs["a"].block_table) == 3
+    kv.seqs["a"].length = 2 * BLOCK + 1  # as a forward would record after writing
+    kv.truncate("a", BLOCK)  # keeps exactly one block
+    assert kv.num_free_blocks == 3 and kv.length("a") == BLOCK
+    kv.truncate("a", BLOCK - 1)  # still inside block 0: nothing to free
+    assert kv.num_free_blocks == 3
+    kv.free("a")
+    assert kv.num_free_blocks == 4 and not kv.has("a")
+    kv.free("a")  # idempotent
+    assert kv.num_free_blocks == 4
+
+
+def test_reserve_past_capacity_raises_and_allocates_nothing() -> None:
+    kv = _tiny(num_blocks=2)
+    kv.allocate("a")
+    with pytest.raises(KVCacheFullError, match="need 3 blocks, 2 free"):
+        kv.reserve("a", 2 * BLOCK + 1)
+    assert kv.num_free_blocks == 2 and kv.seqs["a"].block_table == []
+
+
+def test_slots_follow_the_block_table() -> None:
+    kv = _tiny(num_blocks=4)
+    kv.allocate("a")
+    kv.allocate("b")
+    kv.reserve("a", BLOCK)  # block 0
+    kv.reserve("b", BLOCK)  # block 1
+    kv.reserve("a", BLOCK + 2)  # block 2: a's positions 4, 5 live there
+    assert kv.slots("a", 0, BLOCK + 2).tolist() == [0, 1, 2, 3, 2 * BLOCK, 2 * BLOCK + 1]
+    assert kv.slots("b", 1, 3).tolist() == [BLOCK + 1, BLOCK + 2]
+
+
+def test_lifecycle_errors() -> None:
+    kv = _tiny()
+    kv.allocate("a")
+    with pytest.raises(KeyError, match="already has KV"):
+        kv.allocate("a")
+    with pytest.raises(ValueError, match="truncate to 1 > length 0"):
+        kv.truncate("a", 1)
+
+
+def test_runner_refuses_forward_past_the_pool(runtime: Runtime) -> None:
+    runner = ModelRunner(runtime.target.runner.model, num_blocks=2, block_size=BLOCK)
+    runner.add_request("a")
+    assert not runner.can_append(2 * BLOCK + 1)
+    with pytest.raises(KVCacheFullError):
+        runner.forward([ForwardItem("a", list(range(1, 2 * BLOCK + 2)))])
+    assert runner.length("a") == 0
+
+
+def test_runner_refuses_forward_past_the_context_limit(runtime: Runtime) -> None:
+    runner = ModelRunner(runtime.target.runner.model, num_blocks=8, block_size=BLOCK, max_model_len=16)
+    runner.add_request("a")
+    with pytest.raises(ValueError, match="exceed the context limit 16"):
+        runner.forward([ForwardItem("a", list(range(1, 18)))])

@@ -1,0 +1,168 @@
+"""Sampling: `to_probs` keeps the right tokens, and verification preserves the target's distribution.
+
+The distribution checks run the real `verify_stochastic` on a 6-token vocabulary, where the target
+distribution is known exactly, and compare 10^5 emitted tokens against it with a chi-square test.
+Seeds are fixed, so the tests are deterministic; the p-value bound only says how unlikely a pass
+would be for a sampler that is off by a visible amount.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from spind.sampling import (SamplingParams, make_generator, sample, to_probs, verify_greedy,
+                            verify_stochastic)
+
+V = 6
+NUM_DRAWS = 100_000
+MIN_P_VALUE = 1e-3
+PARAMS = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
+
+
+# ---- to_probs ------------------------------------------------------------------------------------
+
+def test_temperature_scales_logits() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    torch.testing.assert_close(to_probs(logits, SamplingParams(temperature=0.5)), (logits / 0.5).softmax(-1))
+
+
+def test_top_k_keeps_the_k_largest() -> None:
+    logits = torch.tensor([[0.3, 2.0, -1.0, 1.5, 0.9, -0.2], [5.0, 4.0, 3.0, 2.0, 1.0, 0.0]])
+    probs = to_probs(logits, SamplingParams(temperature=1.0, top_k=3))
+    assert (probs[0] > 0).nonzero().flatten().tolist() == [1, 3, 4]
+    assert (probs[1] > 0).nonzero().flatten().tolist() == [0, 1, 2]
+    kept = logits[0, [1, 3, 4]].softmax(-1)
+    torch.testing.assert_close(probs[0, [1, 3, 4]], kept)
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.45, [2]), (0.75, [2, 0]), (0.85, [2, 0, 3]),
+                                         (0.99, [2, 0, 3, 1]), (1.0, [2, 0, 3, 1])])
+def test_top_p_keeps_the_smallest_prefix_reaching_p(top_p: float, kept: list[int]) -> None:
+    target = torch.tensor([0.3, 0.05, 0.5, 0.15])  # sorted: 0.5 (id 2), 0.3 (0), 0.15 (3), 0.05 (1)
+    probs = to_probs(target.log()[None], SamplingParams(temperature=1.0, top_p=top_p))[0]
+    assert set((probs > 0).nonzero().flatten().tolist()) == set(kept)
+    torch.testing.assert_close(probs[kept], target[kept] / target[kept].sum())
+
+
+def test_top_p_applies_to_the_top_k_renormalised_distribution() -> None:
+    target = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    # top-k=2 leaves {0: 4/7, 1: 3/7}; top-p=0.5 then needs only token 0
+    probs = to_probs(target.log()[None], SamplingParams(temperature=1.0, top_k=2, top_p=0.5))[0]
+    assert probs.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+# ---- greedy verification ------------------------------------------------------------------------
+
+def _one_hot_logits(ids: list[int]) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(ids), V).float()
+
+
+def test_greedy_accepts_the_agreeing_prefix_then_recovers() -> None:
+    res = verify_greedy(_one_hot_logits([3, 1, 4, 0]), [3, 1, 5])
+    assert res.num_accepted == 2 and res.tokens == [3, 1, 4]
+
+
+def test_greedy_bonus_after_full_acceptance_and_no_draft() -> None:
+    assert verify_greedy(_one_hot_logits([3, 1, 2]), [3, 1]).tokens == [3, 1, 2]
+    assert verify_greedy(_one_hot_logits([5]), []).tokens == [5]
+
+
+# ---- stochastic verification: exact properties ----------------------------------------------------
+
+def _logits(seed: int, rows: int) -> torch.Tensor:
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed))  # [rows, V]
+
+
+def test_draft_with_p_at_least_q_is_always_accepted() -> None:
+    p, q = torch.tensor([[0.5, 0.5, 0, 0, 0, 0], [0, 0, 1.0, 0, 0, 0]]), torch.tensor([[0.2, 0.8, 0, 0, 0, 0]])
+    for seed in range(200):
+        res = verify_stochastic(p, [0], q, make_generator(seed))
+        assert res.num_accepted == 1 and res.tokens == [0, 2]
+
+
+def test_rejected_draft_recovers_only_where_p_exceeds_q() -> None:
+    p = torch.tensor([[0.0, 0.5, 0.3, 0.2, 0, 0], [1.0, 0, 0, 0, 0, 0]])
+    q = torch.tensor([[0.6, 0.1, 0.3, 0.0, 0, 0]])  # p - q > 0 only at tokens 1 and 3
+    seen = {verify_stochastic(p, [0], q, make_generator(seed)).tokens[0] for seed in range(300)}
+    assert seen == {1, 3}
+
+
+def test_point_mass_draft_rejected_never_repeats_the_draft() -> None:
+    p = torch.tensor([[0.2, 0.8, 0, 0, 0, 0], [1.0, 0, 0, 0, 0, 0]])
+    outs = [verify_stochastic(p, [0], None, make_generator(seed)) for seed in range(300)]
+    assert {o.tokens[0] for o in outs if o.num_accepted == 0} == {1}
+    assert {tuple(o.tokens) for o in outs if o.num_accepted == 1} == {(0, 0)}
+
+
+# ---- stochastic verification: distribution of the first two emitted tokens --------------------------
+
+class TwoStepWorld:
+    """A target p(x0) p(x1 | x0) and a drafter q(x0) q(x1 | x0) (or a deterministic drafter: q = None)."""
+
+    def __init__(self, seed: int, stochastic_drafter: bool) -> None:
+        target0, target1 = _logits(seed, 1), _logits(seed + 1, V)  # row x0 of target1: logits of x1 | x0
+        # the drafter approximates the target: its logits are the target's plus noise, so supports overlap
+        draft0, draft1 = target0 + 0.8 * _logits(seed + 2, 1), target1 + 0.8 * _logits(seed + 3, V)
+        # both sides go through to_probs with temperature, top-k and top-p, as the engine does
+        self.p0, self.p1 = to_probs(target0, PARAMS)[0], to_probs(target1, PARAMS)  # p1[x0] = p(x1 | x0)
+        self.q0, self.q1 = to_probs(draft0, PARAMS)[0], to_probs(draft1, PARAMS)
+        self.bonus = torch.full((V,), 1.0 / V)
+        self.stochastic_drafter = stochastic_drafter
+        self.gen = make_generator(seed)
+
+    def expected_joint(self) -> np.ndarray:
+        return (self.p0[:, None] * self.p1).double().numpy()  # [V, V]
+
+    def draft(self, dist: torch.Tensor) -> int:
+        """A sampled draft, or the deterministic drafter's pick: its most likely token."""
+        return sample(dist, self.gen) if self.stochastic_drafter else int(dist.argmax())
+
+    def first_two_tokens(self) -> tuple[int, int]:
+        """Draft two tokens and verify; if fewer than two were emitted, draft and verify the next one."""
+        d0 = self.draft(self.q0)
+        d1 = self.draft(self.q1[d0])
+        q = torch.stack([self.q0, self.q1[d0]]) if self.stochastic_drafter else None
+        res = verify_stochastic(torch.stack([self.p0, self.p1[d0], self.bonus]), [d0, d1], q, self.gen)
+        if len(res.tokens) >= 2:
+            return res.tokens[0], res.tokens[1]
+        x0 = res.tokens[0]
+        d1 = self.draft(self.q1[x0])
+        q = self.q1[x0][None] if self.stochastic_drafter else None
+        res = verify_stochastic(torch.stack([self.p1[x0], self.bonus]), [d1], q, self.gen)
+        return x0, res.tokens[0]
+
+
+def _chi_square_p_value(observed: np.ndarray, expected_probs: np.ndarray) -> float:
+    """Chi-square p-value of counts against a distribution; 0 when a count falls where it has no mass
+    (a token the target's top-k/top-p removed cannot be emitted at all)."""
+    support = expected_probs > 0
+    assert support.sum() >= 2, "a point-mass target would make the test vacuous"
+    if observed[~support].sum():
+        return 0.0
+    expected = expected_probs[support] / expected_probs[support].sum() * observed.sum()
+    return float(chisquare(observed[support], expected).pvalue)
+
+
+@pytest.mark.parametrize("stochastic_drafter", [True, False], ids=["q-sampled", "q-point-mass"])
+def test_first_two_emitted_tokens_follow_the_target(stochastic_drafter: bool) -> None:
+    world = TwoStepWorld(seed=11, stochastic_drafter=stochastic_drafter)
+    expected = world.expected_joint()
+    assert (expected == 0).any() and not torch.allclose(world.p0, world.q0)  # top-k/p bite; q differs from p
+    joint = np.zeros((V, V), dtype=np.int64)
+    for _ in range(NUM_DRAWS):
+        x0, x1 = world.first_two_tokens()
+        joint[x0, x1] += 1
+    assert _chi_square_p_value(joint.sum(1), expected.sum(1)) > MIN_P_VALUE  # first token: p(x0)
+    assert _chi_square_p_value(joint.ravel(), expected.ravel()) > MIN_P_VALUE  # 2nd position: p(x0) p(x1|x0)
+
+
+def test_chi_square_detects_a_biased_sampler() -> None:
+    """The statistical check has teeth: sampling from the drafter's q instead of p is caught."""
+    world = TwoStepWorld(seed=11, stochastic_drafter=True)
+    counts = np.zeros(V, dtype=np.int64)
+    for _ in range(20_000):
+        counts[sample(world.q0, world.gen)] += 1
+    assert _chi_square_p_value(counts, world.p0.double().numpy()) < MIN_P_VALUE
