@@ -65,6 +65,7 @@ class WorkerConfig:
     name: str
     device: str = "cpu"
     threads: int = 0
+    max_batch_size: int = 0  # requests this worker drafts for per slot (the paper's B_j); 0 = [runtime]
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,9 @@ class SpindConfig:
                 return d
         known = ", ".join(d.name for d in self.drafters) or "(none configured)"
         raise ConfigError(f"unknown drafter {name!r}; configured drafters: {known}, or 'none'")
+
+    def worker_capacity(self, name: str) -> int:
+        return self.worker(name).max_batch_size or self.runtime.max_batch_size
 
     def worker(self, name: str) -> WorkerConfig:
         for w in self.workers:
@@ -160,6 +164,8 @@ def validate(cfg: SpindConfig) -> SpindConfig:
             raise ConfigError(f"[[drafters]] {d.name}: kind 'model' needs path = ...")
         if d.ngram_min < 1 or d.ngram_max < d.ngram_min:
             raise ConfigError(f"[[drafters]] {d.name}: need 1 <= ngram_min <= ngram_max")
+    if any(w.max_batch_size < 0 or w.threads < 0 for w in cfg.workers):
+        raise ConfigError("[[workers]] max_batch_size and threads must be >= 0")
     if s.default_drafter not in seen and s.default_drafter != "none":
         raise ConfigError(f"[speculation] default_drafter {s.default_drafter!r} is not a configured drafter")
     return cfg

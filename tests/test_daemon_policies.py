@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from spind.config import load_config
-from spind.daemon.policies import KVBudget, SelectInput, StaticSelector, visible_len
+from spind.daemon.policies import KVBudget, SelectInput, StaticSelector, apply_capacity, visible_len
 from spind.daemon.metrics import EngineMetrics, Registry, SlotTimes
 from spind.daemon.worker import TARGET_WORKER, threads_for, worker_names
 
@@ -108,3 +108,17 @@ def test_static_selector_and_kv_budget():
     assert not b.can_reserve(2)
     b.release(3)
     assert b.can_reserve(4)
+
+
+def test_capacity_sends_requests_past_a_workers_batch_limit_to_plain_decoding():
+    worker_of = {"int8": "draft", "bf16": "draft", "ngram": "target"}
+    capacity = {"draft": 2, "target": 16}
+    choices = ["int8", "ngram", "bf16", "int8", None, "ngram"]
+    assert apply_capacity(choices, worker_of, capacity) == ["int8", "ngram", "bf16", None, None, "ngram"]
+
+
+def test_worker_capacity_defaults_to_the_runtime_batch_limit():
+    cfg = load_config()
+    assert cfg.worker_capacity("draft") == cfg.runtime.max_batch_size
+    small = dataclasses.replace(cfg, workers=(dataclasses.replace(cfg.worker("draft"), max_batch_size=3),))
+    assert small.worker_capacity("draft") == 3

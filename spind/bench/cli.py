@@ -13,6 +13,7 @@ from spind.config import SpindConfig
 
 if TYPE_CHECKING:
     from spind.bench.drafters import DrafterBenchSettings
+    from spind.bench.serve import ServeSettings
 
 DEFAULT_DATASETS = ("alpaca", "mt_bench", "humaneval", "gsm8k", "passage")
 
@@ -37,6 +38,21 @@ def add_parsers(sub: argparse._SubParsersAction,
     d.add_argument("--no-bf16", action="store_true", help="skip the bf16-target pass")
     d.add_argument("--out", type=Path, default=Path("bench-results/drafters.json"))
     d.set_defaults(func=cmd_bench_drafters)
+
+    s = bench_sub.add_parser("serve", help="TTFT and tokens/s of the daemon per drafter and concurrency, side by side")
+    add_config_args(s)
+    s.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of closed-loop clients")
+    s.add_argument("--drafters", default="int8,none", help="comma-separated drafters ('none', 'auto' or configured)")
+    s.add_argument("--dataset", default="mt_bench", help=f"prompt workload, one of: {', '.join(WORKLOADS)}")
+    s.add_argument("--datasets-dir", type=Path, default=DEFAULT_DATASETS_DIR)
+    s.add_argument("--num-requests", type=int, default=None, help="requests per level (default: 2 x concurrency, >= 4)")
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly --max-tokens tokens per request (default: on)")
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--url", default=None, help="a running daemon's HTTP base URL (default: start one, stop it after)")
+    s.add_argument("--out", type=Path, default=Path("bench-results/serve.json"))
+    s.set_defaults(func=cmd_bench_serve)
 
 
 def _names(csv: str) -> tuple[str, ...]:
@@ -78,5 +94,53 @@ def cmd_bench_drafters(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     results = run_drafter_bench(cfg, settings)
     print(render_tables(results))
+    print(f"wrote {write_json(args.out, results)}", file=sys.stderr)
+    return 0
+
+
+def serve_settings(args: argparse.Namespace) -> ServeSettings:
+    """Validate the arguments before the daemon starts; bad ones raise ValueError."""
+    from spind.bench.serve import ServeSettings
+
+    try:
+        concurrency = tuple(int(c) for c in _names(args.concurrency))
+    except ValueError:
+        raise ValueError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
+    drafters = _names(args.drafters)
+    if args.dataset not in WORKLOADS:
+        raise ValueError(f"unknown dataset {args.dataset!r}; known: {', '.join(WORKLOADS)}")
+    if not concurrency or not drafters or min(concurrency) < 1:
+        raise ValueError("need at least one drafter and concurrency levels >= 1")
+    if args.max_tokens < 1 or (args.num_requests is not None and args.num_requests < 1):
+        raise ValueError("--max-tokens and --num-requests must be >= 1")
+    return ServeSettings(concurrency, drafters, args.dataset, args.num_requests, args.max_tokens, args.ignore_eos,
+                         args.temperature)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import contextlib
+
+    from spind.bench.datasets import load_prompts
+    from spind.bench.report import write_json
+    from spind.bench.serve import local_daemon, render_table, run_serve_bench
+    from spind.cli import config_from_args
+    from spind.client import http_json
+
+    cfg = config_from_args(args)
+    settings = serve_settings(args)
+    for name in settings.drafters:
+        if name not in ("auto", "none") and not args.url:
+            cfg.drafter(name)  # unknown name -> ConfigError before the daemon starts
+    num_prompts = max(settings.requests_at(c) for c in settings.concurrency)
+    prompts = load_prompts(settings.dataset, num_prompts, check_datasets_dir(args.datasets_dir))
+    headers = {"Authorization": f"Bearer {cfg.server.api_key}"} if cfg.server.api_key else None
+    options = [arg for flag, value in (("--config", args.config), ("--model", args.model), ("--dtype", args.dtype),
+                                       ("--threads", args.threads)) if value is not None for arg in (flag, str(value))]
+    if args.url and http_json(args.url.rstrip("/") + "/health")[0] != 200:
+        raise ValueError(f"no healthy spind daemon answers at {args.url}/health")
+    with contextlib.nullcontext(args.url.rstrip("/")) if args.url else local_daemon(options) as url:
+        results = asyncio.run(run_serve_bench(url, prompts, settings, headers))
+    print(render_table(results))
     print(f"wrote {write_json(args.out, results)}", file=sys.stderr)
     return 0

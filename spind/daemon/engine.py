@@ -34,7 +34,7 @@ from spind import protocol as P
 from spind.config import SpindConfig
 from spind.daemon.interface import Delta, EngineError, EngineRequest, Usage
 from spind.daemon.metrics import EngineMetrics, SlotTimes
-from spind.daemon.policies import KVBudget, SelectInput, StaticSelector, visible_len
+from spind.daemon.policies import KVBudget, SelectInput, StaticSelector, apply_capacity, visible_len
 from spind.daemon.supervisor import Supervisor, WorkerDied, WorkerError, default_run_dir
 from spind.engine.sequence import Sequence, SpecStats
 from spind.models.loader import resolve_model_dir
@@ -89,6 +89,8 @@ class SpindEngine:
         self.running: list[RequestState] = []
         self.drafter_counters = {d.name: SpecStats() for d in cfg.drafters}
         self.times = SlotTimes()
+        self._drafter_worker = {d.name: d.worker for d in cfg.drafters}
+        self._worker_capacity = {w: cfg.worker_capacity(w) for w in set(self._drafter_worker.values())}
         self.is_accepting = False
         self._is_shut_down = False
         self._wakeup = asyncio.Event()
@@ -291,6 +293,7 @@ class SpindEngine:
 
     def _select(self) -> None:
         choice = self.selector.select([SelectInput(st.req_id, st.req.drafter, st.drafter) for st in self.running])
+        choice = apply_capacity(choice, self._drafter_worker, self._worker_capacity)
         for st, name in zip(self.running, choice):
             st.drafter = name
 

@@ -33,6 +33,21 @@ class StaticSelector:
         return {"policy": self.policy, "default_drafter": self.default_drafter}
 
 
+def apply_capacity(choices: list[str | None], worker_of: dict[str, str], capacity: dict[str, int]) -> list[str | None]:
+    """Enforce each worker's batch limit B_j: requests past it (in batch order) decode without a drafter
+    this slot. choices[i] is request i's drafter (None: plain decoding); worker_of maps drafter -> worker."""
+    used: dict[str, int] = {}
+    out: list[str | None] = []
+    for name in choices:
+        w = worker_of.get(name) if name is not None else None
+        if w is not None:
+            used[w] = used.get(w, 0) + 1
+            if used[w] > capacity[w]:
+                name = None
+        out.append(name)
+    return out
+
+
 class KVBudget:
     """Target KV blocks reserved by admitted requests (the workers' caches are the same size)."""
 
