@@ -20,8 +20,9 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from spind import protocol as P
 from spind.client import make_request
-from spind.daemon.api import (MAX_BODY_BYTES, ApiError, ApiLimits, ApiServer, ChunkFormatter, InFlight,
-                              error_json, from_engine_error, parse_generate, sse)
+from spind.daemon.api import ApiServer
+from spind.daemon.openai_schema import (MAX_BODY_BYTES, ApiError, ApiLimits, ChunkFormatter, InFlight, error_json,
+                                        from_engine_error, parse_generate, sse)
 from spind.daemon.cli import load_daemon_config, probe_url
 from spind.daemon.interface import Delta, EngineError, Usage
 from spind.daemon.server import PidInfo

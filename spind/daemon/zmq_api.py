@@ -22,9 +22,9 @@ import zmq
 import zmq.asyncio
 
 from spind import protocol as P
-from spind.daemon.api import (ApiError, ApiLimits, InFlight, check_extension, check_serving, from_engine_error,
-                             parse_messages)
 from spind.daemon.interface import Engine, EngineError, EngineRequest, Usage
+from spind.daemon.openai_schema import (ApiError, ApiLimits, InFlight, check_extension, check_serving,
+                                        from_engine_error, parse_messages)
 
 log = logging.getLogger(__name__)
 
