@@ -22,10 +22,9 @@ from pathlib import Path
 import torch
 
 from spind.bench.datasets import DEFAULT_DATASETS_DIR, encode_prompt, load_prompts
-from spind.bench.report import Progress, fmt, format_table
+from spind.bench.report import Progress, fmt, format_table, timed
 from spind.config import SpindConfig
 from spind.drafters import Drafter, DraftInput
-from spind.drafters.base import timed
 from spind.drafters.model import common_prefix
 from spind.engine.offline import GenRequest, GenResult, Runtime
 from spind.engine.target import TargetVerifier

@@ -54,3 +54,10 @@ class Progress:
 
     def note(self, what: str) -> None:
         print(what, file=self.stream, flush=True)
+
+
+def timed(fn) -> float:
+    """Run fn() and return its wall time in ms."""
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3

@@ -67,9 +67,3 @@ class Drafter(ABC):
     def describe(self) -> dict:
         return {"name": self.name, "kind": self.kind, "ms_per_token": self._ms_per_token}
 
-
-def timed(fn):
-    """Run fn() and return its wall time in ms (for cost probes)."""
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3

@@ -44,19 +44,3 @@ class Tokenizer:
         digest = hashlib.sha256("\n".join(f"{i}\t{tok}" for tok, i in vocab).encode()).hexdigest()
         return len(vocab), digest
 
-
-class IncrementalDecoder:
-    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.text = ""
-
-    def push(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
-        full = self.tokenizer.decode(self.ids)
-        if full.endswith("\ufffd"):
-            return ""
-        delta, self.text = full[len(self.text):], full
-        return delta
