@@ -8,29 +8,28 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
+import time
 
-from spind.config import ConfigError, SpindConfig, load_config
+from spind.config import DTYPES, ConfigError, SpindConfig, load_config
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="config.toml (default: the embedded one)")
     p.add_argument("--model", default=None, help="override [model].target: 'default', an HF dir or a .gguf")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--dtype", default=None, choices=DTYPES, help="override [model].dtype")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per worker (default: [runtime].threads, else cores / workers)")
 
 
 def config_from_args(args: argparse.Namespace, **server: object) -> SpindConfig:
     return load_config(args.config, {"model": {"target": args.model, "dtype": args.dtype},
-                                     "server": dict(server)})
+                                     "runtime": {"threads": args.threads}, "server": dict(server)})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from spind.engine.offline import GenRequest, Runtime
-    from spind.sampling import SamplingParams
+    from spind.coordinator.local import GenRequest, LocalEngine
+    from spind.params import SamplingParams
 
     if not args.prompt.strip():
         raise ValueError("empty prompt")
@@ -39,23 +38,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if args.drafter not in ("none", "auto"):
         cfg.drafter(args.drafter)  # unknown name -> ConfigError before any model loads
-    drafter = cfg.speculation.default_drafter if args.drafter == "auto" else args.drafter
-    drafter = None if drafter == "none" else drafter
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    rt = Runtime.load(cfg, drafters=[drafter] if drafter else [])
-    prompt = (rt.tokenizer.apply_chat([{"role": "user", "content": args.prompt}]) if args.chat
-              else rt.tokenizer.encode(args.prompt))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
-    k = cfg.speculation.k if args.k is None else args.k
-    res = rt.generate([GenRequest("cli", prompt, params, drafter, k)])[0]
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ())).validate()
+    drafters = [] if args.drafter == "none" else None if args.drafter == "auto" else [args.drafter]
+    names = ", ".join(d.name for d in cfg.drafters) if drafters is None else ", ".join(drafters) or "no drafter"
+    print(f"spind: loading {cfg.model.target} ({cfg.model.dtype}) with {names} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    engine = LocalEngine.load(cfg, drafters=drafters)
+    print(f"spind: loaded in {time.perf_counter() - start:.1f}s; generating", file=sys.stderr, flush=True)
+    try:
+        tok = engine.tokenizer
+        prompt = tok.apply_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+        if len(prompt) >= engine.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens; the context limit is {engine.max_model_len} "
+                             f"and at least one token must be generated")
+        res = engine.generate([GenRequest("cli", prompt, params, None if args.drafter == "none" else args.drafter,
+                                          args.k)])[0]
+    finally:
+        engine.close()
     if args.json:
         print(json.dumps(res.to_json()))
     else:
         print(res.text)
         rate = res.num_accepted / res.num_drafted if res.num_drafted else 0.0
+        used = ", ".join(res.drafters) or "none"
         print(f"[{len(res.token_ids)} tokens in {res.elapsed_s:.2f}s, {len(res.token_ids) / res.elapsed_s:.1f} tok/s; "
-              f"drafter={res.drafter or 'none'} accepted {res.num_accepted}/{res.num_drafted} ({rate:.0%})]",
+              f"drafter={args.drafter} ({used}) accepted {res.num_accepted}/{res.num_drafted} ({rate:.0%})]",
               file=sys.stderr)
     return 0
 
@@ -80,19 +88,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate offline in this process (no daemon)")
+    g = sub.add_parser(
+        "generate", help="generate in this process (no daemon)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Generate text in this process, with the daemon's own coordinator over in-process workers\n"
+                    "(no daemon needed). Greedy by default (--temperature 0), so the output is exactly the target\n"
+                    "model's; speculative decoding makes it faster, never different.",
+        epilog="examples:\n"
+               "  spind generate --chat --prompt 'Write a haiku about the sea.'\n"
+               "  spind generate --prompt 'def fibonacci(n):' --drafter ngram --k 8 --max-tokens 64\n"
+               "  spind generate --chat --prompt 'Tell me a story.' --temperature 0.8 --seed 1 --json\n"
+               "threads: each worker gets cores / workers torch threads; --threads N (or [runtime].threads)\n"
+               "sets it. Progress goes to stderr, so --json output on stdout stays clean.")
     add_config_args(g)
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", required=True, help="the prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--drafter", default="auto", help="a configured drafter name, 'auto' or 'none'")
-    g.add_argument("--k", type=int, default=None, help="tokens drafted per step (default: config)")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
+    g.add_argument("--drafter", default="auto",
+                   help="'auto' (spind chooses per request: [selection].policy), 'none' (plain decoding), or a "
+                        "configured drafter: see `spind drafters` (default: auto)")
+    g.add_argument("--k", type=int, default=None, help="tokens drafted per step (default: [speculation].k, 4)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1.0, off)")
+    g.add_argument("--top-k", type=int, default=0, help="top-k sampling (default: 0, off)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--json", action="store_true")
+    g.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, timings, drafters")
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("drafters", help="list the configured drafters")
@@ -102,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_drafters)
 
     from spind.bench import cli as bench_cli
-    from spind.daemon import cli as daemon_cli
+    from spind.frontend import daemon_cli
     daemon_cli.add_parsers(sub, add_config_args)
     bench_cli.add_parsers(sub, add_config_args)
     return parser
@@ -111,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+    daemon = args.command == "start"  # a daemon's log records its normal life at INFO; commands stay quiet
+    logging.basicConfig(level=logging.INFO if args.verbose or daemon else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return args.func(args)

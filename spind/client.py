@@ -24,13 +24,14 @@ import zmq
 import zmq.asyncio
 
 from spind import protocol as P
-from spind.daemon.interface import EngineError, Usage
+from spind.errors import StatusError
+from spind.params import SamplingParams
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:8001"
 
 
-class SpindError(EngineError):
-    """The daemon refused or failed a request; `status` is HTTP-style (400, 413, 503, ...)."""
+class SpindError(StatusError):
+    """The daemon refused or failed a request; `status` is HTTP-style (400, 401, 413, 503, ...)."""
 
 
 @dataclass
@@ -38,18 +39,19 @@ class Completion:
     text: str
     token_ids: list[int]
     finish_reason: str
-    usage: Usage
+    usage: P.UsageRecord  # prompt/completion tokens and spind's per-drafter counts
 
 
 def make_request(prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
                  max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, stop: list[str] | tuple[str, ...] = (), ignore_eos: bool = False,
-                 drafter: str = "auto", k: int | None = None, stream: bool = True) -> P.ClientRequest:
+                 drafter: str = "auto", k: int | None = None, stream: bool = True,
+                 api_key: str = "") -> P.ClientRequest:
     """Build a ClientRequest: `prompt` is text or token ids, or pass chat `messages` instead."""
-    params = P.Sampling(max_tokens, float(temperature), float(top_p), top_k, seed, list(stop), ignore_eos)
+    params = SamplingParams(max_tokens, float(temperature), float(top_p), top_k, seed, tuple(stop), ignore_eos)
     text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
     chat = None if messages is None else [P.ChatMessage(m["role"], m["content"]) for m in messages]
-    return P.ClientRequest(uuid.uuid4().hex, params, text, ids, chat, drafter, k, stream)
+    return P.ClientRequest(uuid.uuid4().hex, params, text, ids, chat, drafter, k, stream, api_key)
 
 
 def _check(msg: object) -> P.ClientChunk | P.ClientReply:
@@ -61,7 +63,7 @@ def _check(msg: object) -> P.ClientChunk | P.ClientReply:
 
 
 def _completion(msg: P.ClientReply) -> Completion:
-    return Completion(msg.text, msg.token_ids, msg.finish_reason, P.record_to_usage(msg.usage))
+    return Completion(msg.text, msg.token_ids, msg.finish_reason, msg.usage)
 
 
 def _dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
@@ -74,7 +76,8 @@ def _dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
 class SpindClient:
     """Blocking client; one request at a time per instance (not thread-safe: one client per thread)."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout_s: float = 600.0) -> None:
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout_s: float = 600.0, api_key: str = "") -> None:
+        self.api_key = api_key
         self.timeout_ms = int(timeout_s * 1000)
         self._ctx = zmq.Context()
         self._sock = _dealer(self._ctx, address)
@@ -93,13 +96,13 @@ class SpindClient:
         while True:
             if not self._sock.poll(self.timeout_ms):
                 raise TimeoutError(f"no answer from the daemon in {self.timeout_ms / 1000:.0f}s")
-            msg = P.decode(self._sock.recv())
+            msg = P.decode(self._sock.recv(), P.ClientOut)
             if getattr(msg, "req_id", None) in (req_id, ""):  # skip leftovers of an aborted stream
                 return _check(msg)
 
     def complete(self, prompt: str | list[int] | None = None, **kw) -> Completion:
         """The whole result: text, token ids, finish reason and usage (with the spind counters)."""
-        req = make_request(prompt, stream=False, **kw)
+        req = make_request(prompt, stream=False, api_key=self.api_key, **kw)
         self._sock.send(P.encode(req))
         msg = self._recv(req.req_id)
         if not isinstance(msg, P.ClientReply):
@@ -111,7 +114,7 @@ class SpindClient:
 
     def stream(self, prompt: str | list[int] | None = None, **kw) -> Iterator[str]:
         """Yields text deltas; closing the generator early aborts the request on the daemon."""
-        req = make_request(prompt, stream=True, **kw)
+        req = make_request(prompt, stream=True, api_key=self.api_key, **kw)
         self._sock.send(P.encode(req))
         is_done = False
         try:
@@ -122,13 +125,14 @@ class SpindClient:
                     yield msg.text
         finally:
             if not is_done:
-                self._sock.send(P.encode(P.ClientAbort(req.req_id)))
+                self._sock.send(P.encode(P.ClientAbort(req.req_id, self.api_key)))
 
 
 class AsyncSpindClient:
     """asyncio client; any number of concurrent requests share one socket (a reader task routes replies)."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout_s: float = 600.0) -> None:
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout_s: float = 600.0, api_key: str = "") -> None:
+        self.api_key = api_key
         self.timeout_s = timeout_s
         self._ctx = zmq.asyncio.Context()
         self._sock = _dealer(self._ctx, address)
@@ -150,7 +154,7 @@ class AsyncSpindClient:
     async def _read_loop(self) -> None:
         while True:
             try:
-                msg = P.decode(await self._sock.recv())
+                msg = P.decode(await self._sock.recv(), P.ClientOut)
             except P.ProtocolError:
                 continue  # not for us to crash on; the request it belonged to times out
             req_id = getattr(msg, "req_id", "")
@@ -170,7 +174,7 @@ class AsyncSpindClient:
         return _check(await asyncio.wait_for(q.get(), self.timeout_s))
 
     async def complete(self, prompt: str | list[int] | None = None, **kw) -> Completion:
-        req = make_request(prompt, stream=False, **kw)
+        req = make_request(prompt, stream=False, api_key=self.api_key, **kw)
         try:
             msg = await self._recv(await self._open(req))
         finally:
@@ -183,7 +187,7 @@ class AsyncSpindClient:
         return (await self.complete(prompt, **kw)).text
 
     async def stream(self, prompt: str | list[int] | None = None, **kw) -> AsyncIterator[str]:
-        req = make_request(prompt, stream=True, **kw)
+        req = make_request(prompt, stream=True, api_key=self.api_key, **kw)
         is_done = False
         try:
             q = await self._open(req)
@@ -195,7 +199,7 @@ class AsyncSpindClient:
         finally:
             self._queues.pop(req.req_id, None)
             if not is_done:
-                await self._sock.send(P.encode(P.ClientAbort(req.req_id)))
+                await self._sock.send(P.encode(P.ClientAbort(req.req_id, self.api_key)))
 
 
 def http_json(url: str, headers: dict[str, str] | None = None, timeout: float = 5.0) -> tuple[int, dict | None]:

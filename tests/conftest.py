@@ -1,8 +1,9 @@
 """Shared fixtures: the real default model (SmolLM2-135M-Instruct), loaded once per test session.
 
-Nothing here is faked: `runtime` is `Runtime.load` of the embedded config with every configured drafter,
-reading the model from the default cache dir (~/.cache/spind, converted from the GGUF on first use).
-Tests that need the model take these fixtures; tests of pure policies do not, and stay fast.
+Nothing here is faked: `engine` is the coordinator over in-process workers (`LocalEngine.load` of the
+embedded config with every configured drafter), reading the model from the default cache dir
+(~/.cache/spind, converted from the GGUF on first use). Tests that need the model take these fixtures;
+tests of pure policies do not, and stay fast. Prompts come from tests/prompts.py, never ../shared.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from spind.bench.datasets import Prompt, encode_prompt, load_prompts
+from prompts import PROMPTS, encode
 from spind.config import SpindConfig, load_config
-from spind.engine.offline import GenRequest, GenResult, Runtime
+from spind.coordinator.local import GenRequest, GenResult, LocalEngine
 from spind.models.loader import resolve_model_dir
-from spind.models.tokenizer import Tokenizer
-from spind.sampling import SamplingParams
+from spind.params import SamplingParams
+from spind.tokenizer import Tokenizer
 
 # One torch thread: the 2 cores are shared with other jobs, and when another process holds a core,
 # OpenMP's 2-thread barriers stall each forward 5-10x (measured: 60 ms -> 300-700 ms per decode step).
@@ -49,27 +50,22 @@ def model_dir(cfg: SpindConfig) -> Path:
 
 
 @pytest.fixture(scope="session")
-def runtime(cfg: SpindConfig) -> Runtime:
+def engine(cfg: SpindConfig) -> LocalEngine:
     """The fp32 target with all configured drafters (ngram, int8, dyn8, bf16), loaded once."""
-    return Runtime.load(cfg)
+    e = LocalEngine.load(cfg)
+    yield e
+    e.close()
 
 
 @pytest.fixture(scope="session")
-def tokenizer(runtime: Runtime) -> Tokenizer:
-    return runtime.tokenizer
-
-
-def varied_prompts() -> list[Prompt]:
-    """Chat, code, maths and copy-the-passage prompts, from 4 to ~500 tokens long."""
-    prompts = [Prompt("short", "Once upon a time", False)]
-    for name, num in (("alpaca", 2), ("mt_bench", 2), ("humaneval", 1), ("gsm8k", 1), ("passage", 2)):
-        prompts += load_prompts(name, num)
-    return prompts
+def tokenizer(engine: LocalEngine) -> Tokenizer:
+    return engine.tokenizer
 
 
 @pytest.fixture(scope="session")
 def prompt_ids(tokenizer: Tokenizer) -> list[list[int]]:
-    return [encode_prompt(tokenizer, p) for p in varied_prompts()]
+    """Chat, code, maths and copy-the-passage prompts, from 4 to ~290 tokens long."""
+    return [encode(tokenizer, p) for p in PROMPTS]
 
 
 def make_requests(prompt_ids: list[list[int]], drafter: str | None, k: int,
@@ -77,10 +73,10 @@ def make_requests(prompt_ids: list[list[int]], drafter: str | None, k: int,
     return [GenRequest(new_req_id(drafter or "plain"), ids, p, drafter, k) for ids, p in zip(prompt_ids, params)]
 
 
-def generate(runtime: Runtime, prompt_ids: list[list[int]], drafter: str | None, k: int,
+def generate(engine: LocalEngine, prompt_ids: list[list[int]], drafter: str | None, k: int,
              params: list[SamplingParams]) -> list[GenResult]:
-    """One batch through `Runtime.generate`, all requests admitted together."""
-    return runtime.generate(make_requests(prompt_ids, drafter, k, params), max_batch=len(prompt_ids))
+    """One batch through the coordinator, all requests admitted together."""
+    return engine.generate(make_requests(prompt_ids, drafter, k, params), max_batch=len(prompt_ids))
 
 
 def save_derived_checkpoint(src: Path, dst: Path, layers: list[int], vocab_size: int | None = None) -> Path:

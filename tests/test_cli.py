@@ -12,8 +12,8 @@ import pytest
 from conftest import new_req_id
 from spind.cli import main
 from spind.config import DEFAULT_CONFIG_PATH
-from spind.engine.offline import GenRequest, Runtime
-from spind.sampling import SamplingParams
+from spind.coordinator.local import GenRequest, LocalEngine
+from spind.params import SamplingParams
 
 QUESTION = "What is the capital of France?"
 
@@ -29,7 +29,7 @@ def assert_one_error_line(stderr: str, *fragments: str) -> None:
         assert fragment in lines[0]
 
 
-def test_generate_json_is_one_object_matching_in_process_decoding(runtime: Runtime) -> None:
+def test_generate_json_is_one_object_matching_in_process_decoding(engine: LocalEngine) -> None:
     proc = run_spind("generate", "--prompt", QUESTION, "--chat", "--max-tokens", "8", "--drafter", "ngram",
                      "--k", "3", "--json", "--threads", "1")
     assert proc.returncode == 0, proc.stderr
@@ -38,9 +38,9 @@ def test_generate_json_is_one_object_matching_in_process_decoding(runtime: Runti
     out = json.loads(lines[0])
     assert {"text", "token_ids", "num_drafted", "num_accepted", "elapsed_s"} <= set(out)
     assert out["drafter"] == "ngram" and out["elapsed_s"] > 0 and 0 <= out["num_accepted"] <= out["num_drafted"]
-    assert 0 < len(out["token_ids"]) <= 8 and out["text"] == runtime.tokenizer.decode(out["token_ids"])
-    prompt = runtime.tokenizer.apply_chat([{"role": "user", "content": QUESTION}])
-    plain = runtime.generate([GenRequest(new_req_id("cli"), prompt, SamplingParams(max_tokens=8))])[0]
+    assert 0 < len(out["token_ids"]) <= 8 and out["text"] == engine.tokenizer.decode(out["token_ids"])
+    prompt = engine.tokenizer.apply_chat([{"role": "user", "content": QUESTION}])
+    plain = engine.generate([GenRequest(new_req_id("cli"), prompt, SamplingParams(max_tokens=8))])[0]
     assert out["token_ids"] == plain.token_ids  # the CLI's speculative output is the target's greedy output
 
 

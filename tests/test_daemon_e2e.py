@@ -2,7 +2,7 @@
 default model; HTTP through aiohttp and the unmodified `openai` client, and the ZeroMQ client API.
 
 The daemon is started once for the module. Tests run in file order; the last one drains it with SIGTERM.
-Greedy references come from the offline `Runtime` in this process (plain target decoding, one at a time).
+Greedy references come from the offline `LocalEngine` in this process (plain target decoding, one at a time).
 """
 
 from __future__ import annotations
@@ -11,38 +11,36 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-import msgpack
+import msgspec
 import openai
 import pytest
 import zmq
 
 from spind import protocol as P
 from spind.client import AsyncSpindClient, SpindClient, SpindError, http_json, make_request
+from spind.params import SamplingParams
+from daemon_util import Daemon, free_port, start_daemon
 
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 16
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 CHAT = [{"role": "user", "content": "Name three colors."}]
-START_TIMEOUT_S = 900
 CONFIG = """
 [model]
 max_model_len = 1024
 [runtime]
 kv_num_blocks = 512
-[speculation]
-default_drafter = "int8"
+[selection]
+policy = "fixed:int8"
 [server]
 port = {port}
 zmq_port = {zmq_port}
@@ -63,76 +61,10 @@ name = "draft"
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Daemon:
-    proc: subprocess.Popen
-    config: Path
-    run_dir: Path
-    log: Path
-    port: int
-    zmq_port: int
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def zmq_address(self) -> str:
-        return f"tcp://127.0.0.1:{self.zmq_port}"
-
-    def state(self) -> dict:
-        status, body = http_json(self.url + "/v1/spind/state")
-        assert status == 200, body
-        return body
-
-    def worker_pids(self) -> dict[str, int]:
-        return {w["name"]: w["pid"] for w in self.state()["workers"]}
-
-    def wait_no_requests(self, timeout_s: float = 30.0) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            state = self.state()
-            if not state["requests"]:
-                return state
-            time.sleep(0.1)
-        raise AssertionError(f"requests still held: {state['requests']}")
-
-
 @pytest.fixture(scope="module")
 def daemon() -> Daemon:
-    root = Path(tempfile.mkdtemp(prefix="spind-e2e-"))  # short: worker ipc socket paths must fit ~100 bytes
-    port, zmq_port = free_port(), free_port()
-    config = root / "config.toml"
-    config.write_text(CONFIG.format(port=port, zmq_port=zmq_port, run_dir=root / "run"))
-    log = root / "daemon.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "spind.cli", "-v", "start", "--config", str(config),
-                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    d = Daemon(proc, config, root / "run", log, port, zmq_port)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while http_json(d.url + "/health")[0] != 200:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            text = log.read_text()[-4000:]
-            shutil.rmtree(root, ignore_errors=True)
-            pytest.fail(f"the daemon did not come up:\n{text}")
-        time.sleep(0.5)
-    yield d
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    shutil.rmtree(root, ignore_errors=True)
+    with start_daemon(CONFIG) as d:
+        yield d
 
 
 @dataclass(frozen=True)
@@ -145,21 +77,24 @@ class Reference:
 
 @pytest.fixture(scope="module")
 def refs(daemon: Daemon) -> dict[str, Reference]:
-    """Greedy outputs of the offline runtime (plain decoding, one request at a time) for PROMPTS and CHAT."""
+    """Greedy outputs of the offline engine (plain decoding, one request at a time) for PROMPTS and CHAT."""
     import torch
 
     from spind.config import load_config
-    from spind.engine.offline import GenRequest, Runtime
-    from spind.sampling import SamplingParams
+    from spind.coordinator.local import GenRequest, LocalEngine
+    from spind.params import SamplingParams
 
     torch.set_num_threads(1)
-    rt = Runtime.load(load_config(daemon.config), drafters=[])
-    inputs = {p: rt.tokenizer.encode(p) for p in PROMPTS} | {"chat": rt.tokenizer.apply_chat(CHAT)}
-    out = {}
-    for name, ids in inputs.items():
-        res = rt.generate([GenRequest(name, ids, SamplingParams(max_tokens=MAX_TOKENS), None, 0)], max_batch=1)[0]
-        out[name] = Reference(ids, res.token_ids, res.text, res.finish_reason)
-    return out
+    rt = LocalEngine.load(load_config(daemon.config), drafters=[])
+    try:
+        inputs = {p: rt.tokenizer.encode(p) for p in PROMPTS} | {"chat": rt.tokenizer.apply_chat(CHAT)}
+        out = {}
+        for name, ids in inputs.items():
+            res = rt.generate([GenRequest(name, ids, SamplingParams(max_tokens=MAX_TOKENS), None, 0)], max_batch=1)[0]
+            out[name] = Reference(ids, res.token_ids, res.text, res.finish_reason)
+        return out
+    finally:
+        rt.close()
 
 
 # ---- HTTP helpers ------------------------------------------------------------------------------------------
@@ -416,7 +351,7 @@ def test_fuzzed_zmq_frames_get_errors_and_the_daemon_keeps_serving(daemon: Daemo
         for parts in frames:
             sock.send_multipart(parts)
             assert sock.poll(30_000), parts
-            reply = P.decode(sock.recv_multipart()[-1])
+            reply = P.decode(sock.recv_multipart()[-1], P.ClientOut)
             assert isinstance(reply, P.ClientError) and reply.status in (400, 413), (parts, reply)
             assert not sock.poll(0)  # exactly one answer per frame
         sock.send(b"x" * (2 << 20))  # over the frame limit: ZeroMQ drops this connection, the daemon lives on
@@ -432,36 +367,36 @@ def test_fuzzed_zmq_frames_get_errors_and_the_daemon_keeps_serving(daemon: Daemo
 def malformed_zmq_frames(rng: random.Random) -> list[list[bytes]]:
     valid = make_request(PROMPTS[0], max_tokens=4, drafter="ngram")
     whole = P.encode(valid)
-    _, tag, fields = msgpack.unpackb(whole)
-    frames: list[bytes] = [b"", whole[:1], msgpack.packb([]), msgpack.packb({"a": 1}), msgpack.packb([1, tag]),
-                           msgpack.packb([2, tag, fields]), msgpack.packb([1, "nope", fields]),
-                           msgpack.packb([1, tag, []]), msgpack.packb([1, tag, {**fields, "extra": 1}]),
-                           P.encode(P.Ping(1)), P.encode(P.Shutdown(1)), P.encode(P.FreeRequests(1, ["x"]))]
+    version, fields = msgspec.msgpack.decode(whole)
+    pack = msgspec.msgpack.encode
+    frames: list[bytes] = [b"", whole[:1], pack([]), pack({"a": 1}), pack([version]), pack([version + 1, fields]),
+                           pack([version, {**fields, "type": "nope"}]), pack([version, []]),
+                           pack([version, {**fields, "extra": 1}]), P.encode(P.Ping(1)), P.encode(P.Shutdown(1)),
+                           P.encode(P.FreeRequests(1, ["x"]))]
     frames += [whole[:rng.randrange(1, len(whole))] for _ in range(60)]
     frames += [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300))) for _ in range(100)]
-    wrong_types = {"req_id": [1, None, b"x"], "params": [1, "x", {"max_tokens": "4"}, {"temperature": "hot"},
-                                                         {"stop": "x"}, {"seed": 1.5}, {"bogus": 1}],
+    wrong_types = {"req_id": [1, None, b"x", ""], "params": [1, "x", {"max_tokens": "4"}, {"temperature": "hot"},
+                                                             {"stop": "x"}, {"seed": 1.5}, {"bogus": 1}],
                    "prompt": [1, ["x"]], "prompt_ids": ["x", [1.5], [None]], "messages": ["x", [1], [{"role": 1}]],
                    "drafter": [1, None], "k": ["2", 1.5], "stream": [1, "yes"]}
     for name, values in wrong_types.items():
         for v in values:
             if name == "params" and isinstance(v, dict):
                 v = {**fields["params"], **v}
-            frames.append(msgpack.packb([1, tag, {**fields, name: v}]))
+            frames.append(pack([version, {**fields, name: v}]))
+
     def variant(**changes) -> bytes:
-        r = make_request(PROMPTS[0], max_tokens=4)
-        for k, v in changes.items():
-            setattr(r, k, v)
-        return P.encode(r)
-    sampling = P.Sampling(max_tokens=4)
-    frames += [variant(drafter="nope"), variant(k=-1), variant(k=99), variant(prompt=""), variant(prompt=None),
-               variant(prompt_ids=[1, 2]), variant(prompt=None, prompt_ids=[]), variant(prompt=None, prompt_ids=[-5]),
+        return P.encode(msgspec.structs.replace(make_request(PROMPTS[0], max_tokens=4), **changes))
+
+    frames += [variant(drafter="nope"), variant(k=99), variant(prompt=""), variant(prompt=None),
+               variant(prompt_ids=[1, 2]), variant(prompt=None, prompt_ids=[]),
                variant(prompt=None, prompt_ids=list(range(1, 1100))), variant(prompt=None, messages=[]),
                variant(prompt=None, messages=[P.ChatMessage("tool", "x")]),
-               variant(params=P.Sampling(max_tokens=0)), variant(params=P.Sampling(temperature=-1.0)),
-               variant(params=P.Sampling(max_tokens=4, top_p=0.0)), variant(params=P.Sampling(top_k=-3)),
-               variant(params=P.Sampling(stop=[""])), variant(params=P.Sampling(max_tokens=10**6)),
-               variant(params=sampling, drafter="")]
+               variant(params=SamplingParams(max_tokens=0)), variant(params=SamplingParams(temperature=-1.0)),
+               variant(params=SamplingParams(max_tokens=4, top_p=0.0)), variant(params=SamplingParams(top_k=-3)),
+               variant(params=SamplingParams(stop=("",))), variant(params=SamplingParams(max_tokens=10**6)),
+               variant(drafter="")]
+    frames += [pack([version, {**fields, "k": -1}]), pack([version, {**fields, "prompt": None, "prompt_ids": [-5]}])]
     out = [[f] for f in frames]
     out += [[whole, whole], [b"", b"x"], [whole, b""], [b"a", b"b", b"c"]] * 3
     return out
@@ -518,7 +453,30 @@ def test_status_cli_reports_the_running_daemon(daemon: Daemon):
     assert f"pid {daemon.proc.pid}" in out.stdout and "worker name=target" in out.stdout
 
 
+def _detach(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "spind.cli", "start", "--detach", "--timeout", "120", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_detach_reports_the_daemons_own_error_when_the_run_dir_is_taken(daemon: Daemon):
+    """The new daemon exits at once (a daemon already uses the run dir); the old one still answers /health,
+    and --detach must not take that answer for its own."""
+    out = _detach("--config", str(daemon.config), "--port", str(free_port()), "--zmq-port", str(free_port()))
+    assert out.returncode == 1, out
+    assert f"a spind daemon (pid {daemon.proc.pid}) already uses run dir" in out.stderr
+    assert "spind serving" not in out.stdout
+    assert http_json(daemon.url + "/health")[1]["pid"] == daemon.proc.pid  # the old one serves on
+
+
+def test_detach_reports_a_taken_port(daemon: Daemon, tmp_path):
+    out = _detach("--config", str(daemon.config), "--run-dir", str(tmp_path / "run"), "--port", str(daemon.port),
+                  "--zmq-port", str(free_port()))
+    assert out.returncode == 1, out
+    assert f"cannot serve HTTP on 127.0.0.1:{daemon.port}" in out.stderr
+
+
 def test_sigterm_drains_in_flight_requests_then_exits_0(daemon: Daemon):
+    # last in this module: it stops the module's shared daemon
     async def check() -> dict:
         async with aiohttp.ClientSession(daemon.url) as s:
             body = {"prompt": PROMPTS[0], "max_tokens": 48, "ignore_eos": True, "stream": True,

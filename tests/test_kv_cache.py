@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spind.engine.offline import Runtime
+from spind.coordinator.local import LocalEngine
 from spind.models.kv_cache import KVCache, KVCacheFullError
 from spind.models.runner import ForwardItem, ModelRunner
 
@@ -19,10 +19,10 @@ def _kv_rows(runner: ModelRunner, req_id: str) -> tuple[torch.Tensor, torch.Tens
     return torch.stack([k[slots] for k in kv.k]), torch.stack([v[slots] for v in kv.v])
 
 
-def test_rollback_then_reappend_equals_fresh_prefill(runtime: Runtime, tokenizer) -> None:
+def test_rollback_then_reappend_equals_fresh_prefill(engine: LocalEngine, tokenizer) -> None:
     """A rejected draft that spilled into new blocks, rolled back, then a different continuation:
     the logits and every KV slot equal those of a request that never saw the rejected draft."""
-    runner = ModelRunner(runtime.target.runner.model, num_blocks=64, block_size=BLOCK)
+    runner = ModelRunner(engine.target.runner.model, num_blocks=64, block_size=BLOCK)
     prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog because")
     rejected = tokenizer.encode(" it was bored and wanted to see what lay beyond")
     accepted = tokenizer.encode(" the dog")
@@ -107,8 +107,8 @@ def test_lifecycle_errors() -> None:
         kv.truncate("a", 1)
 
 
-def test_runner_refuses_forward_past_the_pool(runtime: Runtime) -> None:
-    runner = ModelRunner(runtime.target.runner.model, num_blocks=2, block_size=BLOCK)
+def test_runner_refuses_forward_past_the_pool(engine: LocalEngine) -> None:
+    runner = ModelRunner(engine.target.runner.model, num_blocks=2, block_size=BLOCK)
     runner.add_request("a")
     assert not runner.can_append(2 * BLOCK + 1)
     with pytest.raises(KVCacheFullError):
@@ -116,8 +116,8 @@ def test_runner_refuses_forward_past_the_pool(runtime: Runtime) -> None:
     assert runner.length("a") == 0
 
 
-def test_runner_refuses_forward_past_the_context_limit(runtime: Runtime) -> None:
-    runner = ModelRunner(runtime.target.runner.model, num_blocks=8, block_size=BLOCK, max_model_len=16)
+def test_runner_refuses_forward_past_the_context_limit(engine: LocalEngine) -> None:
+    runner = ModelRunner(engine.target.runner.model, num_blocks=8, block_size=BLOCK, max_model_len=16)
     runner.add_request("a")
     with pytest.raises(ValueError, match="exceed the context limit 16"):
         runner.forward([ForwardItem("a", list(range(1, 18)))])

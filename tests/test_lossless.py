@@ -2,24 +2,24 @@
 
 With an fp32 target, the committed tokens are the target's argmax whatever the drafter proposes, so
 every drafter at every k must reproduce plain decoding token for token. The batch mixes prompts of
-4 to ~500 tokens, so one verify forward carries prefills, decode rows and verify rows together.
+4 to ~290 tokens, so one slot carries prefill chunks, first tokens, decode rows and verify rows together.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from conftest import SMALL_DRAFTER_LAYERS, generate, make_requests, new_req_id
 from spind.config import DrafterConfig
-from spind.drafters import build_drafter
 from spind.drafters.model import common_prefix
-from spind.engine.offline import GenRequest, GenResult, Runtime
-from spind.engine.sequence import Sequence
-from spind.engine.target import VerifyItem
-from spind.models.tokenizer import Tokenizer
-from spind.sampling import SamplingParams
+from spind.coordinator.local import GenRequest, GenResult, LocalEngine
+from spind.coordinator.request import Sequence
+from spind.worker.target import VerifyItem
+from spind.tokenizer import Tokenizer
+from spind.params import SamplingParams
 
 KS = (1, 4, 8)
 SHORT_REQUEST = 2  # index of the request whose max_tokens (3) ends it in the middle of a k >= 4 draft
@@ -32,8 +32,8 @@ def batch_params(num: int) -> list[SamplingParams]:
 
 
 @pytest.fixture(scope="module")
-def plain(runtime: Runtime, prompt_ids: list[list[int]]) -> list[GenResult]:
-    return generate(runtime, prompt_ids, None, 0, batch_params(len(prompt_ids)))
+def plain(engine: LocalEngine, prompt_ids: list[list[int]]) -> list[GenResult]:
+    return generate(engine, prompt_ids, None, 0, batch_params(len(prompt_ids)))
 
 
 def lossless_errors(results: list[GenResult], plain: list[GenResult]) -> list[str]:
@@ -56,60 +56,57 @@ def lossless_errors(results: list[GenResult], plain: list[GenResult]) -> list[st
 
 def test_plain_batch_is_varied(plain: list[GenResult], prompt_ids: list[list[int]]) -> None:
     lengths = sorted(map(len, prompt_ids))
-    assert len(prompt_ids) >= 8 and lengths[0] < 10 and lengths[-1] > 400
+    assert len(prompt_ids) >= 8 and lengths[0] < 10 and lengths[-1] > 250
     assert len(plain[SHORT_REQUEST].token_ids) == 3 and plain[SHORT_REQUEST].finish_reason == "length"
     assert all(len(r.token_ids) > 0 and r.num_drafted == 0 for r in plain)
 
 
 @pytest.mark.parametrize("k", KS)
-def test_greedy_speculation_is_lossless_for_every_drafter(runtime: Runtime, prompt_ids: list[list[int]],
+def test_greedy_speculation_is_lossless_for_every_drafter(engine: LocalEngine, prompt_ids: list[list[int]],
                                                           plain: list[GenResult], k: int) -> None:
     """Every configured drafter at once, in ONE batch: each drafts for its own copy of the prompts."""
-    drafters = list(runtime.drafters)
-    assert drafters == [d.name for d in runtime.cfg.drafters] and drafters
+    drafters = list(engine.drafters)
+    assert drafters == [d.name for d in engine.cfg.drafters] and drafters
     params = batch_params(len(prompt_ids))
     requests = [r for name in drafters for r in make_requests(prompt_ids, name, k, params)]
-    results = runtime.generate(requests, max_batch=len(requests))
+    results = engine.generate(requests, max_batch=len(requests))
     n = len(prompt_ids)
     errors = [e for i in range(len(drafters)) for e in lossless_errors(results[i * n:(i + 1) * n], plain)]
     assert not errors, "\n".join(errors)
 
 
-# Prompts of 4, ~40, ~125 and ~500 tokens (one cut at 3 tokens) for the two drafters built here, each of
+# Prompts of 4, ~50, ~120 and ~290 tokens (one cut at 3 tokens) for the two drafters built here, each of
 # which costs about as much per draft token as the target itself.
 EXTRA_DRAFTER_PROMPTS = [0, SHORT_REQUEST, 5, 8]
 
 
-def _check_extra_drafter(runtime: Runtime, dc: DrafterConfig, model_dir: Path, prompt_ids: list[list[int]],
-                         plain: list[GenResult]) -> Runtime:
-    rt = _with_drafter(runtime, dc, model_dir)
-    prompts = [prompt_ids[i] for i in EXTRA_DRAFTER_PROMPTS]
-    params = [batch_params(len(prompt_ids))[i] for i in EXTRA_DRAFTER_PROMPTS]
-    errors = lossless_errors(generate(rt, prompts, dc.name, 4, params), [plain[i] for i in EXTRA_DRAFTER_PROMPTS])
-    assert not errors, "\n".join(errors)
-    return rt
+def _check_extra_drafter(engine: LocalEngine, dc: DrafterConfig, prompt_ids: list[list[int]],
+                         plain: list[GenResult]) -> dict:
+    """A fresh engine with only this drafter (the shared one is left as it was): lossless on a few prompts.
+    Returns what the drafter's model looks like."""
+    rt = LocalEngine.load(dataclasses.replace(engine.cfg, drafters=(dc,)))
+    try:
+        prompts = [prompt_ids[i] for i in EXTRA_DRAFTER_PROMPTS]
+        params = [batch_params(len(prompt_ids))[i] for i in EXTRA_DRAFTER_PROMPTS]
+        errors = lossless_errors(generate(rt, prompts, dc.name, 4, params), [plain[i] for i in EXTRA_DRAFTER_PROMPTS])
+        assert not errors, "\n".join(errors)
+        drafter = rt.drafter(dc.name)
+        return {"kind": drafter.kind, "num_layers": len(drafter.runner.model.layers)}
+    finally:
+        rt.close()
 
 
-def _with_drafter(runtime: Runtime, dc: DrafterConfig, model_dir: Path) -> Runtime:
-    """The session's target with one extra drafter (the shared runtime is left as it was)."""
-    drafter = build_drafter(dc, runtime.cfg, model_dir, runtime.tokenizer)
-    return Runtime(runtime.cfg, runtime.tokenizer, runtime.target, {dc.name: drafter})
-
-
-def test_layer_subset_self_draft_is_lossless(runtime: Runtime, model_dir: Path, prompt_ids: list[list[int]],
+def test_layer_subset_self_draft_is_lossless(engine: LocalEngine, model_dir: Path, prompt_ids: list[list[int]],
                                              plain: list[GenResult]) -> None:
     layers = tuple(i for i in range(30) if i not in (14, 15, 16))
     dc = DrafterConfig(name="layers", kind="self", variant="layers", layers=layers)
-    rt = _check_extra_drafter(runtime, dc, model_dir, prompt_ids, plain)
-    assert len(rt.drafters["layers"].runner.model.layers) == 27
+    assert _check_extra_drafter(engine, dc, prompt_ids, plain)["num_layers"] == 27
 
 
-def test_separate_model_drafter_is_lossless(runtime: Runtime, model_dir: Path, small_drafter_dir: Path,
+def test_separate_model_drafter_is_lossless(engine: LocalEngine, model_dir: Path, small_drafter_dir: Path,
                                             prompt_ids: list[list[int]], plain: list[GenResult]) -> None:
     dc = DrafterConfig(name="small", kind="model", path=str(small_drafter_dir))
-    rt = _check_extra_drafter(runtime, dc, model_dir, prompt_ids, plain)
-    assert rt.drafters["small"].kind == "model"
-    assert len(rt.drafters["small"].runner.model.layers) == SMALL_DRAFTER_LAYERS
+    assert _check_extra_drafter(engine, dc, prompt_ids, plain) == {"kind": "model", "num_layers": SMALL_DRAFTER_LAYERS}
 
 
 # ---- stop rules: Sequence.append on exact token lists -------------------------------------------------
@@ -119,38 +116,38 @@ EOS = 2
 
 def _sequence(max_tokens: int = 32, max_model_len: int = 64, ignore_eos: bool = False) -> Sequence:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
-    return Sequence("s", [10, 11, 12], params, frozenset({EOS}), max_model_len)
+    return Sequence("s", [10, 11, 12], params, frozenset({EOS}), max_model_len, None)
 
 
 def test_eos_mid_draft_ends_the_output() -> None:
     seq = _sequence()
-    assert seq.append([5, 6, EOS, 7], None) == [5, 6]
+    assert seq.append([5, 6, EOS, 7]) == [5, 6]
     assert seq.output_ids == [5, 6] and seq.finish_reason == "stop"
 
 
 def test_ignore_eos_keeps_going() -> None:
     seq = _sequence(ignore_eos=True)
-    assert seq.append([5, EOS, 7], None) == [5, EOS, 7] and not seq.is_finished
+    assert seq.append([5, EOS, 7]) == [5, EOS, 7] and not seq.is_finished
 
 
 def test_max_tokens_mid_draft() -> None:
     seq = _sequence(max_tokens=4)
-    seq.append([5], None)
+    seq.append([5])
     assert seq.max_draft(8) == 2  # 3 tokens left: 2 drafts + the bonus
-    assert seq.append([6, 7, 8, 9], None) == [6, 7, 8]
+    assert seq.append([6, 7, 8, 9]) == [6, 7, 8]
     assert seq.output_ids == [5, 6, 7, 8] and seq.finish_reason == "length"
 
 
 def test_context_limit_mid_draft() -> None:
     seq = _sequence(max_model_len=5)  # 3 prompt tokens: room for 2
     assert seq.max_draft(8) == 2
-    assert seq.append([5, 6, 7], None) == [5, 6] and seq.finish_reason == "length"
+    assert seq.append([5, 6, 7]) == [5, 6] and seq.finish_reason == "length"
 
 
 def test_stop_string_cuts_the_text(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("The capital of France is Paris. It is big.")
-    seq = Sequence("s", [1], SamplingParams(stop=("Paris", "never")), frozenset({EOS}), 64)
-    seq.append(ids, tokenizer)
+    seq = Sequence("s", [1], SamplingParams(stop=("Paris", "never")), frozenset({EOS}), 64, tokenizer)
+    seq.append(ids)
     assert seq.text == "The capital of France is " and seq.finish_reason == "stop"
 
 
@@ -161,42 +158,42 @@ def capital_prompt(tokenizer: Tokenizer) -> list[int]:
     return tokenizer.apply_chat([{"role": "user", "content": "What is the capital of France?"}])
 
 
-def _plain_and_speculative(runtime: Runtime, prompt: list[int], params: SamplingParams) -> list[GenResult]:
-    return runtime.generate([GenRequest(new_req_id("plain"), prompt, params, None, 0),
+def _plain_and_speculative(engine: LocalEngine, prompt: list[int], params: SamplingParams) -> list[GenResult]:
+    return engine.generate([GenRequest(new_req_id("plain"), prompt, params, None, 0),
                              GenRequest(new_req_id("int8"), prompt, params, "int8", 8)])
 
 
-def test_eos_ends_speculative_output_like_plain(runtime: Runtime, capital_prompt: list[int]) -> None:
-    plain_res, spec = _plain_and_speculative(runtime, capital_prompt, SamplingParams(max_tokens=32))
+def test_eos_ends_speculative_output_like_plain(engine: LocalEngine, capital_prompt: list[int]) -> None:
+    plain_res, spec = _plain_and_speculative(engine, capital_prompt, SamplingParams(max_tokens=32))
     assert plain_res.finish_reason == spec.finish_reason == "stop"
     assert spec.token_ids == plain_res.token_ids and EOS not in spec.token_ids
     assert len(spec.token_ids) < 32 and spec.num_steps < len(spec.token_ids)  # several tokens per step
 
 
-def test_eos_inside_an_accepted_draft_ends_the_output(runtime: Runtime, capital_prompt: list[int]) -> None:
+def test_eos_inside_an_accepted_draft_ends_the_output(engine: LocalEngine, capital_prompt: list[int]) -> None:
     """The target accepts a draft through EOS and beyond; the sequence keeps only what precedes EOS."""
-    plain_res = _plain_and_speculative(runtime, capital_prompt, SamplingParams(max_tokens=32))[0]
+    plain_res = _plain_and_speculative(engine, capital_prompt, SamplingParams(max_tokens=32))[0]
     answer = plain_res.token_ids
     rid = new_req_id("eos")
-    seq = Sequence(rid, capital_prompt + answer[:-2], SamplingParams(max_tokens=32), runtime.tokenizer.eos_token_ids,
-                   runtime.max_model_len)
-    runtime.target.add_request(rid, seq.tokens, seq.params)
+    seq = Sequence(rid, capital_prompt + answer[:-2], SamplingParams(max_tokens=32), engine.tokenizer.eos_token_ids,
+                   engine.max_model_len, engine.tokenizer)
+    engine.target.add_request(rid, seq.token_ids, seq.params)
     try:
-        out = runtime.target.verify([VerifyItem(rid, answer[-2:] + [EOS, answer[0]])])[0]
+        out = engine.target.verify([VerifyItem(rid, answer[-2:] + [EOS, answer[0]])])[0]
     finally:
-        runtime.target.free_request(rid)
+        engine.target.free_request(rid)
     assert out.num_accepted >= 3 and out.tokens[:3] == answer[-2:] + [EOS]  # EOS accepted mid-draft
-    assert seq.append(out.tokens, runtime.tokenizer) == answer[-2:]
+    assert seq.append(out.tokens) == answer[-2:]
     assert seq.finish_reason == "stop" and seq.output_ids == answer[-2:]
 
 
-def test_stop_string_mid_draft_cuts_the_text(runtime: Runtime, capital_prompt: list[int]) -> None:
-    plain_res, spec = _plain_and_speculative(runtime, capital_prompt, SamplingParams(max_tokens=32, stop=("France",)))
+def test_stop_string_mid_draft_cuts_the_text(engine: LocalEngine, capital_prompt: list[int]) -> None:
+    plain_res, spec = _plain_and_speculative(engine, capital_prompt, SamplingParams(max_tokens=32, stop=("France",)))
     assert spec.text == plain_res.text == "The capital of "
     assert spec.finish_reason == plain_res.finish_reason == "stop"
 
 
-def test_stop_string_mid_draft_keeps_the_tokens_plain_decoding_keeps(runtime: Runtime,
+def test_stop_string_mid_draft_keeps_the_tokens_plain_decoding_keeps(engine: LocalEngine,
                                                                      capital_prompt: list[int]) -> None:
-    plain_res, spec = _plain_and_speculative(runtime, capital_prompt, SamplingParams(max_tokens=32, stop=("France",)))
+    plain_res, spec = _plain_and_speculative(engine, capital_prompt, SamplingParams(max_tokens=32, stop=("France",)))
     assert spec.token_ids == plain_res.token_ids

@@ -1,4 +1,5 @@
-"""Our LLaMA forward and GGUF loader against transformers' own, and the attention backends against each other."""
+"""Our LLaMA forward and GGUF loader against transformers' own, and the attention modes against each other at
+model level (kernel-level parity of every mode: tests/test_kernels*.py)."""
 
 from __future__ import annotations
 
@@ -8,25 +9,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.attention import AttentionBatch, get_backend
+from spind.kernels.attention import TORCH_BACKENDS
 from spind.config import SpindConfig
-from spind.engine.offline import Runtime
+from spind.coordinator.local import LocalEngine
 from spind.models.loader import default_gguf_path
 from spind.models.runner import ForwardItem, ModelRunner
-from spind.models.tokenizer import Tokenizer
+from spind.tokenizer import Tokenizer
 from conftest import new_req_id
 
 FP32_LOGITS_ATOL = 1e-3  # observed ~1e-4 on logits of magnitude ~40
 DECODE_STEPS = 4
+MODES = (*TORCH_BACKENDS, "invariant")  # every mode that runs on this CPU without Triton
 
 
-def test_logits_match_transformers(runtime: Runtime, model_dir: Path, tokenizer: Tokenizer) -> None:
+def test_logits_match_transformers(engine: LocalEngine, model_dir: Path, tokenizer: Tokenizer) -> None:
     """Prefill, then greedy decode steps through our paged KV cache vs HF's DynamicCache, both fp32."""
     from transformers import LlamaForCausalLM
 
     hf = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True).eval()
     prompt = tokenizer.apply_chat([{"role": "user", "content": "Explain how a hash map works, briefly."}])
-    runner = runtime.target.runner
+    runner = engine.target.runner
     rid = new_req_id("parity")
     runner.add_request(rid)
     try:
@@ -65,44 +67,10 @@ def test_gguf_dequantization_matches_transformers(model_dir: Path) -> None:
     assert torch.equal(theirs["lm_head.weight"], ours["model.embed_tokens.weight"])
 
 
-def _attention_inputs(q_lens: list[int], ctx_lens: list[int], num_heads: int, num_kv_heads: int,
-                      head_dim: int) -> tuple[AttentionBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random q and caches; each request's slots are scattered over the pool (a shuffled block layout)."""
-    gen = torch.Generator().manual_seed(0)
-    num_slots = sum(ctx_lens) + 64
-    perm = torch.randperm(num_slots, generator=gen)
-    read, write, offset = [], [], 0
-    for q, c in zip(q_lens, ctx_lens):
-        slots = perm[offset:offset + c]
-        read.append(slots)
-        write.append(slots[c - q:])
-        offset += c
-    batch = AttentionBatch(q_lens=q_lens, ctx_lens=ctx_lens, write_slots=torch.cat(write), read_slots=read)
-    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen)
-    k = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen)
-    v = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen)
-    return batch, q, k, v
-
-
-def test_attention_backends_agree_on_random_inputs() -> None:
-    """Kernel level: decode rows, verify rows and a prefill, contexts from 1 to 700 tokens, GQA 9:3."""
-    q_lens, ctx_lens = [1, 5, 1, 9, 64], [1, 40, 700, 9, 300]
-    batch, q, k, v = _attention_inputs(q_lens, ctx_lens, num_heads=9, num_kv_heads=3, head_dim=64)
-    packed = get_backend("packed")(batch, "cpu")(q, k, v, 0.125)
-    padded = get_backend("padded")(batch, "cpu")(q, k, v, 0.125)
-    assert packed.shape == q.shape
-    torch.testing.assert_close(padded, packed, atol=1e-5, rtol=1e-5)
-
-
-def test_attention_backend_registry_names_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="packed"):
-        get_backend("flash")
-
-
-def test_packed_and_padded_models_agree(runtime: Runtime, cfg: SpindConfig, prompt_ids: list[list[int]]) -> None:
-    """Model level: one prefill of prompts from 4 to ~500 tokens, then a step mixing decode and verify rows."""
-    model = runtime.target.runner.model
-    runners = {name: ModelRunner(model, 128, cfg.runtime.kv_block_size, name) for name in ("packed", "padded")}
+def test_attention_modes_agree_at_model_level(engine: LocalEngine, cfg: SpindConfig, prompt_ids: list[list[int]]) -> None:
+    """Model level: one prefill of prompts from 4 to ~290 tokens, then a step mixing decode and verify rows."""
+    model = engine.target.runner.model
+    runners = {name: ModelRunner(model, 128, cfg.runtime.kv_block_size, name) for name in MODES}
     prefill_logits: dict[str, list[torch.Tensor]] = {}
     step_logits: dict[str, list[torch.Tensor]] = {}
     draft_lens = [0, 4, 8, 1, 0, 2, 7, 3, 5]
@@ -114,7 +82,10 @@ def test_packed_and_padded_models_agree(runtime: Runtime, cfg: SpindConfig, prom
         steps = [ForwardItem(r, ids[:n + 1], n + 1) for r, ids, n in zip(rids, prompt_ids, draft_lens)]
         step_logits[name] = runner.forward(steps)
     lengths = [len(ids) for ids in prompt_ids]
-    assert min(lengths) < 10 and max(lengths) > 400 and len(draft_lens) == len(prompt_ids)
-    packed = prefill_logits["packed"] + step_logits["packed"]
-    for a, b in zip(packed, prefill_logits["padded"] + step_logits["padded"], strict=True):
-        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-5)
+    assert min(lengths) < 10 and max(lengths) > 250 and len(draft_lens) == len(prompt_ids)
+    padded = prefill_logits["padded"] + step_logits["padded"]
+    for name in MODES:
+        for a, b in zip(padded, prefill_logits[name] + step_logits[name], strict=True):
+            # 3e-4: the default (gguf) target rounds activations to 23-bit digits, which turns the backends' ~1e-6
+            # differences into up to ~1.4e-4 on logits of magnitude ~40 (the fp32 target stays under 1e-4)
+            torch.testing.assert_close(b, a, atol=3e-4, rtol=1e-5)

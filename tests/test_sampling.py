@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from spind.sampling import (SamplingParams, make_generator, sample, to_probs, verify_greedy,
+from spind.worker.sampling import (SamplingParams, make_generator, sample, to_probs, verify_greedy,
                             verify_stochastic)
 
 V = 6

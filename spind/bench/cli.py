@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from spind.bench.datasets import DEFAULT_DATASETS_DIR, WORKLOADS, check_datasets_dir
-from spind.config import SpindConfig
+from spind.config import DTYPES, SpindConfig
 
 if TYPE_CHECKING:
+    from spind.bench.decode import DecodeBenchSettings
     from spind.bench.drafters import DrafterBenchSettings
     from spind.bench.serve import ServeSettings
+    from spind.bench.verify import VerifyBenchSettings
 
 DEFAULT_DATASETS = ("alpaca", "mt_bench", "humaneval", "gsm8k", "passage")
 
@@ -39,6 +41,56 @@ def add_parsers(sub: argparse._SubParsersAction,
     d.add_argument("--out", type=Path, default=Path("bench-results/drafters.json"))
     d.set_defaults(func=cmd_bench_drafters)
 
+    e = bench_sub.add_parser("e2e", help="the paper's evaluation: every system side by side on a workload")
+    add_config_args(e)
+    e.add_argument("--workload", default="mix", help="alpaca, cp, mtbench, humaneval, gsm8k, passage, mix, or a path "
+                                                    "to a JSONL (MT-bench schema) or JSON list of prompts")
+    e.add_argument("--num-requests", type=int, default=24)
+    e.add_argument("--batch-size", type=int, default=8, help="closed-loop clients (the paper's batch size)")
+    e.add_argument("--rate", type=float, default=None, help="open loop instead: Poisson arrivals per second")
+    e.add_argument("--max-tokens", type=int, default=64)
+    e.add_argument("--systems", default="none,fixed:ngram,fixed:int8,spin,spin-nopipe,spin-nobatch-nopipe",
+                   help="comma-separated: none, fixed:NAME, spin, spin-nopipe, spin-nobatch-nopipe, greedy-length, "
+                        "epsilon-greedy, random, oracle, hf-plain, hf-assisted:NAME, hf-prompt-lookup")
+    e.add_argument("--temperature", type=float, default=0.0)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--k", type=int, default=None, help="draft length of fixed:NAME (default: [speculation].k)")
+    e.add_argument("--datasets-dir", type=Path, default=DEFAULT_DATASETS_DIR)
+    e.add_argument("--json", type=Path, default=Path("bench-results/e2e.json"))
+    e.add_argument("--plot", type=Path, default=None, help="directory for PNG plots (needs the bench extra)")
+    e.set_defaults(func=cmd_bench_e2e)
+
+    pp = bench_sub.add_parser("pipeline", help="goodput vs micro-batches per SSM, pipeline on vs off, occupancy")
+    add_config_args(pp)
+    pp.add_argument("--workload", default="alpaca", help="prompts (a workload name or a prompt file)")
+    pp.add_argument("--batch-sizes", default="1,8", help="comma-separated closed-loop client counts")
+    pp.add_argument("--drafter", default="int8", help="the model drafter the pipeline overlaps with verification")
+    pp.add_argument("--max-tokens", type=int, default=64)
+    pp.add_argument("--max-micro-batches", type=int, default=9)
+    pp.add_argument("--requests-per-client", type=int, default=2)
+    pp.add_argument("--seed", type=int, default=0)
+    pp.add_argument("--datasets-dir", type=Path, default=DEFAULT_DATASETS_DIR)
+    pp.add_argument("--out", type=Path, default=Path("bench-results/pipeline.json"), help="JSON; the plot beside it")
+    pp.set_defaults(func=cmd_bench_pipeline)
+
+    c = bench_sub.add_parser("decode", help="ms per decode step, verify and generated token per target dtype, "
+                                             "with drafters and against llama.cpp, side by side")
+    add_config_args(c)
+    c.add_argument("--dtypes", default="float32,bfloat16,int8,int4,gguf",
+                   help=f"comma-separated target dtypes timed side by side, from: {', '.join(DTYPES)}")
+    c.add_argument("--datasets", default="alpaca,mt_bench,humaneval,gsm8k",
+                   help=f"comma-separated prompt kinds from: {', '.join(WORKLOADS)}")
+    c.add_argument("--datasets-dir", type=Path, default=DEFAULT_DATASETS_DIR)
+    c.add_argument("--drafters", default=None, help="comma-separated drafter names (default: all configured)")
+    c.add_argument("--num-prompts", type=int, default=4, help="prompts per kind")
+    c.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt (EOS ignored)")
+    c.add_argument("--k", type=int, default=None, help="tokens drafted per step (default: config)")
+    c.add_argument("--steps", type=int, default=32, help="interleaved rounds timed per forward kind")
+    c.add_argument("--llama-cpp", action="store_true",
+                   help="also time llama.cpp's plain decoding of the same GGUF (needs the bench-llamacpp extra)")
+    c.add_argument("--out", type=Path, default=Path("bench-results/decode.json"))
+    c.set_defaults(func=cmd_bench_decode)
+
     s = bench_sub.add_parser("serve", help="TTFT and tokens/s of the daemon per drafter and concurrency, side by side")
     add_config_args(s)
     s.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of closed-loop clients")
@@ -46,36 +98,85 @@ def add_parsers(sub: argparse._SubParsersAction,
     s.add_argument("--dataset", default="mt_bench", help=f"prompt workload, one of: {', '.join(WORKLOADS)}")
     s.add_argument("--datasets-dir", type=Path, default=DEFAULT_DATASETS_DIR)
     s.add_argument("--num-requests", type=int, default=None, help="requests per level (default: 2 x concurrency, >= 4)")
-    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--max-tokens", default="64", help="comma-separated output lengths (each a level)")
     s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly --max-tokens tokens per request (default: on)")
     s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--url", default=None, help="a running daemon's HTTP base URL (default: start one, stop it after)")
+    s.add_argument("--url", action="append", default=None, metavar="[LABEL=]URL",
+                   help="a running daemon's HTTP base URL; repeat to compare daemons side by side "
+                        "(default: start one, stop it after)")
     s.add_argument("--out", type=Path, default=Path("bench-results/serve.json"))
     s.set_defaults(func=cmd_bench_serve)
+
+    sel = bench_sub.add_parser("select", help="selection policies side by side in the simulator: goodput, regret")
+    sel.add_argument("--workloads", default="mixed,cpu-smollm,gpu-paper", help="comma-separated synthetic workloads")
+    sel.add_argument("--profiles", default="", help="comma-separated profile JSON files to replay as well")
+    sel.add_argument("--policies", default="", help="comma-separated (default: every baseline, fixed:NAME, oracle)")
+    sel.add_argument("--num-requests", type=int, default=500)
+    sel.add_argument("--max-slots", type=int, default=20_000, help="stop there even if requests remain")
+    sel.add_argument("--k", type=int, default=4, help="k of fixed:NAME, greedy-length and named drafters")
+    sel.add_argument("--seed", type=int, default=0)
+    sel.add_argument("--speed-requests", type=int, default=10_000, help="size of the timed run (0: skip it)")
+    sel.add_argument("--speed-slots", type=int, default=10_000)
+    sel.add_argument("--out", type=Path, default=Path("bench-results/select.json"))
+    sel.set_defaults(func=cmd_bench_select)
+
+    v = bench_sub.add_parser("verify", help="verification latency and memory per attention mode and batch size, "
+                                            "and verify(k+1)/decode(1)")
+    add_config_args(v)
+    v.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="comma-separated batch sizes")
+    v.add_argument("--modes", default=None,
+                   help="comma-separated attention modes (default: padded,decomposed,packed; +triton-* on CUDA)")
+    v.add_argument("--query-len", type=int, default=5, help="new tokens per request (k+1) in the mode comparison")
+    v.add_argument("--ks", default="1,2,4,8", help="comma-separated k for verify(k+1)/decode(1) at batch 1")
+    v.add_argument("--num-batches", type=int, default=3, help="Alpaca batches per batch size")
+    v.add_argument("--generated", type=int, default=0,
+                   help="requests are uniformly 0..N tokens into their answers (default 0: contexts are prompts)")
+    v.add_argument("--repeats", type=int, default=5, help="timed runs per mode and batch")
+    v.add_argument("--rows-per-seq", type=float, default=2.0, help="decomposition: B = ceil(rows_per_seq x batch)")
+    v.add_argument("--no-forward", action="store_true", help="time attention only, not the whole verify forward")
+    v.add_argument("--device", default="cpu", help="cpu or cuda")
+    v.add_argument("--datasets-dir", type=Path, default=DEFAULT_DATASETS_DIR)
+    v.add_argument("--out", type=Path, default=Path("bench-results/verify.json"), help="JSON; the plot goes beside it")
+    v.set_defaults(func=cmd_bench_verify)
 
 
 def _names(csv: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in csv.split(",") if n.strip())
 
 
+def _workloads(csv: str) -> tuple[str, ...]:
+    names = _names(csv)
+    for name in names:
+        if name not in WORKLOADS:
+            raise ValueError(f"unknown dataset {name!r}; known: {', '.join(WORKLOADS)}")
+    if not names:
+        raise ValueError("need at least one dataset")
+    return names
+
+
+def _drafters(csv: str | None, cfg: SpindConfig) -> tuple[str, ...]:
+    """Named drafters (all configured ones when None); an unknown name raises ConfigError."""
+    names = _names(csv) if csv is not None else tuple(d.name for d in cfg.drafters)
+    for name in names:
+        cfg.drafter(name)
+    return names
+
+
+def _check_positive(**values: int) -> None:
+    for flag, value in values.items():
+        if value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+
+
 def drafter_settings(args: argparse.Namespace, cfg: SpindConfig) -> DrafterBenchSettings:
     """Validate the arguments before any model loads; bad ones raise ValueError / ConfigError."""
     from spind.bench.drafters import DrafterBenchSettings
 
-    datasets = _names(args.datasets)
-    for name in datasets:
-        if name not in WORKLOADS:
-            raise ValueError(f"unknown dataset {name!r}; known: {', '.join(WORKLOADS)}")
-    drafters = _names(args.drafters) if args.drafters else tuple(d.name for d in cfg.drafters)
-    for name in drafters:
-        cfg.drafter(name)
+    datasets, drafters = _workloads(args.datasets), _drafters(args.drafters, cfg)
     k = cfg.speculation.k if args.k is None else args.k
-    for flag, value in (("--num-prompts", args.num_prompts), ("--max-tokens", args.max_tokens), ("--k", k),
-                        ("--decode-steps", args.decode_steps)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1")
-    if not datasets or not drafters:
+    _check_positive(num_prompts=args.num_prompts, max_tokens=args.max_tokens, k=k, decode_steps=args.decode_steps)
+    if not drafters:
         raise ValueError("need at least one dataset and one drafter")
     return DrafterBenchSettings(datasets=datasets, drafters=drafters, num_prompts=args.num_prompts,
                                 max_tokens=args.max_tokens, k=k, decode_steps=args.decode_steps,
@@ -98,6 +199,38 @@ def cmd_bench_drafters(args: argparse.Namespace) -> int:
     return 0
 
 
+def decode_settings(args: argparse.Namespace, cfg: SpindConfig) -> DecodeBenchSettings:
+    """Validate the arguments before any model loads; bad ones raise ValueError / ConfigError."""
+    from spind.bench.decode import DecodeBenchSettings
+
+    dtypes = _names(args.dtypes)
+    for name in dtypes:
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}")
+    datasets, drafters = _workloads(args.datasets), _drafters(args.drafters, cfg)
+    k = cfg.speculation.k if args.k is None else args.k
+    _check_positive(num_prompts=args.num_prompts, max_tokens=args.max_tokens, k=k, steps=args.steps)
+    return DecodeBenchSettings(dtypes=dtypes, drafters=drafters, datasets=datasets, num_prompts=args.num_prompts,
+                               max_tokens=args.max_tokens, k=k, steps=args.steps, llama_cpp=args.llama_cpp,
+                               datasets_dir=check_datasets_dir(args.datasets_dir))
+
+
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    import torch
+
+    from spind.bench.decode import render_tables, run_decode_bench
+    from spind.bench.report import write_json
+    from spind.cli import config_from_args
+
+    cfg = config_from_args(args)
+    settings = decode_settings(args, cfg)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    results = run_decode_bench(cfg, settings)
+    print(f"wrote {write_json(args.out, results)}", file=sys.stderr)
+    print(render_tables(results))
+    return 0
+
+
 def serve_settings(args: argparse.Namespace) -> ServeSettings:
     """Validate the arguments before the daemon starts; bad ones raise ValueError."""
     from spind.bench.serve import ServeSettings
@@ -109,12 +242,28 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
     drafters = _names(args.drafters)
     if args.dataset not in WORKLOADS:
         raise ValueError(f"unknown dataset {args.dataset!r}; known: {', '.join(WORKLOADS)}")
+    try:
+        max_tokens = tuple(int(n) for n in _names(args.max_tokens))
+    except ValueError:
+        raise ValueError(f"--max-tokens must be comma-separated integers, got {args.max_tokens!r}") from None
     if not concurrency or not drafters or min(concurrency) < 1:
         raise ValueError("need at least one drafter and concurrency levels >= 1")
-    if args.max_tokens < 1 or (args.num_requests is not None and args.num_requests < 1):
+    if not max_tokens or min(max_tokens) < 1 or (args.num_requests is not None and args.num_requests < 1):
         raise ValueError("--max-tokens and --num-requests must be >= 1")
-    return ServeSettings(concurrency, drafters, args.dataset, args.num_requests, args.max_tokens, args.ignore_eos,
+    return ServeSettings(concurrency, drafters, args.dataset, args.num_requests, max_tokens, args.ignore_eos,
                          args.temperature)
+
+
+def daemon_urls(urls: list[str] | None) -> dict[str, str]:
+    """--url [LABEL=]URL ... -> {label: base URL}."""
+    out = {}
+    for i, spec in enumerate(urls or []):
+        label, sep, url = spec.partition("=")
+        label, url = (label, url) if sep else (f"daemon{i + 1}" if len(urls) > 1 else "spind", spec)
+        if label in out:
+            raise ValueError(f"--url label {label!r} given twice")
+        out[label] = url.rstrip("/")
+    return out
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -129,18 +278,155 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     settings = serve_settings(args)
+    daemons = daemon_urls(args.url)
     for name in settings.drafters:
-        if name not in ("auto", "none") and not args.url:
+        if name not in ("auto", "none") and not daemons:
             cfg.drafter(name)  # unknown name -> ConfigError before the daemon starts
     num_prompts = max(settings.requests_at(c) for c in settings.concurrency)
     prompts = load_prompts(settings.dataset, num_prompts, check_datasets_dir(args.datasets_dir))
     headers = {"Authorization": f"Bearer {cfg.server.api_key}"} if cfg.server.api_key else None
     options = [arg for flag, value in (("--config", args.config), ("--model", args.model), ("--dtype", args.dtype),
                                        ("--threads", args.threads)) if value is not None for arg in (flag, str(value))]
-    if args.url and http_json(args.url.rstrip("/") + "/health")[0] != 200:
-        raise ValueError(f"no healthy spind daemon answers at {args.url}/health")
-    with contextlib.nullcontext(args.url.rstrip("/")) if args.url else local_daemon(options) as url:
-        results = asyncio.run(run_serve_bench(url, prompts, settings, headers))
+    for label, url in daemons.items():
+        if http_json(url + "/health")[0] != 200:
+            raise ValueError(f"no healthy spind daemon answers at {url}/health ({label})")
+    with contextlib.nullcontext(daemons) if daemons else local_daemon(options) as url:
+        targets = url if daemons else {"spind": url}
+        results = asyncio.run(run_serve_bench(targets, prompts, settings, headers))
     print(render_table(results))
     print(f"wrote {write_json(args.out, results)}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_select(args: argparse.Namespace) -> int:
+    from spind.bench.report import write_json
+    from spind.bench.select import SelectBenchSettings, render_tables, run_select_bench
+    from spind.coordinator.bandit import SelectionConfig
+    from spind.sim.workloads import WORKLOADS
+
+    settings = SelectBenchSettings(_names(args.workloads), _names(args.policies), args.num_requests, args.max_slots,
+                                   args.seed, tuple(Path(p) for p in _names(args.profiles)), args.k,
+                                   args.speed_requests, args.speed_slots)
+    for name in settings.workloads:
+        if name not in WORKLOADS:
+            raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    if min(args.num_requests, args.max_slots, args.k) < 1 or min(args.speed_requests, args.speed_slots) < 0:
+        raise ValueError("--num-requests, --max-slots and --k must be >= 1, --speed-* >= 0")
+    results = run_select_bench(settings, SelectionConfig())
+    print(render_tables(results))
+    print(f"wrote {write_json(args.out, results)}", file=sys.stderr)
+    return 0
+
+
+def _ints(flag: str, csv: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(n) for n in _names(csv))
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {csv!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} needs integers >= 1")
+    return values
+
+
+def verify_settings(args: argparse.Namespace) -> VerifyBenchSettings:
+    """Validate the arguments before any model loads; bad ones raise ValueError."""
+    from spind.bench.verify import VerifyBenchSettings
+    from spind.kernels.attention import BACKENDS, TORCH_BACKENDS
+
+    if args.device not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {args.device!r}")
+    default = TORCH_BACKENDS + (("triton-decomposed", "triton-packed") if args.device == "cuda" else ())
+    modes = _names(args.modes) if args.modes else default
+    for m in modes:
+        if m not in BACKENDS:
+            raise ValueError(f"unknown attention mode {m!r}; known: {', '.join(BACKENDS)}")
+        if m.startswith("triton") and args.device != "cuda":
+            raise ValueError(f"{m} needs --device cuda (on CPU Triton only interprets, far too slowly to time)")
+    if args.query_len < 1 or args.num_batches < 1 or args.repeats < 1 or args.rows_per_seq < 1:
+        raise ValueError("--query-len, --num-batches, --repeats and --rows-per-seq must be >= 1")
+    if args.generated < 0:
+        raise ValueError("--generated must be >= 0")
+    return VerifyBenchSettings(batch_sizes=_ints("--batch-sizes", args.batch_sizes), modes=modes,
+                               query_len=args.query_len, ks=_ints("--ks", args.ks), num_batches=args.num_batches,
+                               generated=args.generated,
+                               repeats=args.repeats, rows_per_seq=args.rows_per_seq,
+                               with_forward=not args.no_forward, datasets_dir=check_datasets_dir(args.datasets_dir),
+                               device=args.device)
+
+
+def cmd_bench_verify(args: argparse.Namespace) -> int:
+    import torch
+
+    from spind.bench.report import write_json
+    from spind.bench.verify import render_tables, run_verify_bench, write_plot
+    from spind.cli import config_from_args
+
+    cfg = config_from_args(args)
+    settings = verify_settings(args)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    results = run_verify_bench(cfg, settings)
+    print(render_tables(results))
+    print(f"wrote {write_json(args.out, results)}", file=sys.stderr)
+    plot = write_plot(results, args.out.with_suffix(".png"))
+    print(f"wrote {plot}" if plot else "no plot: matplotlib is missing (pip install 'spind[bench]')", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_e2e(args: argparse.Namespace) -> int:
+    from spind.bench.datasets import sample_workload
+    from spind.bench.e2e import E2ESettings, render_table, run_e2e
+    from spind.bench.e2e_plots import write_plots
+    from spind.bench.report import write_json
+    from spind.cli import config_from_args
+
+    cfg = config_from_args(args)
+    systems = _names(args.systems)
+    if not systems:
+        raise ValueError("--systems needs at least one system")
+    for flag, value in (("--num-requests", args.num_requests), ("--batch-size", args.batch_size),
+                        ("--max-tokens", args.max_tokens)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1")
+    if args.rate is not None and args.rate <= 0:
+        raise ValueError("--rate must be > 0 requests per second")
+    k = cfg.speculation.k if args.k is None else args.k
+    settings = E2ESettings(args.workload, args.num_requests, args.batch_size, args.max_tokens, systems,
+                           args.temperature, args.seed, args.rate, k)
+    prompts = sample_workload(args.workload, args.num_requests, args.seed, args.datasets_dir)
+    results = run_e2e(cfg, settings, prompts)
+    print(render_table(results))
+    print(f"wrote {write_json(args.json, results)}", file=sys.stderr)
+    if args.plot is not None:
+        plots = write_plots(results, args.plot)
+        print("wrote " + ", ".join(map(str, plots)) if plots else "no plots: pip install -e '.[bench]' (matplotlib)",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_bench_pipeline(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from spind.bench.datasets import sample_workload
+    from spind.bench.pipeline import PipelineBenchSettings, render_tables, run_pipeline_bench, write_plot
+    from spind.bench.report import write_json
+    from spind.cli import config_from_args
+
+    cfg = config_from_args(args)
+    cfg.drafter(args.drafter)
+    batches = _ints("--batch-sizes", args.batch_sizes)
+    for flag, value in (("--max-tokens", args.max_tokens), ("--max-micro-batches", args.max_micro_batches),
+                        ("--requests-per-client", args.requests_per_client)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1")
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, pipeline=True,
+                                                               max_batch_size=max(cfg.runtime.max_batch_size,
+                                                                                  max(batches))))
+    settings = PipelineBenchSettings(batches, args.drafter, args.max_tokens, args.max_micro_batches,
+                                     args.requests_per_client, cfg.speculation.k)
+    prompts = sample_workload(args.workload, max(batches) * args.requests_per_client, args.seed, args.datasets_dir)
+    results = run_pipeline_bench(cfg, settings, prompts)
+    print(render_tables(results))
+    print(f"wrote {write_json(args.out, results)}", file=sys.stderr)
+    plot = write_plot(results, args.out.with_suffix(".png"))
+    print(f"wrote {plot}" if plot else "no plot: pip install -e '.[bench]' (matplotlib)", file=sys.stderr)
     return 0

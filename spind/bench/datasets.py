@@ -11,18 +11,21 @@ Each workload yields `Prompt`s picked at evenly spaced records (deterministic, n
 
 from __future__ import annotations
 
+import csv
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from spind.models.tokenizer import Tokenizer
+from spind.tokenizer import Tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATASETS_DIR = REPO_ROOT.parent / "shared" / "datasets"
 
 # passages short enough to keep a prompt under ~400 tokens, long enough to be worth copying
 PASSAGE_CHARS = (600, 1600)
+CP_MAX_CHARS = 2000  # role prompts past this are multi-page documents, not chat prompts
 PASSAGE_TASKS = ("Repeat the following passage word for word.",
                  "Summarize the following passage, reusing its wording.")
 
@@ -36,6 +39,7 @@ class Prompt:
     dataset: str
     text: str
     is_chat: bool  # wrap in the model's chat template; False = a raw completion prompt
+    category: str = ""  # the record's own category, where it has one (MT-bench's writing, coding, ...)
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
@@ -70,7 +74,20 @@ def _alpaca(root: Path) -> list[Prompt]:
 
 
 def _mt_bench(root: Path) -> list[Prompt]:
-    return [Prompt("mt_bench", r["turns"][0], True) for r in _read_jsonl(root / "mt_bench" / "question.jsonl")]
+    return [Prompt("mt_bench", r["turns"][0], True, r.get("category", ""))
+            for r in _read_jsonl(root / "mt_bench" / "question.jsonl")]
+
+
+def _cp(root: Path) -> list[Prompt]:
+    """awesome-chatgpt-prompts: the text prompts (type TEXT) of the 2026-03 release."""
+    path = root / "chatgpt_prompts" / "prompts.csv"
+    if not path.is_file():
+        raise DatasetNotFoundError(f"dataset file not found: {path}")
+    csv.field_size_limit(1 << 24)  # a few prompts are long
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f, skipinitialspace=True))
+    return [Prompt("cp", r["prompt"].strip(), True) for r in rows
+            if r.get("prompt") and r.get("type", "TEXT") in ("TEXT", "") and len(r["prompt"]) <= CP_MAX_CHARS]
 
 
 def _humaneval(root: Path) -> list[Prompt]:
@@ -89,8 +106,12 @@ def _passage(root: Path) -> list[Prompt]:
 
 
 WORKLOADS: dict[str, Callable[[Path], list[Prompt]]] = {
-    "alpaca": _alpaca, "mt_bench": _mt_bench, "humaneval": _humaneval, "gsm8k": _gsm8k, "passage": _passage,
+    "alpaca": _alpaca, "mt_bench": _mt_bench, "mtbench": _mt_bench, "cp": _cp, "humaneval": _humaneval,
+    "gsm8k": _gsm8k, "passage": _passage,
 }
+# the paper's Mix blends Alpaca, ChatGPT Prompts and Chatbot Instruction Prompts; the third cannot be had offline,
+# so passage (output that copies its context) takes its place: the workload whose best drafter differs most
+MIX = ("alpaca", "cp", "passage")
 
 
 def check_datasets_dir(datasets_dir: Path) -> Path:
@@ -108,3 +129,62 @@ def load_prompts(name: str, num: int, datasets_dir: Path = DEFAULT_DATASETS_DIR)
     if num < 1:
         raise ValueError("number of prompts must be >= 1")
     return spread(WORKLOADS[name](check_datasets_dir(datasets_dir)), num)
+
+
+class WorkloadFormatError(ValueError):
+    """A prompt file that is not JSONL in the MT-bench schema nor a JSON/JSONL list of strings."""
+
+
+def read_prompt_file(path: Path) -> list[Prompt]:
+    """Prompts from a file: JSONL in the MT-bench schema ({"question_id", "category", "turns": [...]}: the first
+    turn, chat) or a JSON list / JSONL of prompt strings (chat). One clear error naming the line otherwise."""
+    if not path.is_file():
+        raise DatasetNotFoundError(f"prompt file not found: {path}")
+    text = path.read_text()
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError as e:
+            raise WorkloadFormatError(f"{path}: not valid JSON: {e}") from None
+        rows = list(enumerate(items, 1))
+    else:
+        rows = []
+        for line_no, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append((line_no, json.loads(line)))
+                except ValueError as e:
+                    raise WorkloadFormatError(f"{path}:{line_no}: not valid JSON: {e}") from None
+    prompts = []
+    for where, item in rows:
+        if isinstance(item, str) and item.strip():
+            prompts.append(Prompt(path.stem, item, True))
+        elif isinstance(item, dict) and isinstance(item.get("turns"), list) and item["turns"] \
+                and isinstance(item["turns"][0], str) and item["turns"][0].strip():
+            prompts.append(Prompt(path.stem, item["turns"][0], True, str(item.get("category", ""))))
+        else:
+            raise WorkloadFormatError(f"{path}:{where}: expected a non-empty prompt string or an MT-bench record "
+                                      f'{{"question_id", "category", "turns": [...]}}, got {json.dumps(item)[:80]}')
+    if not prompts:
+        raise WorkloadFormatError(f"{path}: no prompts")
+    return prompts
+
+
+def sample_workload(name: str, num: int, seed: int, datasets_dir: Path = DEFAULT_DATASETS_DIR) -> list[Prompt]:
+    """`num` prompts of a workload (a name, `mix`, or a prompt file's path), drawn deterministically by seed.
+    In `mix` each prompt's category is the workload it came from."""
+    if num < 1:
+        raise ValueError("number of prompts must be >= 1")
+    rng = random.Random(seed)
+    if name == "mix":
+        parts = [sample_workload(w, -(-num // len(MIX)), seed, datasets_dir) for w in MIX]
+        mixed = [Prompt(p.dataset, p.text, p.is_chat, p.dataset) for group in zip(*parts) for p in group]
+        return mixed[:num]
+    if name in WORKLOADS:
+        records = WORKLOADS[name](check_datasets_dir(datasets_dir))
+    elif "/" in name or name.endswith((".json", ".jsonl")):
+        records = read_prompt_file(Path(name).expanduser())
+    else:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join([*WORKLOADS, 'mix'])}, or a path to a "
+                         f"JSONL (MT-bench schema) or JSON list of prompts")
+    return rng.sample(records, num) if num < len(records) else rng.sample(records, len(records))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,14 +23,12 @@ import torch
 from spind.bench.datasets import DEFAULT_DATASETS_DIR, encode_prompt, load_prompts
 from spind.bench.report import Progress, fmt, format_table, timed
 from spind.config import SpindConfig
-from spind.drafters import Drafter, DraftInput
 from spind.drafters.model import common_prefix
-from spind.engine.offline import GenRequest, GenResult, Runtime
-from spind.engine.target import TargetVerifier
-from spind.models.llama import LlamaModel, load_llama
-from spind.models.loader import resolve_model_dir
+from spind.coordinator.local import GenRequest, GenResult, LocalEngine
+from spind.models.llama import LlamaModel
 from spind.models.runner import ForwardItem, ModelRunner
-from spind.sampling import SamplingParams
+from spind.worker.profile import time_draft_tokens
+from spind.params import SamplingParams
 
 PLAIN = "none"
 PROBE = "bench-probe"
@@ -47,39 +44,19 @@ def describe_drafters(cfg: SpindConfig, measure: bool = False) -> list[dict]:
 
 
 def measure_draft_costs(cfg: SpindConfig, k: int = 4, rounds: int = 5) -> dict[str, float | None]:
-    rt = Runtime.load(cfg)
-    prompt = rt.tokenizer.apply_chat([{"role": "user", "content": "Tell me about the history of Rome."}])
-    return time_draft_tokens(rt.drafters, prompt, k, rounds)
-
-
-def time_draft_tokens(drafters: dict[str, Drafter], prompt: list[int], k: int,
-                      rounds: int) -> dict[str, float | None]:
-    """Median ms per drafted token at batch 1. Each round commits the drafter's first token, as an accepted
-    draft would, and times one propose of k (None: the drafter never proposed anything)."""
-    seqs = {name: list(prompt) for name in drafters}
-    samples: dict[str, list[float]] = {name: [] for name in drafters}
-    for name, drafter in drafters.items():
-        drafter.add_request(PROBE, SamplingParams())
-        drafter.propose([DraftInput(PROBE, seqs[name], k)])  # prefill + warm-up, not timed
+    engine = LocalEngine.load(cfg)
     try:
-        for _ in range(rounds):
-            for name, drafter in drafters.items():  # interleaved: every drafter sees the same machine load
-                start = time.perf_counter()
-                tokens = drafter.propose([DraftInput(PROBE, seqs[name], k)])[0].tokens
-                if tokens:
-                    samples[name].append((time.perf_counter() - start) * 1e3 / len(tokens))
-                seqs[name].append(tokens[0] if tokens else prompt[len(seqs[name]) % len(prompt)])
+        prompt = engine.tokenizer.apply_chat([{"role": "user", "content": "Tell me about the history of Rome."}])
+        return time_draft_tokens({d.name: engine.drafter(d.name) for d in cfg.drafters}, prompt, k, rounds)
     finally:
-        for drafter in drafters.values():
-            drafter.free_request(PROBE)
-    return {name: statistics.median(s) if s else None for name, s in samples.items()}
+        engine.close()
 
 
 def time_target_steps(models: dict[str, LlamaModel], prompt: list[int], steps: int, k: int,
-                      block_size: int) -> dict[str, dict[str, float]]:
+                      block_size: int, attention: str = "packed") -> dict[str, dict[str, float]]:
     """Median ms of a 1-token decode forward and a (k+1)-token verify forward (rolled back), batch 1."""
     num_blocks = -(-(len(prompt) + steps + k + 1) // block_size)
-    runners = {label: ModelRunner(m, num_blocks, block_size) for label, m in models.items()}
+    runners = {label: ModelRunner(m, num_blocks, block_size, attention) for label, m in models.items()}
     decode: dict[str, list[float]] = defaultdict(list)
     verify: dict[str, list[float]] = defaultdict(list)
     for runner in runners.values():
@@ -148,25 +125,28 @@ class Tally:
 def run_drafter_bench(cfg: SpindConfig, settings: DrafterBenchSettings) -> dict:
     """Run every measurement; returns the JSON-ready results (see the module docstring)."""
     texts = {name: load_prompts(name, settings.num_prompts, settings.datasets_dir) for name in settings.datasets}
-    rt = Runtime.load(cfg, drafters=list(settings.drafters))
+    rt = LocalEngine.load(cfg, drafters=list(settings.drafters))
     prompts = {name: [encode_prompt(rt.tokenizer, p) for p in ps] for name, ps in texts.items()}
     longest = max((ids for ps in prompts.values() for ids in ps), key=len)
     models = {cfg.model.dtype: rt.target.runner.model}
     bf16_runtime = None
-    if settings.include_bf16 and cfg.model.dtype != "bfloat16":
-        bf16_runtime = _with_target_dtype(rt, "bfloat16")
+    if settings.include_bf16 and cfg.model.dtype != "bfloat16":  # the same drafters before a bf16 target
+        bf16_runtime = with_target_dtype(cfg, "bfloat16", settings.drafters)
         models["bfloat16"] = bf16_runtime.target.runner.model
     passes = [(cfg.model.dtype, rt)] + ([("bfloat16", bf16_runtime)] if bf16_runtime else [])
     modes = [None, *settings.drafters]
     progress = Progress(total=len(passes) * len(modes) * sum(map(len, prompts.values())) + 2)
-    target_costs = time_target_steps(models, longest, settings.decode_steps, settings.k, cfg.runtime.kv_block_size)
+    target_costs = time_target_steps(models, longest, settings.decode_steps, settings.k, cfg.runtime.kv_block_size,
+                                     cfg.runtime.attention)
     progress.step(f"target steps: {len(models)} dtypes x {settings.decode_steps} steps")
-    draft_costs = time_draft_tokens(rt.drafters, longest, settings.k, settings.decode_steps)
-    progress.step(f"draft tokens: {len(rt.drafters)} drafters x {settings.decode_steps} rounds")
+    drafters = {name: rt.drafter(name) for name in settings.drafters}
+    draft_costs = time_draft_tokens(drafters, longest, settings.k, settings.decode_steps)
+    progress.step(f"draft tokens: {len(drafters)} drafters x {settings.decode_steps} rounds")
     cells = []
     for dtype, runtime in passes:
         tallies = _run_pass(runtime, dtype, prompts, modes, settings, progress)
         cells += _cells(dtype, tallies, settings)
+        runtime.close()
     return {
         "settings": {**dataclasses.asdict(settings), "datasets_dir": str(settings.datasets_dir),
                      "probe_prompt_tokens": len(longest)},
@@ -179,16 +159,13 @@ def run_drafter_bench(cfg: SpindConfig, settings: DrafterBenchSettings) -> dict:
     }
 
 
-def _with_target_dtype(rt: Runtime, dtype: str) -> Runtime:
-    """The same drafters in front of a copy of the target in another dtype."""
-    cfg = dataclasses.replace(rt.cfg, model=dataclasses.replace(rt.cfg.model, dtype=dtype))
-    model = load_llama(resolve_model_dir(cfg.model.target, cfg.cache_path), dtype, str(rt.target.runner.model.device))
-    r = cfg.runtime
-    runner = ModelRunner(model, r.kv_num_blocks, r.kv_block_size, r.attention, cfg.model.max_model_len)
-    return Runtime(cfg, rt.tokenizer, TargetVerifier(runner), rt.drafters)
+def with_target_dtype(cfg: SpindConfig, dtype: str, drafters: tuple[str, ...] = ()) -> LocalEngine:
+    """Another in-process engine whose target runs in `dtype`, with the named drafters."""
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
+    return LocalEngine.load(cfg, drafters=list(drafters))
 
 
-def _run_pass(rt: Runtime, dtype: str, prompts: dict[str, list[list[int]]], modes: list[str | None],
+def _run_pass(rt: LocalEngine, dtype: str, prompts: dict[str, list[list[int]]], modes: list[str | None],
               settings: DrafterBenchSettings, progress: Progress) -> dict[tuple[str, str], Tally]:
     """Each prompt alone (batch 1), plain first, then every drafter on it, back to back."""
     params = SamplingParams(max_tokens=settings.max_tokens)

@@ -22,7 +22,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import aiohttp
 
@@ -41,7 +41,7 @@ class ServeSettings:
     drafters: tuple[str, ...]
     dataset: str = "mt_bench"
     num_requests: int | None = None  # per level; None = max(4, 2 x concurrency)
-    max_tokens: int = 64
+    max_tokens: tuple[int, ...] = (64,)
     ignore_eos: bool = True
     temperature: float = 0.0
 
@@ -49,8 +49,20 @@ class ServeSettings:
         return self.num_requests or max(4, 2 * concurrency)
 
 
+@dataclass(frozen=True)
+class Level:
+    """One row of the bench: a daemon, an output length, a number of clients, a drafter."""
+
+    daemon: str
+    max_tokens: int
+    concurrency: int
+    drafter: str
+
+
 @dataclass
 class RequestRecord:
+    daemon: str
+    max_tokens: int
     drafter: str
     concurrency: int
     index: int
@@ -80,9 +92,9 @@ def _slot_totals(slots: dict) -> tuple[float, float, float]:
     return n, slots.get("mean_slot_ms", 0.0) * n, slots.get("mean_overhead_ms", 0.0) * n
 
 
-def summarize(drafter: str, concurrency: int, records: list[RequestRecord], wall_s: float,
-              slots_before: dict, slots_after: dict) -> dict:
-    """One summary row of a (drafter, concurrency) level; failed requests are counted, not measured."""
+def summarize(level: Level, records: list[RequestRecord], wall_s: float, slots_before: dict,
+              slots_after: dict) -> dict:
+    """One summary row of a level; failed requests are counted, not measured."""
     ok = [r for r in records if r.error is None]
     tokens = sum(r.completion_tokens for r in ok)
     steps = sum(r.time_slots for r in ok)
@@ -90,7 +102,8 @@ def summarize(drafter: str, concurrency: int, records: list[RequestRecord], wall
     (n0, slot0, over0), (n1, slot1, over1) = _slot_totals(slots_before), _slot_totals(slots_after)
     num_slots = n1 - n0
     return {
-        "drafter": drafter, "concurrency": concurrency, "num_requests": len(records),
+        "daemon": level.daemon, "max_tokens": level.max_tokens, "drafter": level.drafter,
+        "concurrency": level.concurrency, "num_requests": len(records),
         "num_errors": len(records) - len(ok), "completion_tokens": tokens, "wall_s": wall_s,
         "ttft_p50_ms": percentile(ttfts_ms, 0.5), "ttft_p90_ms": percentile(ttfts_ms, 0.9),
         "latency_p50_s": percentile([r.latency_s for r in ok], 0.5),
@@ -106,11 +119,16 @@ def summarize(drafter: str, concurrency: int, records: list[RequestRecord], wall
     }
 
 
+def _cell(r: dict) -> tuple:
+    return r.get("daemon", ""), r.get("max_tokens", 0), r["concurrency"]
+
+
 def add_ratios(rows: list[dict]) -> list[dict]:
-    """Fill `speedup_vs_none`: aggregate tokens/s over the `none` drafter's at the same concurrency."""
-    plain = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["drafter"] == PLAIN}
+    """Fill `speedup_vs_none`: aggregate tokens/s over the `none` drafter's on the same daemon, output length and
+    concurrency."""
+    plain = {_cell(r): r["tokens_per_s"] for r in rows if r["drafter"] == PLAIN}
     for r in rows:
-        base = plain.get(r["concurrency"])
+        base = plain.get(_cell(r))
         r["speedup_vs_none"] = r["tokens_per_s"] / base if base and r["tokens_per_s"] is not None else None
     return rows
 
@@ -119,7 +137,7 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 async def send_request(session: aiohttp.ClientSession, url: str, prompt: Prompt, drafter: str,
                        settings: ServeSettings, rec: RequestRecord) -> RequestRecord:
     """One streamed request; fills `rec` (its `error` on failure, never raises for a failed request)."""
-    body: dict = {"max_tokens": settings.max_tokens, "temperature": settings.temperature,
+    body: dict = {"max_tokens": rec.max_tokens, "temperature": settings.temperature,
                   "ignore_eos": settings.ignore_eos, "stream": True, "stream_options": {"include_usage": True},
                   "spind": {"drafter": drafter}}
     if prompt.is_chat:
@@ -170,66 +188,99 @@ async def _state(session: aiohttp.ClientSession, url: str) -> dict:
         return await resp.json()
 
 
-async def run_level(session: aiohttp.ClientSession, url: str, prompts: list[Prompt], drafter: str,
-                    concurrency: int, settings: ServeSettings, progress: Progress) -> tuple[dict, list[RequestRecord]]:
-    todo = iter(range(settings.requests_at(concurrency)))  # shared by the clients: each takes the next index
+async def run_level(session: aiohttp.ClientSession, url: str, prompts: list[Prompt], level: Level,
+                    settings: ServeSettings, progress: Progress) -> tuple[dict, list[RequestRecord]]:
+    todo = iter(range(settings.requests_at(level.concurrency)))  # shared by the clients: each takes the next index
     records: list[RequestRecord] = []
 
     async def client() -> None:
         for i in todo:
-            rec = await send_request(session, url, prompts[i % len(prompts)], drafter, settings,
-                                     RequestRecord(drafter, concurrency, i))
+            rec = await send_request(session, url, prompts[i % len(prompts)], level.drafter, settings,
+                                     RequestRecord(level.daemon, level.max_tokens, level.drafter, level.concurrency, i))
             records.append(rec)
-            progress.step(f"{drafter} c={concurrency} #{i}: " + (f"error {rec.error}" if rec.error else
-                          f"{rec.completion_tokens} tokens, ttft {fmt(rec.ttft_s)}s, {rec.latency_s:.2f}s"))
+            progress.step(f"{level.daemon} {level.drafter} c={level.concurrency} n={level.max_tokens} #{i}: " +
+                          (f"error {rec.error}" if rec.error else
+                           f"{rec.completion_tokens} tokens, ttft {fmt(rec.ttft_s)}s, {rec.latency_s:.2f}s"))
 
     before = (await _state(session, url))["slots"]
     start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
+    await asyncio.gather(*(client() for _ in range(level.concurrency)))
     wall_s = time.perf_counter() - start
     after = (await _state(session, url))["slots"]
-    return summarize(drafter, concurrency, records, wall_s, before, after), records
+    return summarize(level, records, wall_s, before, after), records
 
 
-async def run_serve_bench(url: str, prompts: list[Prompt], settings: ServeSettings,
+async def _check_daemon(session: aiohttp.ClientSession, label: str, url: str, prompt: Prompt,
+                        settings: ServeSettings) -> str:
+    state = await _state(session, url)
+    unknown = set(settings.drafters) - {"auto", PLAIN, *state["drafters"]}
+    if unknown:
+        raise ValueError(f"daemon {label} has no drafter {', '.join(sorted(unknown))}; it has: "
+                         f"auto, {PLAIN}, {', '.join(state['drafters'])}")
+    for d in settings.drafters:  # the first forwards of each model, not timed
+        rec = await send_request(session, url, prompt, d, settings, RequestRecord(label, 4, d, 0, -1))
+        if rec.error:
+            raise ValueError(f"warm-up request to {label} with drafter {d} failed: {rec.error}")
+    return state["model"]
+
+
+async def run_serve_bench(daemons: dict[str, str], prompts: list[Prompt], settings: ServeSettings,
                           headers: dict[str, str] | None = None) -> dict:
-    """Every (concurrency, drafter) level against the daemon at `url`; returns the JSON-ready results."""
-    progress = Progress(total=sum(settings.requests_at(c) for c in settings.concurrency) * len(settings.drafters))
+    """Every level on every daemon ({label: base URL}), interleaved so that all daemons see the same machine
+    load; returns the JSON-ready results."""
+    levels = [Level(label, n, c, d) for n in settings.max_tokens for c in settings.concurrency
+              for d in settings.drafters for label in daemons]
+    progress = Progress(total=sum(settings.requests_at(lv.concurrency) for lv in levels))
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
-        state = await _state(session, url)
-        unknown = set(settings.drafters) - {"auto", PLAIN, *state["drafters"]}
-        if unknown:
-            raise ValueError(f"the daemon has no drafter {', '.join(sorted(unknown))}; it has: "
-                             f"auto, {PLAIN}, {', '.join(state['drafters'])}")
-        warm = replace(settings, max_tokens=4)  # first forwards of each model, not timed
-        for rec in await asyncio.gather(*(send_request(session, url, prompts[0], d, warm, RequestRecord(d, 0, -1))
-                                          for d in settings.drafters)):
-            if rec.error:
-                raise ValueError(f"warm-up request with drafter {rec.drafter} failed: {rec.error}")
+        models = {label: await _check_daemon(session, label, url, prompts[0], settings)
+                  for label, url in daemons.items()}
         rows, records = [], []
-        for c in settings.concurrency:
-            for drafter in settings.drafters:
-                row, recs = await run_level(session, url, prompts, drafter, c, settings, progress)
-                rows.append(row)
-                records += recs
-                progress.note(f"{drafter} c={c}: {fmt(row['tokens_per_s'], 1)} tokens/s, "
-                              f"ttft p50 {fmt(row['ttft_p50_ms'], 0)} ms, {row['num_errors']} errors")
-    return {"settings": asdict(settings), "url": url, "model": state["model"], "cpu_count": os.cpu_count(),
+        for level in levels:
+            row, recs = await run_level(session, daemons[level.daemon], prompts, level, settings, progress)
+            rows.append(row)
+            records += recs
+            progress.note(f"{level.daemon} {level.drafter} c={level.concurrency} n={level.max_tokens}: "
+                          f"{fmt(row['tokens_per_s'], 1)} tokens/s, ttft p50 {fmt(row['ttft_p50_ms'], 0)} ms, "
+                          f"slot {fmt(row['slot_ms'], 1)} ms, {row['num_errors']} errors")
+    return {"settings": asdict(settings), "daemons": daemons, "models": models, "cpu_count": os.cpu_count(),
             "rows": add_ratios(rows), "requests": [asdict(r) for r in records]}
 
 
 def render_table(results: dict) -> str:
     s = results["settings"]
-    title = (f"Serving: {s['dataset']} prompts, {s['max_tokens']} tokens max"
-             f"{' (ignore_eos)' if s['ignore_eos'] else ''}, temperature {s['temperature']}, closed-loop clients")
-    header = ["drafter", "conc", "reqs", "err", "TTFT p50 ms", "TTFT p90 ms", "lat p50 s", "tok/s", "tok/s/req p50",
-              "acc len", "slot ms", "overhead ms/slot", "x none"]
-    rows = [[r["drafter"], str(r["concurrency"]), str(r["num_requests"]), str(r["num_errors"]),
-             fmt(r["ttft_p50_ms"], 0), fmt(r["ttft_p90_ms"], 0), fmt(r["latency_p50_s"]), fmt(r["tokens_per_s"], 1),
-             fmt(r["request_tokens_per_s_p50"], 1), fmt(r["mean_accepted_length"]), fmt(r["slot_ms"], 1),
-             fmt(r["overhead_ms_per_slot"], 3), fmt(r["speedup_vs_none"])] for r in results["rows"]]
-    return format_table(title, header, rows)
+    title = (f"Serving: {s['dataset']} prompts{' (ignore_eos)' if s['ignore_eos'] else ''}, temperature "
+             f"{s['temperature']}, closed-loop clients")
+    header = ["daemon", "max tok", "drafter", "conc", "reqs", "err", "TTFT p50 ms", "TTFT p90 ms", "lat p50 s",
+              "tok/s", "tok/s/req p50", "acc len", "slot ms", "overhead ms/slot", "x none"]
+    rows = [[r["daemon"], str(r["max_tokens"]), r["drafter"], str(r["concurrency"]), str(r["num_requests"]),
+             str(r["num_errors"]), fmt(r["ttft_p50_ms"], 0), fmt(r["ttft_p90_ms"], 0), fmt(r["latency_p50_s"]),
+             fmt(r["tokens_per_s"], 1), fmt(r["request_tokens_per_s_p50"], 1), fmt(r["mean_accepted_length"]),
+             fmt(r["slot_ms"], 1), fmt(r["overhead_ms_per_slot"], 3), fmt(r["speedup_vs_none"])]
+            for r in results["rows"]]
+    tables = [format_table(title, header, rows)]
+    labels = list(results["daemons"])
+    if len(labels) > 1:
+        tables.append(compare_table(results["rows"], labels[0], labels[1:]))
+    return "\n\n".join(tables)
+
+
+def compare_table(rows: list[dict], base: str, others: list[str]) -> str:
+    """Each daemon against the first, level by level: ratios of tokens/s, TTFT p50, slot and overhead time."""
+    by = {(r["daemon"], r["max_tokens"], r["concurrency"], r["drafter"]): r for r in rows}
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return fmt(a / b) if a is not None and b else "-"
+
+    out = []
+    for (daemon, n, c, d), r in by.items():
+        if daemon in others and (base, n, c, d) in by:
+            b = by[(base, n, c, d)]
+            out.append([daemon, str(n), d, str(c), ratio(r["tokens_per_s"], b["tokens_per_s"]),
+                        ratio(r["ttft_p50_ms"], b["ttft_p50_ms"]), ratio(r["slot_ms"], b["slot_ms"]),
+                        ratio(r["overhead_ms_per_slot"], b["overhead_ms_per_slot"])])
+    return format_table(f"Side by side: each daemon / {base} (same level, same run)",
+                        ["daemon", "max tok", "drafter", "conc", "tok/s", "TTFT p50", "slot ms", "overhead/slot"], out)
 
 
 # ---- a daemon of our own ------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ from spind.drafters.model import ModelDrafter
 from spind.drafters.ngram import NgramDrafter
 from spind.models.llama import load_llama
 from spind.models.loader import resolve_model_dir
-from spind.models.quant import quantize_linears
-from spind.models.tokenizer import Tokenizer
+from spind.models.quant import float_dtype_for, quantize_linears, trim_vocab
+from spind.tokenizer import Tokenizer
 
 __all__ = ["Draft", "DraftInput", "Drafter", "build_drafter", "TokenizerMismatchError"]
 
@@ -26,7 +26,7 @@ def check_same_tokenizer(name: str, drafter_dir: Path, target_tok: Tokenizer, dr
         raise TokenizerMismatchError(
             f"drafter {name!r}: vocabulary size {drafter_vocab} != target's {target_vocab}; "
             f"a drafter must share the target's tokenizer")
-    if list(drafter_dir.glob("tokenizer*.json")):
+    if (drafter_dir / "tokenizer.json").is_file():
         if Tokenizer(drafter_dir).fingerprint() != target_tok.fingerprint():
             raise TokenizerMismatchError(f"drafter {name!r}: its tokenizer differs from the target's")
 
@@ -43,16 +43,20 @@ def build_drafter(dc: DrafterConfig, cfg: SpindConfig, target_dir: Path, target_
             model = quantize_linears(load_llama(target_dir, "bfloat16", device), dc.variant)
         elif dc.variant == "int8-dynamic":
             model = quantize_linears(load_llama(target_dir, "float32", device), dc.variant)
+        elif dc.variant == "gguf":
+            model = load_llama(target_dir, "gguf", device, layers=dc.layers or None)
+            if dc.vocab:
+                trim_vocab(model, dc.vocab)
         else:  # layers
-            model = load_llama(target_dir, dtype, device, layers=dc.layers)
+            model = load_llama(target_dir, float_dtype_for(dtype, target_dir), device, layers=dc.layers)
     else:
         drafter_dir = resolve_model_dir(dc.path, cfg.cache_path)
-        model = load_llama(drafter_dir, dtype, device)
+        model = load_llama(drafter_dir, float_dtype_for(dtype, drafter_dir), device)
         target_vocab = load_vocab_size(target_dir)
         check_same_tokenizer(dc.name, drafter_dir, target_tok, model.args.vocab_size, target_vocab)
     r = cfg.runtime
     return ModelDrafter(dc.name, dc.kind, model, r.kv_num_blocks, r.kv_block_size, r.attention,
-                        cfg.model.max_model_len)
+                        cfg.model.max_model_len, r.max_batch_size)
 
 
 def load_vocab_size(model_dir: Path) -> int:

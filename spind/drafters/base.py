@@ -13,19 +13,20 @@ from dataclasses import dataclass
 
 import torch
 
-from spind.sampling import SamplingParams
+from spind.params import SamplingParams
 
 
 @dataclass
 class Draft:
     tokens: list[int]
     probs: torch.Tensor | None = None  # [len(tokens), V] proposal distributions; None = point mass
+    switch_s: float = 0.0  # time spent catching this request's KV up beyond the last slot's tokens
 
 
 @dataclass
 class DraftInput:
     req_id: str
-    tokens: list[int]  # the committed sequence (prompt + generated so far)
+    tokens: list[int]  # the committed sequence (prompt + generated so far); read, never modified
     k: int
 
 
@@ -44,8 +45,10 @@ class Drafter(ABC):
     def free_request(self, req_id: str) -> None:
         self.params.pop(req_id, None)
 
-    def precompute(self, req_id: str, tokens: list[int]) -> None:
-        """Bring this drafter's state for `tokens` up to date ahead of use (the KV-precompute queue)."""
+    def precompute(self, req_id: str, tokens: list[int], max_tokens: int | None = None) -> int:
+        """Bring this drafter's state for `tokens` up to date ahead of use (the KV-precompute queue),
+        feeding at most max_tokens of them; returns how many are still to feed (0: up to date)."""
+        return 0
 
     # ---- drafting ----------------------------------------------------------------------------------
     def propose(self, inputs: list[DraftInput]) -> list[Draft]:

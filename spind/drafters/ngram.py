@@ -1,27 +1,21 @@
 """N-gram prompt lookup: propose the tokens that followed the latest earlier occurrence of the suffix.
 
 Free to run and model-free; strong when the output repeats the context (summaries, code edits, quotes),
-useless on open chat. Deterministic, so its proposal is a point mass.
+useless on open chat. Deterministic, so its proposal is a point mass. Each request keeps an incremental
+index (`spind.ngram_index`), so a lookup costs O(n), not O(context).
 """
 
 from __future__ import annotations
 
-import numpy as np
-
 from spind.drafters.base import Draft, DraftInput, Drafter
+from spind.ngram_index import NgramIndex
 
 
 def lookup(tokens: list[int], k: int, ngram_max: int, ngram_min: int) -> list[int]:
     """The up to k tokens after the most recent earlier match of the longest matching suffix n-gram."""
-    seq = np.asarray(tokens, dtype=np.int64)
-    n_tok = len(seq)
-    for n in range(min(ngram_max, n_tok - 1), ngram_min - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # all n-grams that have a successor
-        hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return seq[start:start + k].tolist()
-    return []
+    index = NgramIndex(ngram_max, ngram_min)
+    index.extend(tokens)
+    return index.lookup(k)
 
 
 class NgramDrafter(Drafter):
@@ -30,6 +24,18 @@ class NgramDrafter(Drafter):
     def __init__(self, name: str, ngram_max: int = 3, ngram_min: int = 1) -> None:
         super().__init__(name)
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
+        self.indexes: dict[str, NgramIndex] = {}
+
+    def free_request(self, req_id: str) -> None:
+        super().free_request(req_id)
+        self.indexes.pop(req_id, None)
+
+    def _index(self, x: DraftInput) -> NgramIndex:
+        index = self.indexes.get(x.req_id)
+        if index is None or len(index) > len(x.tokens) or index.tokens[-1:] != x.tokens[len(index) - 1:len(index)]:
+            index = self.indexes[x.req_id] = NgramIndex(self.ngram_max, self.ngram_min)  # new, or not a prefix
+        index.extend(x.tokens[len(index):])
+        return index
 
     def _propose(self, inputs: list[DraftInput]) -> list[Draft]:
-        return [Draft(lookup(x.tokens, x.k, self.ngram_max, self.ngram_min) if x.k > 0 else []) for x in inputs]
+        return [Draft(self._index(x).lookup(x.k) if x.k > 0 else []) for x in inputs]

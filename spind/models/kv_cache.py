@@ -1,10 +1,13 @@
-"""Paged KV cache: fixed-size blocks in one preallocated pool per model.
+"""Paged KV cache: fixed-size blocks in one preallocated pool per model, and a block table per sequence.
 
 Layout: `k[layer]`, `v[layer]` are `[num_blocks * block_size, num_kv_heads, head_dim]` (flat slots), so a
 token's KV lives at slot `block_table[pos // block_size] * block_size + pos % block_size`. Blocks make the
 memory budget exact (admission asks `can_allocate`), rollback cheap (truncate frees whole trailing blocks),
-and give the verification modes their unit: `packed` gathers each request's slots, `padded` pads them to
-the batch's longest, and a decomposed plan (paper §VI-A) splits a long request at block boundaries.
+and give the verification modes their unit (a decomposed plan splits a long sequence at block boundaries).
+
+Block tables live in one host tensor `tables: [rows, max_blocks_per_seq]` int32, a row per sequence,
+updated incrementally as blocks are reserved and freed, so a forward gathers its batch's tables with one
+`index_select` instead of rebuilding them from lists. Entries past a sequence's blocks are 0.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+INITIAL_ROWS = 64
+
 
 class KVCacheFullError(RuntimeError):
     """Not enough free blocks; the scheduler should have asked `can_allocate` first."""
@@ -20,23 +25,28 @@ class KVCacheFullError(RuntimeError):
 
 @dataclass
 class SeqKV:
+    row: int  # this sequence's row of `tables`
     block_table: list[int] = field(default_factory=list)
     length: int = 0  # tokens whose KV is written
 
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 max_model_len: int = 2048) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        # empty, not zeros: pages are only committed as blocks get used. Slot 0 is what padded attention
+        # empty, not zeros: pages are only committed as blocks get used. Block 0 is what padded attention
         # reads for padding (masked out), so it must at least hold finite numbers.
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         for t in self.k + self.v:
             t[:block_size].zero_()
         self._free_blocks = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.tables = torch.zeros(INITIAL_ROWS, self.max_blocks_per_seq, dtype=torch.int32)
+        self._free_rows = list(range(INITIAL_ROWS - 1, -1, -1))
         self.seqs: dict[str, SeqKV] = {}
 
     # ---- accounting -------------------------------------------------------------------------
@@ -57,20 +67,34 @@ class KVCache:
     def has(self, req_id: str) -> bool:
         return req_id in self.seqs
 
+    def row(self, req_id: str) -> int:
+        return self.seqs[req_id].row
+
     # ---- lifecycle --------------------------------------------------------------------------
     def allocate(self, req_id: str) -> None:
         if req_id in self.seqs:
             raise KeyError(f"request {req_id!r} already has KV")
-        self.seqs[req_id] = SeqKV()
+        if not self._free_rows:
+            self._grow_rows()
+        self.seqs[req_id] = SeqKV(self._free_rows.pop())
 
     def reserve(self, req_id: str, new_length: int) -> None:
         """Grow the block table so that positions < new_length have slots."""
         seq = self.seqs[req_id]
         need = self.blocks_for(new_length) - len(seq.block_table)
+        if need <= 0:
+            return
+        if len(seq.block_table) + need > self.max_blocks_per_seq:
+            raise KVCacheFullError(f"{req_id}: {new_length} tokens exceed the context limit of the cache")
         if need > self.num_free_blocks:
             raise KVCacheFullError(f"KV cache full: need {need} blocks, {self.num_free_blocks} free")
-        for _ in range(max(need, 0)):
-            seq.block_table.append(self._free_blocks.pop())
+        new = [self._free_blocks.pop() for _ in range(need)]
+        self.tables[seq.row, len(seq.block_table):len(seq.block_table) + need] = torch.tensor(new, dtype=torch.int32)
+        seq.block_table.extend(new)
+
+    def commit(self, req_id: str, num_tokens: int) -> None:
+        """KV of num_tokens more positions has been written."""
+        self.seqs[req_id].length += num_tokens
 
     def truncate(self, req_id: str, length: int) -> None:
         """Forget KV at positions >= length (rolled-back drafts); frees whole trailing blocks."""
@@ -79,17 +103,26 @@ class KVCache:
             raise ValueError(f"truncate to {length} > length {seq.length}")
         seq.length = length
         keep = self.blocks_for(length)
-        while len(seq.block_table) > keep:
-            self._free_blocks.append(seq.block_table.pop())
+        if len(seq.block_table) > keep:
+            self.tables[seq.row, keep:len(seq.block_table)] = 0
+            self._free_blocks.extend(reversed(seq.block_table[keep:]))
+            del seq.block_table[keep:]
 
     def free(self, req_id: str) -> None:
         seq = self.seqs.pop(req_id, None)
         if seq is not None:
             self._free_blocks.extend(reversed(seq.block_table))
+            self.tables[seq.row] = 0
+            self._free_rows.append(seq.row)
+
+    def _grow_rows(self) -> None:
+        old = self.tables.shape[0]
+        self.tables = torch.cat([self.tables, torch.zeros_like(self.tables)])
+        self._free_rows.extend(range(2 * old - 1, old - 1, -1))
 
     # ---- slots ------------------------------------------------------------------------------
     def slots(self, req_id: str, start: int, end: int) -> torch.Tensor:
         """Flat slot ids of positions [start, end) of a request. # [end - start]"""
-        table = torch.tensor(self.seqs[req_id].block_table, dtype=torch.long)
+        table = self.tables[self.seqs[req_id].row].long()
         pos = torch.arange(start, end)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size

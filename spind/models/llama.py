@@ -15,8 +15,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.attention import AttentionBatch, get_backend
+from spind.kernels.metadata import AttentionBackend, AttentionMetadata
 from spind.models.kv_cache import KVCache
+from spind.models.quant import QUANTIZED_DTYPES, quantize_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -149,28 +150,30 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+    def new_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int | None = None) -> KVCache:
         a = self.args
         return KVCache(len(self.layers), a.num_kv_heads, a.head_dim, num_blocks, block_size,
-                       self.dtype, self.device)
+                       self.dtype, self.device, max_model_len or a.max_position)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, kv: KVCache,
-                logits_rows: torch.Tensor | None = None, attention: str = "packed") -> torch.Tensor:
-        """tokens, positions: [T]; KV of the new tokens is written at batch.write_slots.
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache,
+                attend: AttentionBackend, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens, positions: [T]; KV of the new tokens is written at meta.slot_mapping. `attend` must have been
+        planned for `meta` (outside, so that a captured CUDA graph of this forward never re-plans).
 
         Returns fp32 logits [len(logits_rows), vocab] (all T rows when logits_rows is None).
         """
-        attend = get_backend(attention)(batch, self.device)
         cos = self.rope_cos[positions].unsqueeze(1).to(self.dtype)  # [T, 1, D/2]
         sin = self.rope_sin[positions].unsqueeze(1).to(self.dtype)
         h = self.embed_tokens(tokens)
-        slots = batch.write_slots
+        slots = meta.slot_mapping
         for i, layer in enumerate(self.layers):
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv.k[i], kv.v[i], slots, attend)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         if logits_rows is not None:
             h = h.index_select(0, logits_rows)
+            if h.shape[0] == 0:
+                return h.new_empty(0, self.args.vocab_size, dtype=torch.float32)
         return self.lm_head(self.norm(h)).float()
 
 
@@ -203,7 +206,9 @@ def load_llama(model_dir: Path, dtype: str = "float32", device: str = "cpu",
         except KeyError:
             raise ValueError(f"{model_dir}: weight {name} missing") from None
 
-    torch_dtype = DTYPES[dtype]
+    if dtype not in DTYPES and dtype not in QUANTIZED_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join([*DTYPES, *QUANTIZED_DTYPES])}")
+    torch_dtype = DTYPES.get(dtype, torch.float32)  # quantized targets keep fp32 activations, norms and KV
     with torch.no_grad():
         model.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
         model.norm.weight.copy_(get("model.norm.weight"))
@@ -224,5 +229,7 @@ def load_llama(model_dir: Path, dtype: str = "float32", device: str = "cpu",
         else:
             model.lm_head.weight.copy_(get("lm_head.weight"))
     model.to(torch_dtype)
+    if dtype in QUANTIZED_DTYPES:
+        quantize_target(model, model_dir, dtype, keep)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)  # tables stay fp32
     return model.eval().requires_grad_(False)

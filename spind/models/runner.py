@@ -1,7 +1,10 @@
-"""ModelRunner: one model + its paged KV cache. Sequences of token ids in, logits out.
+"""ModelRunner: one model, its paged KV cache and its attention backend. Token lists in, logits out.
 
-The only object that turns per-request token lists into the packed tensors of a forward.
-Targets and model drafters both use it.
+The only object that turns per-request token lists into the tensors of a forward. Targets and model
+drafters both use it. Per forward it allocates blocks (per request: only the new ones), then builds the
+`AttentionMetadata` with a handful of tensor ops over the whole batch (no per-request tensors or copies)
+and stages every index tensor into buffers preallocated on the model's device: their storage never moves,
+which is what CUDA-graph replay needs, and a forward's metadata costs O(batch) host work.
 """
 
 from __future__ import annotations
@@ -10,25 +13,82 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import AttentionBatch
+from spind.kernels.attention import get_backend
+from spind.kernels.metadata import AttentionMetadata
 from spind.models.kv_cache import KVCache
 from spind.models.llama import LlamaModel
+
+
+PAD_SEQ = "\x00pad"  # the KV cache entry holding the CUDA graphs' padding block
 
 
 @dataclass
 class ForwardItem:
     req_id: str
     tokens: list[int]  # appended at positions length(req_id) ...
-    num_logits: int = 1  # logits of the last `num_logits` new tokens are returned
+    num_logits: int = 1  # logits of the last `num_logits` new tokens are returned (0: none, e.g. prefill)
+
+
+class StagingBuffers:
+    """Fixed-capacity device buffers the forward's index tensors are copied into (grown on demand)."""
+
+    def __init__(self, device: torch.device, max_seqs: int, max_tokens: int, max_blocks: int) -> None:
+        self.device = device
+        self.max_blocks = max_blocks
+        self._alloc(max_seqs, max_tokens)
+
+    def _alloc(self, max_seqs: int, max_tokens: int) -> None:
+        d, i32, i64 = self.device, torch.int32, torch.int64
+        self.max_seqs, self.max_tokens = max_seqs, max_tokens
+        self.tokens = torch.zeros(max_tokens, dtype=i64, device=d)
+        self.positions = torch.zeros(max_tokens, dtype=i64, device=d)
+        self.slot_mapping = torch.zeros(max_tokens, dtype=i64, device=d)
+        self.logits_rows = torch.zeros(max_tokens, dtype=i64, device=d)
+        self.query_start_loc = torch.zeros(max_seqs + 1, dtype=i32, device=d)
+        self.seq_lens = torch.zeros(max_seqs, dtype=i32, device=d)
+        self.block_tables = torch.zeros(max_seqs, self.max_blocks, dtype=i32, device=d)
+
+    def fit(self, num_seqs: int, num_tokens: int) -> None:
+        if num_seqs > self.max_seqs or num_tokens > self.max_tokens:
+            self._alloc(max(num_seqs, self.max_seqs), max(num_tokens, self.max_tokens))
+
+    @staticmethod
+    def stage(buf: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """Copy src into the front of buf; returns the view (non_blocking from pinned/CPU memory)."""
+        view = buf[: src.shape[0]] if src.dim() == 1 else buf[: src.shape[0], : src.shape[1]]
+        view.copy_(src, non_blocking=True)
+        return view
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, attention: str = "packed",
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, max_batch: int = 16, max_tokens: int = 512,
+                 cuda_graphs: bool = False, graph_query_lens: tuple[int, ...] = (1, 3, 5, 9)) -> None:
         self.model = model
-        self.kv: KVCache = model.new_kv_cache(num_blocks, block_size)
-        self.attention = attention
         self.max_model_len = min(max_model_len or model.args.max_position, model.args.max_position)
+        self.kv: KVCache = model.new_kv_cache(num_blocks, block_size, self.max_model_len)
+        a = model.args
+        self.attention = attention
+        self.attn = get_backend(attention)(a.num_heads, a.num_kv_heads, a.head_dim, model.device)
+        self.buffers = StagingBuffers(model.device, max_batch, max_tokens, self.kv.max_blocks_per_seq)
+        self.graph = self._graphed_forward(max_batch, graph_query_lens) if cuda_graphs else None
+
+    def _graphed_forward(self, max_batch: int, query_lens: tuple[int, ...]):
+        """Verify forwards replayed from CUDA graphs per (batch, tokens) bucket (kernels/cuda_graphs.py); None
+        where graphs cannot apply (not CUDA, or an attention mode that cannot be captured): eager."""
+        from spind.kernels.cuda_graphs import CudaGraphForward, make_buckets
+
+        if self.model.device.type != "cuda" or not getattr(self.attn, "supports_cuda_graphs", False):
+            return None
+        self.kv.allocate(PAD_SEQ)  # a block no request owns: where padded tokens write their K/V
+        self.kv.reserve(PAD_SEQ, 1)
+
+        def forward(tokens, positions, meta):
+            return self.model(tokens, positions, meta, self.kv, self.attn)
+
+        return CudaGraphForward(forward, self.attn, make_buckets(max_batch, query_lens),
+                                max_blocks_per_seq=self.kv.max_blocks_per_seq, block_size=self.kv.block_size,
+                                pad_block=self.kv.seqs[PAD_SEQ].block_table[0], device=self.model.device)
 
     # ---- request lifecycle (paired verbs) ------------------------------------------------------
     def add_request(self, req_id: str) -> None:
@@ -54,31 +114,61 @@ class ModelRunner:
         """One batched forward; returns per item fp32 logits [num_logits, vocab]."""
         if not items:
             return []
-        kv, device = self.kv, self.model.device
-        tokens, positions, write, read, q_lens, ctx_lens, rows = [], [], [], [], [], [], []
-        offset = 0
+        starts = []
         for it in items:
-            n = len(it.tokens)
-            if n == 0:
+            if not it.tokens:
                 raise ValueError(f"{it.req_id}: forward with no tokens")
-            start = kv.length(it.req_id)
-            end = start + n
+            start = self.kv.length(it.req_id)
+            end = start + len(it.tokens)
             if end > self.max_model_len:
                 raise ValueError(f"{it.req_id}: {end} tokens exceed the context limit {self.max_model_len}")
-            kv.reserve(it.req_id, end)
-            slots = kv.slots(it.req_id, 0, end)
-            tokens.extend(it.tokens)
-            positions.append(torch.arange(start, end))
-            write.append(slots[start:])
-            read.append(slots.to(device))
-            q_lens.append(n)
-            ctx_lens.append(end)
-            rows.extend(range(offset + n - it.num_logits, offset + n))
-            offset += n
-        batch = AttentionBatch(q_lens=q_lens, ctx_lens=ctx_lens, write_slots=torch.cat(write).to(device),
-                               read_slots=read)
-        logits = self.model(torch.tensor(tokens, device=device), torch.cat(positions).to(device), batch, kv,
-                            logits_rows=torch.tensor(rows, device=device), attention=self.attention)
+            if not 0 <= it.num_logits <= len(it.tokens):
+                raise ValueError(f"{it.req_id}: num_logits {it.num_logits} out of range")
+            starts.append(start)
+        for it, start in zip(items, starts):  # only after every check: a refused batch allocates nothing
+            self.kv.reserve(it.req_id, start + len(it.tokens))
+        meta, tokens, positions, rows = self._prepare(items, starts)
+        if self.graph is not None and all(it.num_logits == len(it.tokens) for it in items):
+            logits = self.graph(tokens, positions, meta).index_select(0, rows)  # verify: every row is needed
+        else:
+            self.attn.plan(meta)
+            logits = self.model(tokens, positions, meta, self.kv, self.attn, logits_rows=rows)
         for it in items:
-            kv.seqs[it.req_id].length += len(it.tokens)
+            self.kv.commit(it.req_id, len(it.tokens))
         return list(logits.split([it.num_logits for it in items]))
+
+    def _prepare(self, items: list[ForwardItem], starts: list[int]):
+        b = len(items)
+        q_lens = [len(it.tokens) for it in items]
+        num_logits = [it.num_logits for it in items]
+        flat: list[int] = []
+        for it in items:
+            flat.extend(it.tokens)
+        t = len(flat)
+        bs = self.kv.block_size
+        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
+        starts_t = torch.tensor(starts, dtype=torch.int64)
+        cu = torch.zeros(b + 1, dtype=torch.int64)
+        torch.cumsum(q_lens_t, 0, out=cu[1:])
+        seq_lens = starts_t + q_lens_t
+        rows_t = torch.tensor([self.kv.row(it.req_id) for it in items], dtype=torch.int64)
+        tables = self.kv.tables.index_select(0, rows_t)  # [B, max_blocks_per_seq]
+        seq_idx = torch.repeat_interleave(torch.arange(b), q_lens_t)  # [T]
+        positions = torch.arange(t) - cu[:-1][seq_idx] + starts_t[seq_idx]
+        slot_mapping = tables[seq_idx, positions // bs].long() * bs + positions % bs
+        nl = torch.tensor(num_logits, dtype=torch.int64)
+        logit_seq = torch.repeat_interleave(torch.arange(b), nl)
+        cu_nl = torch.zeros(b + 1, dtype=torch.int64)
+        torch.cumsum(nl, 0, out=cu_nl[1:])
+        logits_rows = cu[1:][logit_seq] - nl[logit_seq] + (torch.arange(int(cu_nl[-1])) - cu_nl[:-1][logit_seq])
+
+        buf = self.buffers
+        buf.fit(b, t)
+        stage = buf.stage
+        meta = AttentionMetadata(
+            num_seqs=b, num_tokens=t, query_start_loc=stage(buf.query_start_loc, cu.to(torch.int32)),
+            seq_lens=stage(buf.seq_lens, seq_lens.to(torch.int32)), block_tables=stage(buf.block_tables, tables),
+            slot_mapping=stage(buf.slot_mapping, slot_mapping), block_size=bs, query_lens_cpu=tuple(q_lens),
+            seq_lens_cpu=tuple(s + n for s, n in zip(starts, q_lens)))
+        tokens = stage(buf.tokens, torch.tensor(flat, dtype=torch.int64))
+        return meta, tokens, stage(buf.positions, positions), stage(buf.logits_rows, logits_rows)

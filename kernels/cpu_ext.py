@@ -1,0 +1,122 @@
+"""spind's CPU kernels (kernels/csrc): compiled on first use for this machine, or a logged reason why not.
+
+The C++ sources are built with torch's extension builder (a C++ compiler and ninja; about a minute, once per
+machine, torch version and source change, cached under torch's extensions directory) in one of two builds:
+- `avx512vnni`: AVX-512 with VNNI (Intel Ice Lake and later, AMD Zen 4 and later): integer dot products;
+- `avx2`: AVX2 + FMA + F16C (x86-64 since ~2013): fp32 FMAs.
+The build's name carries its ISA, so a cache shared between machines never hands one to a CPU without it, and
+each registers its ops under its own namespace (`torch.ops.spind_cpu_<isa>`), so both can be loaded side by side
+(tests compare them). Callers use `ops()`, or fall back to torch when `available()` is False.
+
+Ops (all batch-invariant: a row's result does not depend on the other rows of the call):
+- `q4_1_linear(x, qs, d, m)`, `q8_0_linear(x, qs, d)`: y = x W^T from GGUF blocks (csrc/quant_gemm.cpp);
+- `row_attention(q, k_cache, v_cache, slots, slot_start, cu_q, ctx_lens, scale)` (csrc/row_attention.cpp);
+- `rms_norm(x, w, eps)`, `silu_mul(gate_up)`: fused row-wise ops of the quantized forward (csrc/fused_ops.cpp).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("quant_gemm.cpp", "row_attention.cpp", "fused_ops.cpp")
+ISA_FLAGS = {
+    "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+_lock = threading.Lock()
+_builds: dict[str, str | None] = {}  # isa -> None when loaded, else why it is not
+_logged: set[str] = set()
+
+
+def best_isa() -> str | None:
+    """The fastest build this CPU runs, None when it has neither (not x86, or older than AVX2)."""
+    isas = supported_isas()
+    return isas[0] if isas else None
+
+
+@functools.cache
+def supported_isas() -> list[str]:
+    """The builds this CPU can run, fastest first."""
+    try:
+        vnni = torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported()
+        avx2 = torch.cpu._is_avx2_supported()
+    except AttributeError:  # an older torch without the private probes
+        vnni, avx2 = False, torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return [isa for isa, ok in (("avx512vnni", vnni), ("avx2", avx2)) if ok]
+
+
+def load(isa: str) -> str | None:
+    """Build or load one ISA's kernels; None on success, else the reason."""
+    with _lock:
+        if isa not in _builds:
+            _builds[isa] = _build(isa)
+        return _builds[isa]
+
+
+def unavailable_reason() -> str | None:
+    """None when the best build for this CPU is loaded (building it on first call), else why not (logged once)."""
+    isa = best_isa()
+    if isa is None:
+        reason = f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has neither AVX-512 VNNI nor AVX2"
+    else:
+        reason = load(isa)
+    if reason is not None and reason not in _logged:
+        _logged.add(reason)
+        log.warning("spind CPU kernels unavailable, falling back to torch: %s", reason)
+    return reason
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def ops(isa: str | None = None):
+    """The op namespace of a loaded build (the best one by default)."""
+    reason = unavailable_reason() if isa is None else load(isa)
+    if reason is not None:
+        raise RuntimeError(f"spind CPU kernels unavailable: {reason}")
+    return getattr(torch.ops, f"spind_cpu_{isa or best_isa()}")
+
+
+def _ninja_on_path() -> str | None:
+    """torch's builder runs `ninja` from PATH; the `ninja` wheel (a spind dependency) puts it in the environment's
+    bin folder, which is not on PATH when python is run without activating the environment. Returns the PATH to
+    build with (None: leave it)."""
+    if shutil.which("ninja"):
+        return None
+    try:
+        import ninja
+    except ImportError:
+        return None
+    return os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+def _build(isa: str) -> str | None:
+    path = _ninja_on_path()
+    old_path = os.environ.get("PATH")
+    try:
+        from torch.utils import cpp_extension
+
+        if path is not None:
+            os.environ["PATH"] = path
+        cpp_extension.load(name=f"spind_cpu_{isa}", sources=[str(CSRC / s) for s in SOURCES],
+                           extra_cflags=["-O3", "-ffp-contract=off", f"-DSPIND_OPS=spind_cpu_{isa}", *ISA_FLAGS[isa]],
+                           extra_include_paths=[str(CSRC)], is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no ninja, a failed build: all mean "use torch instead"
+        lines = str(e).strip().splitlines()
+        return f"building {', '.join(SOURCES)} failed ({type(e).__name__}: {lines[-1] if lines else e})"
+    finally:
+        if path is not None and old_path is not None:
+            os.environ["PATH"] = old_path
+    return None

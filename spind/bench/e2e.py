@@ -1,0 +1,322 @@
+"""`spind bench e2e`: the paper's evaluation (§VII) on real workloads, every system side by side in one run.
+
+Every spind system is the coordinator users get (`LocalEngine`: the daemon's Coordinator over in-process
+workers) with one configuration; the transformers systems (`e2e_hf.py`) are what a user would otherwise run
+on the same weights. Systems, one row each:
+
+| system                 | selection       | drafters | attention | pipeline | the paper's name                     |
+|------------------------|-----------------|----------|-----------|----------|--------------------------------------|
+| `none`                 | -               | none     | packed    | -        | plain decoding (all cores)           |
+| `fixed:NAME`           | that drafter    | NAME     | padded    | off      | Vanilla speculative decoding         |
+| `spin`                 | lbss            | all      | packed    | on       | Spin                                 |
+| `spin-nopipe`          | lbss            | all      | packed    | off      | Spin w/o pipeline                    |
+| `spin-nobatch-nopipe`  | lbss            | all      | padded    | off      | Spin w/o batch. & pipe.              |
+| `greedy-length`, `epsilon-greedy`, `random`, `oracle` | that policy | all | padded | off | §VII-B's selection baselines |
+
+(§VII-B compares selection policies with fast batch verification and the pipeline off, so the baselines run
+like `spin-nobatch-nopipe`.) `oracle` knows each request's best drafter in hindsight: the one whose `fixed:`
+run served it fastest in this same bench run, so it needs those systems in the list.
+
+Requests arrive in a closed loop (`--batch-size` clients, each sending its next request when the previous
+ends: the paper's setting) or an open loop (Poisson arrivals at `--rate` requests/s). Greedy outputs are
+compared with `none`'s, request by request: the `lossless` flag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+from spind.bench.datasets import Prompt, encode_prompt
+from spind.bench.report import Progress, fmt, format_table
+from spind.bench.serve import percentile
+from spind.config import SpindConfig
+from spind.coordinator.interface import EngineRequest
+from spind.coordinator.selector import Arm
+from spind.params import SamplingParams
+
+POLICIES = ("greedy-length", "epsilon-greedy", "random", "oracle")
+SPIN = {"spin": (True, "packed"), "spin-nopipe": (False, "packed"), "spin-nobatch-nopipe": (False, "padded")}
+
+
+class RefusedSystem(ValueError):
+    """A system this build cannot run as asked; reported in the results, never faked."""
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    name: str
+    kind: str  # spind | hf
+    policy: str = "none"
+    drafters: tuple[str, ...] = ()
+    pipeline: bool = False
+    attention: str = "packed"
+    hf_drafter: str = ""  # hf-assisted: the configured drafter standing in as the assistant model
+
+
+def parse_system(name: str, cfg: SpindConfig) -> SystemSpec:
+    """A system name -> how to run it; RefusedSystem names what is missing."""
+    names = tuple(d.name for d in cfg.drafters)
+    if name == "none":
+        return SystemSpec(name, "spind")
+    if name.startswith("fixed:"):
+        drafter = name.removeprefix("fixed:")
+        if drafter not in names:
+            raise RefusedSystem(f"{name}: no configured drafter {drafter!r} (configured: {', '.join(names)})")
+        return SystemSpec(name, "spind", name, (drafter,), False, "padded")
+    if name in SPIN:
+        pipeline, attention = SPIN[name]
+        return SystemSpec(name, "spind", "lbss", names, pipeline, attention)
+    if name in POLICIES:
+        return SystemSpec(name, "spind", name, names, False, "padded")
+    if name == "hf-plain" or name == "hf-prompt-lookup":
+        return SystemSpec(name, "hf")
+    if name.startswith("hf-assisted:"):
+        drafter = name.removeprefix("hf-assisted:")
+        if drafter not in names:
+            raise RefusedSystem(f"{name}: no configured drafter {drafter!r}")
+        return SystemSpec(name, "hf", hf_drafter=drafter)
+    raise RefusedSystem(f"unknown system {name!r}: none, fixed:NAME, spin, spin-nopipe, spin-nobatch-nopipe, "
+                        f"{', '.join(POLICIES)}, hf-plain, hf-assisted:NAME, hf-prompt-lookup")
+
+
+@dataclass(frozen=True)
+class E2ESettings:
+    workload: str
+    num_requests: int
+    batch_size: int
+    max_tokens: int
+    systems: tuple[str, ...]
+    temperature: float = 0.0
+    seed: int = 0
+    rate: float | None = None  # open loop: Poisson arrivals per second; None = closed loop
+    k: int = 4
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    category: str
+    num_prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    arrival_s: float = 0.0  # since the run started
+    ttft_s: float | None = None
+    latency_s: float = 0.0
+    num_steps: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    drafters: dict[str, dict[str, int]] = field(default_factory=dict)
+    arms: list[str] = field(default_factory=list)  # the arm of each slot
+    lossless: bool | None = None  # greedy output equal to `none`'s (None: not compared)
+
+    @property
+    def goodput(self) -> float:
+        return len(self.token_ids) / self.latency_s if self.latency_s else 0.0
+
+
+def arrivals(n: int, rate: float | None, seed: int) -> list[float]:
+    """Open loop: Poisson arrival times (seconds); closed loop: all zero (the clients pace themselves)."""
+    if rate is None:
+        return [0.0] * n
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+# ---- spind systems --------------------------------------------------------------------------------
+def spind_config(cfg: SpindConfig, spec: SystemSpec, k: int) -> SpindConfig:
+    r = dataclasses.replace(cfg.runtime, pipeline=spec.pipeline, attention=spec.attention)
+    return dataclasses.replace(cfg, runtime=r, speculation=dataclasses.replace(cfg.speculation, k=k),
+                               selection=dataclasses.replace(cfg.selection, policy=spec.policy))
+
+
+async def _drive(coordinator, prompts: list[list[int]], categories: list[str], s: E2ESettings, drafter: str,
+                 progress: Progress, label: str) -> tuple[list[RequestRecord], float]:
+    params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, seed=s.seed)
+    records = [RequestRecord(i, categories[i], len(p)) for i, p in enumerate(prompts)]
+    start = time.perf_counter()
+    times = arrivals(len(prompts), s.rate, s.seed)
+
+    async def one(i: int) -> None:
+        rec = records[i]
+        await asyncio.sleep(max(0.0, times[i] - (time.perf_counter() - start)))
+        t0 = time.perf_counter()
+        rec.arrival_s = t0 - start
+        req = EngineRequest(f"e2e-{label}-{i}", prompts[i], params, drafter, None)
+        async for d in coordinator.generate(req):
+            if d.token_ids and rec.ttft_s is None:
+                rec.ttft_s = time.perf_counter() - t0
+            rec.token_ids += d.token_ids
+            if d.finish_reason is not None:
+                u = d.usage
+                rec.finish_reason, rec.num_steps, rec.drafters, rec.arms = d.finish_reason, u.num_steps, u.drafters, u.arms
+                rec.num_drafted = sum(v["drafted"] for v in u.drafters.values())
+                rec.num_accepted = sum(v["accepted"] for v in u.drafters.values())
+        rec.latency_s = time.perf_counter() - t0
+        progress.step(f"{label} #{i}: {len(rec.token_ids)} tokens in {rec.latency_s:.1f}s")
+
+    if s.rate is None:
+        todo = iter(range(len(prompts)))
+
+        async def client() -> None:
+            for i in todo:
+                await one(i)
+
+        await asyncio.gather(*(client() for _ in range(s.batch_size)))
+    else:
+        await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    return records, time.perf_counter() - start
+
+
+def run_spind(cfg: SpindConfig, spec: SystemSpec, prompts: list[list[int]], categories: list[str], s: E2ESettings,
+              progress: Progress, oracle: dict[int, Arm] | None = None) -> tuple[list[RequestRecord], float]:
+    from spind.coordinator.arms import ArmSet
+    from spind.coordinator.baselines import OracleSelector
+    from spind.coordinator.local import LocalEngine
+
+    run_cfg = spind_config(cfg, spec, s.k)
+    selector = None
+    if spec.policy == "oracle":
+        table = {f"e2e-{spec.name}-{i}": {arm: 1.0} for i, arm in (oracle or {}).items()}
+        arm_set = ArmSet(spec.drafters, tuple(sorted({*run_cfg.selection.k_set, s.k})))
+        selector = OracleSelector(arm_set, lambda r: table.get(r, {}), s.k)
+    engine = LocalEngine.load(run_cfg, drafters=list(spec.drafters), selector=selector)
+    try:
+        drafter = "none" if spec.name == "none" else "auto"
+        return engine.loop.run_until_complete(
+            _drive(engine.coordinator, prompts, categories, s, drafter, progress, spec.name))
+    finally:
+        engine.close()
+
+
+# ---- aggregation ----------------------------------------------------------------------------------
+def summarize(system: str, records: list[RequestRecord], wall_s: float) -> dict:
+    tokens = sum(len(r.token_ids) for r in records)
+    drafted, accepted, steps = (sum(getattr(r, a) for r in records) for a in ("num_drafted", "num_accepted",
+                                                                           "num_steps"))
+    ttft = [r.ttft_s for r in records if r.ttft_s is not None]
+    lat = [r.latency_s for r in records]
+    compared = [r.lossless for r in records if r.lossless is not None]
+    return {"system": system, "num_requests": len(records), "tokens": tokens, "wall_s": wall_s,
+            "goodput": tokens / wall_s if wall_s else 0.0,  # committed tokens (accepted drafts + bonus) per second
+            "request_tokens_per_s_p50": percentile([r.goodput for r in records], 0.5),
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_length": (accepted + steps) / steps if steps else None,
+            "latency_p50_s": percentile(lat, 0.5), "latency_p99_s": percentile(lat, 0.99),
+            "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+            "lossless": all(compared) if compared else None, "speedup_vs_none": None}
+
+
+def drafter_shares(records: list[RequestRecord]) -> dict[str, float]:
+    """Share of slots per drafter ("none" included) over all the system's requests."""
+    counts: dict[str, int] = {}
+    for r in records:
+        for arm in r.arms:
+            name = arm.split("@")[0]
+            counts[name] = counts.get(name, 0) + 1
+    total = sum(counts.values())
+    return {n: c / total for n, c in sorted(counts.items())} if total else {}
+
+
+def best_arms(results: dict[str, list[RequestRecord]], k: int) -> dict[int, Arm]:
+    """Each request's best drafter in hindsight: the fixed:NAME run (or none) that served it at the highest
+    goodput in this bench run."""
+    best: dict[int, tuple[float, Arm]] = {}
+    for system, records in results.items():
+        if system != "none" and not system.startswith("fixed:"):
+            continue
+        arm = Arm(None, 0) if system == "none" else Arm(system.removeprefix("fixed:"), k)
+        for r in records:
+            if r.index not in best or r.goodput > best[r.index][0]:
+                best[r.index] = (r.goodput, arm)
+    return {i: arm for i, (_, arm) in best.items()}
+
+
+def run_e2e(cfg: SpindConfig, s: E2ESettings, prompts_text: list[Prompt]) -> dict:
+    """Every system in turn over the same requests; returns the JSON-ready results."""
+    from spind.models.loader import resolve_model_dir
+    from spind.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(resolve_model_dir(cfg.model.target, cfg.cache_path))
+    prompts = [encode_prompt(tokenizer, p) for p in prompts_text]
+    categories = [p.category or p.dataset for p in prompts_text]
+    specs, refused = {}, {}
+    for name in s.systems:
+        try:
+            specs[name] = parse_system(name, cfg)
+        except RefusedSystem as e:
+            refused[name] = str(e)
+    if "oracle" in specs and not any(n.startswith("fixed:") for n in specs):
+        refused["oracle"] = "oracle needs fixed:NAME systems in the same run (it picks each request's best of them)"
+        del specs["oracle"]
+    # the references first, the oracle after what it learns from
+    order = sorted(specs, key=lambda n: (n != "none", n == "oracle", n.startswith("hf-")))
+    progress = Progress(len(order) * len(prompts))
+    results: dict[str, list[RequestRecord]] = {}
+    walls: dict[str, float] = {}
+    for name in order:
+        spec = specs[name]
+        progress.note(f"system {name}: loading")
+        try:
+            if spec.kind == "hf":
+                from spind.bench.e2e_hf import run_hf
+
+                records, wall = run_hf(cfg, spec, prompts, categories, s, progress)
+            else:
+                oracle = best_arms(results, s.k) if spec.policy == "oracle" else None
+                records, wall = run_spind(cfg, spec, prompts, categories, s, progress, oracle)
+        except RefusedSystem as e:
+            refused[name] = str(e)
+            continue
+        results[name], walls[name] = records, wall
+    if "none" in results and s.temperature == 0.0:
+        for name, records in results.items():
+            for r, ref in zip(records, results["none"]):
+                r.lossless = r.token_ids == ref.token_ids
+    rows = [summarize(n, results[n], walls[n]) for n in results]
+    base = next((r["goodput"] for r in rows if r["system"] == "none"), None)
+    for r in rows:
+        r["speedup_vs_none"] = r["goodput"] / base if base else None
+        r["drafter_shares"] = drafter_shares(results[r["system"]])
+    cats = sorted({c for c in categories if c})
+    per_category = {}
+    for c in cats if len(cats) > 1 else ():  # per category: per-request rates (the wall time is the whole run's)
+        per_category[c] = []
+        for n in results:
+            recs = [r for r in results[n] if r.category == c]
+            per_category[c].append({**summarize(n, recs, walls[n]), "drafter_shares": drafter_shares(recs)})
+    return {"settings": asdict(s), "model": cfg.model.target, "rows": rows, "refused": refused,
+            "per_category": per_category,
+            "requests": {n: [asdict(r) for r in recs] for n, recs in results.items()}}
+
+
+def render_table(results: dict) -> str:
+    s = results["settings"]
+    loop = f"open loop, {s['rate']} req/s" if s["rate"] else f"closed loop, batch {s['batch_size']}"
+    title = (f"spind bench e2e: {s['workload']}, {s['num_requests']} requests, {s['max_tokens']} tokens max, "
+             f"{loop}, temperature {s['temperature']}")
+    header = ["system", "goodput tok/s", "x none", "tok/s/req p50", "accept", "acc len", "lat p50 s", "lat p99 s",
+              "TTFT p50 s", "TTFT p99 s", "lossless", "drafter shares"]
+    rows = [[r["system"], fmt(r["goodput"], 1), fmt(r["speedup_vs_none"]), fmt(r["request_tokens_per_s_p50"], 1),
+             fmt(r["acceptance_rate"]), fmt(r["mean_accepted_length"]), fmt(r["latency_p50_s"]),
+             fmt(r["latency_p99_s"]), fmt(r["ttft_p50_s"]), fmt(r["ttft_p99_s"]),
+             "-" if r["lossless"] is None else "yes" if r["lossless"] else "NO",
+             " ".join(f"{n}:{v:.0%}" for n, v in r["drafter_shares"].items())] for r in results["rows"]]
+    tables = [format_table(title, header, rows)]
+    for cat, cat_rows in results["per_category"].items():
+        tables.append(format_table(f"category {cat}", ["system", "tok/s/req p50", "accept", "acc len", "lat p50 s",
+                                                       "lossless", "drafter shares"],
+                                   [[r["system"], fmt(r["request_tokens_per_s_p50"], 1), fmt(r["acceptance_rate"]),
+                                     fmt(r["mean_accepted_length"]), fmt(r["latency_p50_s"]),
+                                     "-" if r["lossless"] is None else "yes" if r["lossless"] else "NO",
+                                     " ".join(f"{n}:{v:.0%}" for n, v in r["drafter_shares"].items())]
+                                    for r in cat_rows]))
+    if results["refused"]:
+        tables.append("refused:\n" + "\n".join(f"  {n}: {why}" for n, why in results["refused"].items()))
+    return "\n\n".join(tables)

@@ -1,0 +1,356 @@
+"""Learning-based SSM selection (LBSS, paper §V, Algorithms 1 and 2), made fit for serving.
+
+The paper's algorithm, per epoch k = 1, 2, ...:
+- exploration: alpha slots in chunks of beta; at each chunk's start every request draws an SSM uniformly at
+  random (then a k: `ArmSet.draw`) and keeps it for the chunk; where more requests drew drafter j than its
+  B_j, B_j of them are kept at random and the others decode plainly (Algorithm 2);
+- exploitation: 2^k slots on a maximum-weight matching of requests to drafter replicas (`matching.py`) with
+  weights g~_ij, the estimated goodput of request i on arm j.
+
+What a serving system adds (the paper assumes one fixed set of requests):
+- requests come and go: one arriving mid-stage joins it (a random arm for the rest of the exploration chunk,
+  or a matching of the newcomers into the capacity left during exploitation); a finished one is removed;
+- a new request starts from a prior built from the population's slots in its context (prompt length and
+  repetition, `features.py`) and worth `prior_strength` observations, so its own observations take over
+  as they accumulate (`estimates.py`: the request's acceptance on a drafter, learned at any k, predicts
+  every k of it);
+- exploitation lasts 2^min(k, max_epoch) slots: requests live tens to hundreds of slots, so epochs must
+  keep coming round for the newer ones to be explored (max_epoch = 0 keeps the paper's unbounded 2^k, whose
+  O(log T) regret holds for a fixed set of requests; with a cap, exploration recurs at a fixed rate);
+- arms are (drafter, k) pairs plus plain decoding, so the draft length adapts too and speculation can be
+  turned off for a request where it does not pay;
+- with explore_margin > 0, a request stops drawing, in exploration, the arms it has itself shown to be
+  clearly worse than its best (its own slots on that drafter, never the prior alone), so exploration costs
+  less as it learns. explore_margin = 0, prior_strength = 0 and max_epoch = 0 give the paper's algorithm.
+
+Reward r_ij(t) = num_committed / (draft_s + verify_s), tokens committed (bonus included) per second of the
+slot. Switching cost: moving request i to a drafter other than its current one costs c_ij seconds of KV
+catch-up, predicted as (tokens that drafter has not seen) x (seconds per caught-up token, learned per drafter
+from the feedback's switch_s, so KV precomputed by the workers lowers it). In the matching, a switch is
+charged the goodput it loses over the rest of the stage: lambda * g~_ij * c_ij / (remaining slots * slot
+seconds); lambda = 1 prices it at cost, larger values damp switching further.
+
+The k set: (2, 4, 8) by default. Goodput is flat near its best k (the expected accepted run saturates at
+1/(1-p) while draft cost grows linearly in k), so a factor-2 grid loses little: in the simulator's three
+workloads the oracle restricted to {2, 4, 8} is within 0.6% of the oracle over k in 1..8. 2 serves drafters
+whose cost per token is a large share of a target step (the int8 self-draft on CPU), 4 is the usual
+default, 8 serves near-free drafters on text that repeats (prompt lookup copies long runs) and strong
+drafters on GPUs, where verifying more tokens costs little. Every k added is one more arm per drafter;
+exploration draws the drafter first, so it is not explored less for it, but the matching has more to
+tell apart.
+
+Config: the `[selection]` section of config.toml (`spind.config.SelectionConfig`, defaults documented there).
+
+Beyond the paper, free drafters teach without being explored: under greedy decoding the coordinator checks
+what n-gram lookup would have drafted against what was committed (`spind.coordinator.shadow`) and reports it
+in `SlotFeedback.shadow`; it counts as acceptance evidence for that request and its context (never reward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from spind.config import SelectionConfig
+from spind.coordinator.arms import (PLAIN_INDEX, ArmSet, free_capacity, random_drop, split_bypass, take,
+                                    with_requested_k)
+from spind.coordinator.estimates import Counts, PopulationStats, estimate
+from spind.coordinator.features import context_name, context_of
+from spind.coordinator.matching import max_weight_assignment
+from spind.coordinator.selector import Arm, Capacity, RequestInfo, SlotFeedback, fit_capacity
+
+UNKNOWN_WEIGHT = -1e6  # matching weight of an arm nobody has run: exploit only what was observed
+EXPLORE, EXPLOIT = "explore", "exploit"
+
+
+@dataclass
+class _Request:
+    context: int
+    is_bypass: bool
+    counts: Counts  # its own slots: acceptance per drafter, reward per arm
+    kv_len: np.ndarray  # [D] context length when it last ran on each drafter (0: never)
+    num_tokens: int = 0  # prompt + output tokens at the last select
+    current: Arm | None = None  # the arm it was given last slot
+    chunk_arm: int | None = None  # exploration: this chunk's arm
+    next_arm: int | None = None  # exploration: the next chunk's pre-drawn arm
+    catchup_tokens: int = 0  # tokens its drafter had to catch up this slot (a switch), for the cost rate
+    slot_s: float = 0.0  # summed seconds of its slots
+    num_slots: int = 0
+
+
+class LBSSSelector:
+    """Implements the Selector protocol (`selector.py`); pure: no I/O, no clock, seeded randomness."""
+
+    policy = "lbss"
+
+    def __init__(self, cfg: SelectionConfig, drafters: Sequence[str], default_k: int) -> None:
+        self.cfg = cfg
+        self.default_k = default_k
+        self.arm_set = ArmSet(drafters, cfg.k_set)
+        self.population = PopulationStats(self.arm_set, cfg.population_window)
+        self.rng = np.random.default_rng(cfg.seed)
+        self.epoch, self.stage, self.slot_in_stage, self.stage_slots = 1, EXPLORE, 0, cfg.alpha
+        self._reqs: dict[str, _Request] = {}
+        self._assigned: dict[str, int] = {}  # exploitation: req_id -> arm index for this stage
+        self._hints: dict[str, str | None] = {}  # exploitation: cached precompute hints for this stage
+        num_drafters = len(self.arm_set.drafters)
+        self._switch_s = np.zeros(num_drafters)  # [D] observed catch-up seconds after switches
+        self._switch_tokens = np.zeros(num_drafters)  # [D] tokens those catch-ups were predicted to cover
+        self._slot_s_sum, self._slot_s_num = 0.0, 0  # population's mean slot seconds
+        self.num_slots = self.num_switches = 0
+        self.observed_s = self.switch_s_total = 0.0
+        self._capacity: dict[str, int] = {}
+
+    # -- the protocol --------------------------------------------------------------------------------------
+
+    def select(self, reqs: Sequence[RequestInfo], capacity: Capacity) -> list[Arm]:
+        self._advance_stage()
+        self._capacity = {d: capacity.of(d) for d in self.arm_set.drafters}
+        bypass = split_bypass(reqs, self.default_k)
+        free = free_capacity(capacity, self.arm_set.drafters, [a for a in bypass if a is not None])
+        auto = [r for r, b in zip(reqs, bypass) if b is None]
+        for r, b in zip(reqs, bypass):
+            self._track(r, is_bypass=b is not None)
+        choice = self._explore(auto, free) if self.stage == EXPLORE else self._exploit(auto, free)
+        arms = [b if b is not None else with_requested_k(self.arm_set.arms[choice[r.req_id]], r)
+                for r, b in zip(reqs, bypass)]
+        arms = fit_capacity(arms, capacity)
+        for r, arm in zip(reqs, arms):
+            self._record(self._reqs[r.req_id], arm)
+        self.slot_in_stage += 1
+        self.num_slots += 1
+        return arms
+
+    def observe(self, feedback: Sequence[SlotFeedback]) -> None:
+        slot_s = 0.0
+        for fb in feedback:
+            st = self._reqs.get(fb.req_id)
+            seconds = fb.draft_s + fb.verify_s
+            slot_s = max(slot_s, seconds + fb.switch_s)
+            self.switch_s_total += fb.switch_s
+            if st is None or seconds <= 0:
+                continue
+            reward = fb.num_committed / seconds
+            a = self.arm_set.index.get(fb.arm)
+            j = self.arm_set.drafter_index.get(fb.arm.drafter)
+            self.population.add(st.context, j, a, fb, reward)
+            if not st.is_bypass:
+                st.counts.add((), j, a, fb, reward)
+            st.slot_s += seconds
+            st.num_slots += 1
+            self._slot_s_sum += seconds
+            self._slot_s_num += 1
+            if st.catchup_tokens and j is not None:
+                self._switch_s[j] += fb.switch_s
+                self._switch_tokens[j] += st.catchup_tokens
+            st.catchup_tokens = 0
+            self._observe_shadow(st, fb)
+        self.observed_s += slot_s
+
+    def _observe_shadow(self, st: _Request, fb: SlotFeedback) -> None:
+        """Counterfactual drafts of free drafters teach acceptance (never rewards: no slot ran on them)."""
+        for name, drafted, accepted in fb.shadow:
+            j = self.arm_set.drafter_index.get(name)
+            if j is None:
+                continue
+            self.population.add_acceptance(st.context, j, drafted, accepted)
+            if not st.is_bypass:
+                st.counts.add_acceptance((), j, drafted, accepted)
+
+    def remove(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)
+        self._assigned.pop(req_id, None)
+        self._hints.pop(req_id, None)
+
+    def precompute_hint(self, req_id: str) -> str | None:
+        st = self._reqs.get(req_id)
+        if st is None or st.is_bypass:
+            return None
+        current = st.current.drafter if st.current is not None else None
+        if self.stage == EXPLORE and st.next_arm is not None:
+            drafter = self.arm_set.arms[st.next_arm].drafter
+            return drafter if drafter != current else None
+        if req_id not in self._hints:  # set by the matching; else the last exploration chunk's
+            self._hints[req_id] = self._best_other_drafter(self.estimate(st), current)
+        return self._hints[req_id]
+
+    def describe(self) -> dict:
+        """JSON-able state for /v1/spind/state (every float rounded; null = unknown):
+
+        policy; epoch (k); stage ("explore" | "exploit"); slot_in_stage (slots of the stage selected so far)
+        of stage_slots; chunk_slots (beta); arms (names, plain decoding "none" first); capacity {drafter:
+        B_j at the last slot}; assignment {arm: requests on it at the last slot}; requests {req_id: {arm,
+        bypass, context, estimate {arm: g~ tokens/s}, observations {arm: own slots}}} for every request not
+        yet removed, so bounded by the running ones; population {arm: everyone's mean reward};
+        switch_s_per_token {drafter: learned KV catch-up seconds per token}; num_slots; num_switches
+        (drafter changes); observed_s (summed slot seconds, from the feedback); switches_per_minute;
+        switch_s (summed KV catch-up seconds fed back); config (the SelectionConfig)."""
+        names = self.arm_set.names
+        counts: dict[str, int] = {}
+        requests = {}
+        for req_id, st in self._reqs.items():
+            arm = st.current.name if st.current is not None else None
+            if arm is not None:
+                counts[arm] = counts.get(arm, 0) + 1
+            requests[req_id] = {"arm": arm, "bypass": st.is_bypass, "context": context_name(st.context),
+                                "estimate": _rounded(names, self.estimate(st)),
+                                "observations": {n: int(c) for n, c in zip(names, st.counts.slots) if c}}
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rate = self._switch_s / self._switch_tokens
+        return {
+            "policy": self.policy, "epoch": self.epoch, "stage": self.stage,
+            "slot_in_stage": self.slot_in_stage, "stage_slots": self.stage_slots,
+            "chunk_slots": self.cfg.beta, "arms": names, "capacity": self._capacity,
+            "assignment": counts, "requests": requests,
+            "population": _rounded(names, self.population.mean_reward()),
+            "switch_s_per_token": _rounded(self.arm_set.drafters, rate, digits=6),
+            "num_slots": self.num_slots, "num_switches": self.num_switches,
+            "observed_s": round(self.observed_s, 3), "switch_s": round(self.switch_s_total, 3),
+            "switches_per_minute": round(60 * self.num_switches / self.observed_s, 2) if self.observed_s else None,
+            "config": dataclasses.asdict(self.cfg),
+        }
+
+    # -- estimates -----------------------------------------------------------------------------------------
+
+    def estimate(self, st: _Request) -> np.ndarray:
+        """[A] g~ of the request per arm; nan = unknown."""
+        return estimate(st.counts, st.context, self.population, self.cfg.prior_strength)
+
+    def _weights(self, st: _Request, g: np.ndarray, remaining_slots: int) -> np.ndarray:
+        """[A] matching weights from g~ ([A]): less lambda x the goodput a switch's KV catch-up loses over the
+        rest of the stage."""
+        w = np.where(np.isnan(g), UNKNOWN_WEIGHT, g)
+        if np.isnan(g[PLAIN_INDEX]):
+            w[PLAIN_INDEX] = 0.0  # nothing known: plain decoding, never slower than not speculating
+        slot_s = st.slot_s / st.num_slots if st.num_slots else (
+            self._slot_s_sum / self._slot_s_num if self._slot_s_num else 0.0)
+        if self.cfg.switch_weight == 0 or slot_s == 0:
+            return w
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rate = np.where(self._switch_tokens > 0, self._switch_s / self._switch_tokens, 0.0)  # [D]
+        d = self.arm_set.drafter_of
+        current = self.arm_set.drafter_index.get(st.current.drafter if st.current else None, -1)
+        is_switch = (d >= 0) & (d != current)
+        switch_s = np.zeros(len(self.arm_set))  # [A] c_ij
+        switch_s[is_switch] = rate[d[is_switch]] * (st.num_tokens - st.kv_len[d[is_switch]])
+        penalty = np.where(is_switch & ~np.isnan(g), g, 0.0) * switch_s / (max(remaining_slots, 1) * slot_s)
+        return w - self.cfg.switch_weight * penalty
+
+    def _best_other_drafter(self, g: np.ndarray, current: str | None) -> str | None:
+        """The drafter, other than `current`, of the arm with the highest g~ ([A]); None if none is known."""
+        d = self.arm_set.drafter_of
+        other = (d >= 0) & (d != self.arm_set.drafter_index.get(current, -1)) & ~np.isnan(g)
+        if not other.any():
+            return None
+        return self.arm_set.drafters[d[np.flatnonzero(other)[np.argmax(g[other])]]]
+
+    # -- stages --------------------------------------------------------------------------------------------
+
+    def _advance_stage(self) -> None:
+        while self.slot_in_stage >= self.stage_slots:
+            if self.stage == EXPLORE:
+                self.stage = EXPLOIT
+                self.stage_slots = 2 ** (min(self.epoch, self.cfg.max_epoch) if self.cfg.max_epoch else self.epoch)
+            else:
+                self.epoch += 1
+                self.stage, self.stage_slots = EXPLORE, self.cfg.alpha
+            self.slot_in_stage = 0
+            self._assigned.clear()
+            self._hints.clear()
+
+    def _explore(self, auto: list[RequestInfo], free: dict[str | None, int | None]) -> dict[str, int]:
+        """Algorithm 2: a random arm per request per chunk, B_j kept by random drop. A request joining
+        mid-chunk draws from the room the chunk's requests left."""
+        is_chunk_start = self.slot_in_stage % self.cfg.beta == 0
+        has_next_chunk = (self.slot_in_stage // self.cfg.beta + 1) * self.cfg.beta < self.stage_slots
+        available = self.arm_set.available(free)
+        kept, new = {}, {}
+        for r in auto:
+            st = self._reqs[r.req_id]
+            if not is_chunk_start and st.chunk_arm is not None:
+                kept[r.req_id] = st.chunk_arm
+            else:
+                pre = st.next_arm if is_chunk_start else None
+                if not any(pre in arms for arms in available):
+                    pre = self.arm_set.draw(self._worth_exploring(st, available), self.rng)
+                new[r.req_id] = pre
+        kept = random_drop(kept, self.arm_set, free, self.rng)  # bites only when capacity shrank mid-chunk
+        room = dict(free)
+        for a in kept.values():
+            take(room, self.arm_set.arms[a])
+        new = random_drop(new, self.arm_set, room, self.rng)
+        for req_id, a in new.items():
+            st = self._reqs[req_id]
+            st.chunk_arm = a
+            if is_chunk_start and has_next_chunk:
+                st.next_arm = self.arm_set.draw(self._worth_exploring(st, available), self.rng)
+            elif is_chunk_start:
+                st.next_arm = None
+        return kept | new
+
+    def _worth_exploring(self, st: _Request, available: list[list[int]]) -> list[list[int]]:
+        """The available arms (per drafter) the request draws from: all of them (the paper), or with an
+        explore_margin, not those it has itself shown to be clearly worse: arms of a drafter it has run whose
+        g~ is below (1 - margin) x its best g~. The prior alone never rules an arm out."""
+        if self.cfg.explore_margin == 0:
+            return available
+        g = self.estimate(st)
+        if np.isnan(g).all():
+            return available
+        tried = np.append(st.counts.slots[PLAIN_INDEX] > 0, st.counts.proposed + st.counts.empty > 0)
+        is_worse = tried[self.arm_set.drafter_of + 1] & (g < (1 - self.cfg.explore_margin) * np.nanmax(g))  # [A]
+        kept = [[a for a in arms if not is_worse[a]] for arms in available]
+        return [arms for arms in kept if arms] or available
+
+    def _exploit(self, auto: list[RequestInfo], free: dict[str | None, int | None]) -> dict[str, int]:
+        """The stage's matching, made at its first slot; newcomers are matched into the room left. A capacity
+        that shrank below the assignment forces a full re-matching."""
+        for r in auto:
+            self._reqs[r.req_id].next_arm = None
+        room = dict(free)
+        for r in auto:
+            if r.req_id in self._assigned:
+                take(room, self.arm_set.arms[self._assigned[r.req_id]])
+        if any(v is not None and v < 0 for v in room.values()):
+            self._assigned.clear()
+            room = dict(free)
+        newcomers = [r for r in auto if r.req_id not in self._assigned]
+        if newcomers:
+            remaining = self.stage_slots - self.slot_in_stage
+            states = [self._reqs[r.req_id] for r in newcomers]
+            estimates = [self.estimate(st) for st in states]
+            weights = np.stack([self._weights(st, g, remaining) for st, g in zip(states, estimates)])  # [n, A]
+            for r, g, a in zip(newcomers, estimates, max_weight_assignment(weights, self.arm_set, room)):
+                self._assigned[r.req_id] = int(a)
+                self._hints[r.req_id] = self._best_other_drafter(g, self.arm_set.arms[a].drafter)
+        return {r.req_id: self._assigned[r.req_id] for r in auto}
+
+    # -- bookkeeping ---------------------------------------------------------------------------------------
+
+    def _track(self, r: RequestInfo, is_bypass: bool) -> None:
+        st = self._reqs.get(r.req_id)
+        if st is None:
+            num_drafters = len(self.arm_set.drafters)
+            st = self._reqs[r.req_id] = _Request(context_of(r.num_prompt_tokens, r.prompt_repetition), is_bypass,
+                                                 Counts.zeros((), num_drafters, len(self.arm_set)),
+                                                 np.zeros(num_drafters, dtype=np.int64))
+        st.is_bypass = is_bypass
+        st.num_tokens = r.num_prompt_tokens + r.num_output_tokens
+
+    def _record(self, st: _Request, arm: Arm) -> None:
+        """Count a drafter switch; note the tokens the new drafter must catch up (its KV lags)."""
+        previous = st.current.drafter if st.current is not None else None
+        if st.current is not None and arm.drafter != previous:
+            self.num_switches += 1
+        j = self.arm_set.drafter_index.get(arm.drafter)
+        if j is not None:
+            st.catchup_tokens = st.num_tokens - int(st.kv_len[j]) if arm.drafter != previous else 0
+            st.kv_len[j] = st.num_tokens
+        st.current = arm
+
+
+def _rounded(names: Sequence[str], values: np.ndarray, digits: int = 3) -> dict[str, float | None]:
+    return {n: None if np.isnan(v) else round(float(v), digits) for n, v in zip(names, values)}

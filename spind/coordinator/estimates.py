@@ -1,0 +1,176 @@
+"""Goodput estimates g~_ij per request and arm: the request's own slots, shrunk towards a prior.
+
+Every slot's feedback updates the request's counts and its context's in the population (bypassing requests
+feed the population only):
+- per drafter: drafts accepted, rejections (slots whose drafts were not all accepted), and slots with and
+  without a proposal (prompt lookup drafts nothing when no n-gram matches);
+- per arm: summed reward and slots; for the population also the seconds of a slot on the arm with and
+  without a proposal, and the drafts per proposal.
+
+The prior of arm (j, k) is the standard expectation of speculative decoding (Leviathan et al., 2023),
+
+    g^_ij = h_ij * (1 - p_ij^(d+1)) / (1 - p_ij) / s_hit(j, k)  +  (1 - h_ij) / s_miss(j, k),
+
+with p_ij the request's per-token acceptance on drafter j (accepted / (accepted + rejections), the MLE of a
+geometric run cut off at d) and h_ij its proposal rate, both shrunk towards its context's with n0 pseudo-
+trials; d the population's drafts per proposal on the arm (<= k); s_hit, s_miss the population's mean slot
+seconds on the arm with and without a proposal. Plain decoding: 1 / s(plain). So the request's acceptance
+on a drafter, learned at any k, predicts every k of that drafter: a request that accepts more wants longer
+drafts. The estimate is its own mean reward shrunk towards the prior, g~_ij = (S_ij + n0 g^_ij) / (N_ij + n0),
+so its own observations take over as they accumulate; n0 = 0 is the paper's plain average (nan: never run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from spind.coordinator.arms import PLAIN_INDEX, ArmSet
+from spind.coordinator.features import NUM_CONTEXTS
+from spind.coordinator.selector import SlotFeedback
+
+CONTEXT_STRENGTH = 8.0  # pseudo-trials of the overall rate in a context's rates
+
+
+@dataclass
+class Counts:
+    """Acceptance counts per drafter (`[..., D]`) and reward per arm (`[..., A]`); one request, or one row
+    per context."""
+
+    accepted: np.ndarray
+    rejected: np.ndarray
+    proposed: np.ndarray  # slots with at least one draft
+    empty: np.ndarray  # slots on the drafter that drafted nothing
+    reward: np.ndarray
+    slots: np.ndarray
+
+    @classmethod
+    def zeros(cls, lead: tuple[int, ...], num_drafters: int, num_arms: int) -> Counts:
+        d, a = (*lead, num_drafters), (*lead, num_arms)
+        return cls(np.zeros(d), np.zeros(d), np.zeros(d), np.zeros(d), np.zeros(a), np.zeros(a))
+
+    def add(self, row: tuple, j: int | None, a: int | None, fb: SlotFeedback, reward: float) -> None:
+        """Count one slot; row indexes the leading dimensions (() for a request)."""
+        if j is not None:
+            self.add_acceptance(row, j, fb.num_drafted, fb.num_accepted)
+        if a is not None:
+            self.reward[(*row, a)] += reward
+            self.slots[(*row, a)] += 1
+
+    def add_acceptance(self, row: tuple, j: int, num_drafted: int, num_accepted: int) -> None:
+        """One draft of drafter j: accepted tokens, a rejection if not all were, or an empty proposal."""
+        if num_drafted > 0:
+            self.accepted[(*row, j)] += num_accepted
+            self.rejected[(*row, j)] += num_accepted < num_drafted
+            self.proposed[(*row, j)] += 1
+        else:
+            self.empty[(*row, j)] += 1
+
+    def scale(self, row: tuple, j: int | None, a: int | None, window: int) -> None:
+        """Keep at most `window` slots per (row, drafter) and (row, arm), the means unchanged."""
+        if j is not None:
+            n = self.proposed[(*row, j)] + self.empty[(*row, j)]
+            if n > window:
+                for x in (self.accepted, self.rejected, self.proposed, self.empty):
+                    x[(*row, j)] *= window / n
+        if a is not None and self.slots[(*row, a)] > window:
+            self.reward[(*row, a)] *= window / self.slots[(*row, a)]
+            self.slots[(*row, a)] = window
+
+
+def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """num / den, nan where den is 0."""
+    return np.divide(num, den, out=np.full(np.shape(num), np.nan), where=den > 0)
+
+
+def _shrink(num: np.ndarray, den: np.ndarray, prior: np.ndarray, strength: float) -> np.ndarray:
+    """(num + strength * prior) / (den + strength); num / den where prior is nan; nan where both unknown."""
+    known = ~np.isnan(prior)
+    return np.where(known, (num + strength * np.where(known, prior, 0)) / (den + strength), _ratio(num, den))
+
+
+@dataclass
+class PopulationStats:
+    """Everyone's counts, per context, plus the per-arm slot seconds."""
+
+    arm_set: ArmSet
+    window: int
+    counts: Counts = field(init=False)
+
+    def __post_init__(self) -> None:
+        num_arms, num_drafters = len(self.arm_set), len(self.arm_set.drafters)
+        self.counts = Counts.zeros((NUM_CONTEXTS,), num_drafters, num_arms)
+        self.hit_s, self.hit_n, self.drafts = np.zeros(num_arms), np.zeros(num_arms), np.zeros(num_arms)  # [A]
+        self.miss_s, self.miss_n = np.zeros(num_arms), np.zeros(num_arms)  # [A]
+        self._rates: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # context -> rates(), until the next add
+
+    def add(self, context: int, j: int | None, a: int | None, fb: SlotFeedback, reward: float) -> None:
+        self._rates.clear()
+        self.counts.add((context,), j, a, fb, reward)
+        self.counts.scale((context,), j, a, self.window)
+        if a is None:
+            return
+        seconds = fb.draft_s + fb.verify_s
+        if fb.num_drafted > 0:
+            self.hit_s[a] += seconds
+            self.drafts[a] += fb.num_drafted
+            self.hit_n[a] += 1
+        else:
+            self.miss_s[a] += seconds
+            self.miss_n[a] += 1
+        for total, sums in ((self.hit_n, (self.hit_s, self.drafts)), (self.miss_n, (self.miss_s,))):
+            if total[a] > self.window:
+                for x in sums:
+                    x[a] *= self.window / total[a]
+                total[a] = self.window
+
+    def add_acceptance(self, context: int, j: int, num_drafted: int, num_accepted: int) -> None:
+        """Acceptance evidence without a slot (a counterfactual draft the request did not run)."""
+        self._rates.clear()
+        self.counts.add_acceptance((context,), j, num_drafted, num_accepted)
+        self.counts.scale((context,), j, None, self.window)
+
+    def rates(self, context: int) -> tuple[np.ndarray, np.ndarray]:
+        """[D] acceptance and proposal rate of the context, shrunk towards everyone's; nan = unknown."""
+        if context in self._rates:
+            return self._rates[context]
+        c = self.counts
+        overall_p = _ratio(c.accepted.sum(0), c.accepted.sum(0) + c.rejected.sum(0))
+        overall_h = _ratio(c.proposed.sum(0), c.proposed.sum(0) + c.empty.sum(0))
+        p = _shrink(c.accepted[context], c.accepted[context] + c.rejected[context], overall_p, CONTEXT_STRENGTH)
+        h = _shrink(c.proposed[context], c.proposed[context] + c.empty[context], overall_h, CONTEXT_STRENGTH)
+        self._rates[context] = p, h
+        return p, h
+
+    def mean_reward(self) -> np.ndarray:
+        """[A] everyone's mean reward per arm; nan = never run."""
+        return _ratio(self.counts.reward.sum(0), self.counts.slots.sum(0))
+
+    def model_goodput(self, p: np.ndarray, h: np.ndarray) -> np.ndarray:
+        """[A] g^ per arm for a request with acceptance p and proposal rate h per drafter ([D])."""
+        s_hit, s_miss = _ratio(self.hit_s, self.hit_n), _ratio(self.miss_s, self.miss_n)
+        g = np.full(len(self.arm_set), 1 / s_miss[PLAIN_INDEX])  # plain decoding: one token a slot
+        s_miss = np.where(np.isnan(s_miss), s_miss[PLAIN_INDEX], s_miss)  # a miss verifies one token, as plain
+        spec = self.arm_set.drafter_of >= 0  # [A] the drafters' arms
+        d = self.arm_set.drafter_of[spec]
+        k = np.array([arm.k for arm in self.arm_set.arms], dtype=float)[spec]
+        drafts = np.where(self.hit_n[spec] > 0, _ratio(self.drafts, self.hit_n)[spec], k)  # <= k per proposal
+        pa, ha = p[d], h[d]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            tokens = np.where(pa < 1, (1 - pa ** (drafts + 1)) / (1 - pa), drafts + 1)  # E[committed | proposal]
+            g[spec] = ha * tokens / s_hit[spec] + np.where(ha < 1, (1 - ha) / s_miss[spec], 0.0)
+        return g
+
+
+def estimate(own: Counts, context: int, population: PopulationStats, n0: float) -> np.ndarray:
+    """[A] g~ of one request per arm; nan = unknown."""
+    own_mean = _ratio(own.reward, own.slots)
+    if n0 == 0:
+        return own_mean
+    p_ctx, h_ctx = population.rates(context)
+    p = _shrink(own.accepted, own.accepted + own.rejected, p_ctx, n0)
+    h = _shrink(own.proposed, own.proposed + own.empty, h_ctx, n0)
+    prior = population.model_goodput(p, h)
+    return np.where(np.isnan(prior), own_mean, (own.reward + n0 * np.where(np.isnan(prior), 0, prior))
+                    / (own.slots + n0))

@@ -1,0 +1,83 @@
+"""The contract between the coordinator's engine (request state, time slots, workers) and its front ends
+(HTTP, ZeroMQ client API). Front ends only ever see these types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
+
+from spind.errors import StatusError
+from spind.params import SamplingParams
+
+
+class EngineError(StatusError):
+    """A request the engine refuses; `status` is the HTTP status a front end should answer with."""
+
+
+@dataclass
+class EngineRequest:
+    req_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    drafter: str = "auto"  # "auto" (the configured selection policy) | a drafter name | "none"
+    k: int | None = None  # tokens drafted per step; None = config
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    # spind extension: per drafter {"drafted": n, "accepted": n}, time slots, mean accepted length
+    drafters: dict[str, dict[str, int]] = field(default_factory=dict)
+    num_steps: int = 0
+    mean_accepted_length: float = 0.0
+    finish_detail: str = ""  # why a request ended early ("abort"): the reason a client sees
+    draft_s: float = 0.0  # seconds of drafting and of verification this request took part in
+    verify_s: float = 0.0
+    arms: list[str] = field(default_factory=list)  # the arm of every slot, in order (benches; not sent to clients)
+
+    def to_json(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def spind_json(self) -> dict:
+        out = {"drafters": self.drafters, "time_slots": self.num_steps,
+               "mean_accepted_length": round(self.mean_accepted_length, 4)}
+        if self.finish_detail:
+            out["finish_detail"] = self.finish_detail
+        return out
+
+
+@dataclass
+class Delta:
+    """What a request gained in one time slot."""
+
+    token_ids: list[int]
+    text: str  # new text since the previous delta (text that may still turn into a stop string is held back)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta
+    usage: Usage | None = None  # on the last delta
+
+
+class Engine(Protocol):
+    model_name: str
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self, drain: bool = True) -> None:
+        """drain=True: refuse new requests, finish in-flight ones, then stop workers."""
+
+    def generate(self, req: EngineRequest) -> AsyncIterator[Delta]:
+        """Stream a request's deltas. Raises EngineError before the first delta for bad or unfittable input
+        (400 bad input, 413 prompt over the context limit, 503 overloaded or draining). Closing the iterator
+        early (client gone) aborts the request and frees its KV on every worker."""
+
+    def encode_prompt(self, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
+        """Completion prompt (text or token ids) or chat messages -> prompt ids; EngineError(400) if invalid."""
+
+    def snapshot(self) -> dict:
+        """JSON-able state for GET /v1/spind/state: workers, requests with their drafter, per-drafter counters,
+        per-worker busy intervals."""
+
+    def render_metrics(self) -> str:
+        """Prometheus text exposition for GET /metrics."""

@@ -1,0 +1,155 @@
+"""The coordinator over in-process workers, driven synchronously: what `spind generate`, every `spind
+bench` and the tests run. It is the daemon's own `Coordinator` (same scheduling, selection, capacities,
+precompute and verification), with `InProcessPool` in place of worker processes.
+
+    engine = LocalEngine.load(cfg)
+    results = engine.generate([GenRequest("r1", prompt_ids, SamplingParams(max_tokens=64), "auto")])
+    engine.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from spind.config import TARGET_WORKER, SpindConfig
+from spind.coordinator.engine import Coordinator
+from spind.coordinator.interface import EngineRequest
+from spind.coordinator.placement import threads_for, worker_names
+from spind.coordinator.pool import InProcessPool
+from spind.coordinator.selector import Selector
+from spind.params import SamplingParams
+from spind.tokenizer import Tokenizer
+
+
+@dataclass
+class GenRequest:
+    req_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    drafter: str | None = None  # None = plain target decoding; "auto" = the selector; or a drafter name
+    k: int | None = None  # None = the selector's / config's
+
+
+@dataclass
+class GenResult:
+    req_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    drafter: str | None
+    num_prompt_tokens: int
+    num_steps: int
+    num_drafted: int
+    num_accepted: int
+    elapsed_s: float
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    drafters: dict[str, dict[str, int]] = field(default_factory=dict)  # per drafter used: drafted, accepted
+    finish_detail: str = ""
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["acceptance_rate"] = self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+        d["tokens_per_s"] = len(self.token_ids) / self.elapsed_s if self.elapsed_s else 0.0
+        return d
+
+
+class LocalEngine:
+    def __init__(self, cfg: SpindConfig, pool: InProcessPool, tokenizer: Tokenizer,
+                 selector: Selector | None = None) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.loop = asyncio.new_event_loop()
+        self.coordinator = Coordinator(cfg, pool, tokenizer, selector)
+        try:
+            self.loop.run_until_complete(self.coordinator.start())
+        except BaseException:
+            self.loop.close()
+            raise
+
+    @classmethod
+    def load(cls, cfg: SpindConfig, drafters: list[str] | None = None, selector: Selector | None = None,
+             make_worker=None) -> "LocalEngine":
+        """Load the target and the named drafters (all configured ones when None) in this process."""
+        from spind.models.loader import load_generation_defaults, resolve_model_dir
+
+        if drafters is not None:
+            for name in drafters:
+                cfg.drafter(name)  # unknown -> ConfigError before anything loads
+            cfg = dataclasses.replace(cfg, drafters=tuple(d for d in cfg.drafters if d.name in drafters))
+            policy = cfg.selection.policy
+            if not drafters or policy.startswith("fixed:") and policy[6:].partition("@")[0] not in drafters:
+                policy = "none" if not drafters else "lbss"  # auto selects among what is loaded
+                cfg = dataclasses.replace(cfg, selection=dataclasses.replace(cfg.selection, policy=policy))
+        if make_worker is None:
+            from spind.worker.probs import LocalProbsChannel
+            from spind.worker.worker import Worker
+
+            channel = LocalProbsChannel()
+
+            def make_worker(name: str):
+                return Worker(name, cfg, probs_out=channel, probs_in=channel)
+
+        model_dir = resolve_model_dir(cfg.model.target, cfg.cache_path)
+        pool = InProcessPool(worker_names(cfg), make_worker, lambda name: threads_for(cfg, name))
+        engine = cls(cfg, pool, Tokenizer(model_dir), selector)
+        engine.coordinator.generation_defaults = load_generation_defaults(model_dir)
+        return engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self.coordinator.max_model_len
+
+    def worker(self, name: str = TARGET_WORKER):
+        return self.pool.worker(name)
+
+    @property
+    def target(self):
+        """The target verifier (its runner and model) of the in-process target worker."""
+        return self.worker(TARGET_WORKER).target
+
+    def drafter(self, name: str):
+        return self.worker(self.cfg.drafter(name).worker).drafters[name]
+
+    @property
+    def drafters(self) -> dict:
+        """Every loaded drafter by name (the objects inside the in-process workers)."""
+        return {d.name: self.drafter(d.name) for d in self.cfg.drafters}
+
+    def generate(self, requests: list[GenRequest], max_batch: int | None = None) -> list[GenResult]:
+        """Run requests to completion through the coordinator (at most max_batch at once)."""
+        return self.loop.run_until_complete(self._generate(requests, max_batch))
+
+    async def _generate(self, requests: list[GenRequest], max_batch: int | None) -> list[GenResult]:
+        c = self.coordinator
+        saved = c.max_batch_size
+        c.max_batch_size = max_batch or saved
+        try:
+            return list(await asyncio.gather(*(self._one(r) for r in requests)))
+        finally:
+            c.max_batch_size = saved
+
+    async def _one(self, r: GenRequest) -> GenResult:
+        start = time.perf_counter()
+        req = EngineRequest(r.req_id, list(r.prompt_ids), r.params, "none" if r.drafter is None else r.drafter, r.k)
+        token_ids: list[int] = []
+        text = []
+        async for d in self.coordinator.generate(req):
+            token_ids += d.token_ids
+            text.append(d.text)
+            if d.finish_reason is not None:
+                u = d.usage
+                return GenResult(r.req_id, "".join(text), token_ids, d.finish_reason, r.drafter, len(r.prompt_ids),
+                                 u.num_steps, sum(v["drafted"] for v in u.drafters.values()),
+                                 sum(v["accepted"] for v in u.drafters.values()), time.perf_counter() - start,
+                                 u.draft_s, u.verify_s, u.drafters, u.finish_detail)
+        raise RuntimeError(f"{r.req_id}: the coordinator ended the stream without a finish")
+
+    def close(self) -> None:
+        if not self.loop.is_closed():
+            self.loop.run_until_complete(self.coordinator.shutdown(drain=False))
+            self.loop.close()

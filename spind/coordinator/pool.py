@@ -1,0 +1,228 @@
+"""The coordinator's view of its workers: the `WorkerPool` interface and its in-process implementation.
+
+Two pools implement it (vLLM v1's in-process vs multiprocess engine client is the pattern):
+- `ProcessPool` (spind.coordinator.process_pool): one process per worker over ZeroMQ, watched and
+  restarted; what the daemon runs.
+- `InProcessPool` (here): the same `Worker.answer` called in this process, each worker on a thread of its
+  own (torch releases the GIL, so a drafter really drafts while the target verifies); what `spind
+  generate`, the benches and most tests run. With a scripted worker it makes coordinator unit tests
+  run in milliseconds.
+
+Both keep the semantics the coordinator relies on: a worker handles ops one at a time in the order they
+were sent; it runs queued precomputes only while no op waits; a reply's busy intervals are reported to
+`on_busy`; an `ErrorReply` fails its call with `WorkerError` (naming the requests at fault, if any).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from spind import protocol as P
+
+
+class WorkerDied(RuntimeError):
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(f"worker {name!r} died: {why}")
+        self.name = name
+
+
+class WorkerError(RuntimeError):
+    """The worker answered an op with an ErrorReply: it is alive, the op failed and changed nothing.
+    `req_ids` names the requests whose data caused it ([] = the op as a whole)."""
+
+    def __init__(self, name: str, message: str, req_ids: list[str] | None = None) -> None:
+        super().__init__(f"worker {name!r}: {message}")
+        self.name = name
+        self.req_ids = list(req_ids or [])
+
+
+@dataclass
+class WorkerInfo:
+    """A worker as the coordinator knows it: from config, then from its Ready greeting."""
+
+    name: str
+    is_target: bool
+    drafters: list[str]
+    device: str = "cpu"
+    threads: int = 1
+    max_model_len: int = 0
+    dtype: str = ""
+    pid: int | None = None
+    restarts: int = 0
+    busy: deque = field(default_factory=lambda: deque(maxlen=512))  # recent BusyIntervals
+
+    def describe(self, is_alive: bool) -> dict:
+        return {"name": self.name, "device": self.device, "dtype": self.dtype, "pid": self.pid, "alive": is_alive,
+                "restarts": self.restarts, "threads": self.threads, "is_target": self.is_target,
+                "drafters": self.drafters,
+                "busy": [{"kind": b.kind, "drafter": b.drafter, "start": round(b.start, 6), "end": round(b.end, 6),
+                          "num_reqs": b.num_reqs} for b in list(self.busy)[-128:]]}
+
+
+BusyHook = Callable[[str, P.BusyInterval], None]
+
+
+class WorkerPool(Protocol):
+    on_busy: BusyHook | None
+
+    @property
+    def names(self) -> list[str]: ...
+
+    def info(self, name: str) -> WorkerInfo: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self, timeout_s: float = 5.0) -> None: ...
+
+    def is_alive(self, name: str) -> bool: ...
+
+    def cast(self, name: str, msg: object) -> asyncio.Future:
+        """Send an op now; the future holds its reply (or WorkerDied / WorkerError)."""
+
+    async def call(self, name: str, msg: object, timeout_s: float) -> object:
+        """Send an op and await its reply; a timeout counts as a hung worker (WorkerDied)."""
+
+    async def restart(self, name: str) -> None: ...
+
+    def describe(self) -> list[dict]: ...
+
+
+def settle(fut: asyncio.Future, reply: object, info: WorkerInfo, on_busy: BusyHook | None) -> None:
+    """Record a reply's busy intervals and resolve its call (an ErrorReply becomes WorkerError)."""
+    for b in getattr(reply, "busy", ()):
+        info.busy.append(b)
+        if on_busy is not None:
+            on_busy(info.name, b)
+    if fut.done():
+        return
+    if isinstance(reply, P.ErrorReply):
+        fut.set_exception(WorkerError(info.name, reply.message, reply.req_ids))
+    else:
+        fut.set_result(reply)
+
+
+def quiet_future(loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    """A future whose unobserved exception is not logged (a dropped reply is not an error)."""
+    fut = loop.create_future()
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return fut
+
+
+class _Local:
+    """One in-process worker: its object, its thread, its op queue."""
+
+    def __init__(self, worker, info: WorkerInfo, executor: ThreadPoolExecutor) -> None:
+        self.worker = worker
+        self.info = info
+        self.executor = executor
+        self.ops: asyncio.Queue = asyncio.Queue()
+        self.task: asyncio.Task | None = None
+
+
+class InProcessPool:
+    """Workers in this process. `make_worker(name)` builds one (models load in its own thread);
+    `threads_of(name)` is the torch intra-op thread count set on that thread."""
+
+    def __init__(self, names: list[str], make_worker: Callable[[str], object],
+                 threads_of: Callable[[str], int] = lambda name: 1) -> None:
+        self._names = list(names)
+        self._make, self._threads_of = make_worker, threads_of
+        self._local: dict[str, _Local] = {}
+        self._seq = itertools.count(1)
+        self.on_busy: BusyHook | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def info(self, name: str) -> WorkerInfo:
+        return self._local[name].info
+
+    def worker(self, name: str):
+        """The worker object itself (tests and benches reach into models through it)."""
+        return self._local[name].worker
+
+    async def start(self) -> None:
+        for name in self._names:
+            await self._start_one(name)
+
+    async def _start_one(self, name: str, restarts: int = 0) -> None:
+        executor = ThreadPoolExecutor(1, thread_name_prefix=f"spind-{name}")
+        threads = self._threads_of(name)
+        worker, ready = await asyncio.get_running_loop().run_in_executor(executor, self._build, name, threads)
+        info = WorkerInfo(name, ready.is_target, list(ready.drafters), ready.device, ready.num_threads,
+                          ready.max_model_len, ready.dtype, ready.pid, restarts)
+        local = _Local(worker, info, executor)
+        local.task = asyncio.create_task(self._serve(local), name=f"worker-{name}")
+        self._local[name] = local
+
+    def _build(self, name: str, threads: int):
+        _set_threads(threads)
+        worker = self._make(name)
+        return worker, worker.ready(threads)
+
+    async def _serve(self, local: _Local) -> None:
+        loop = asyncio.get_running_loop()
+        worker = local.worker
+        while True:
+            if local.ops.empty() and worker.precompute_queue:
+                await loop.run_in_executor(local.executor, worker.run_precompute)
+                continue
+            msg, fut = await local.ops.get()
+            reply = await loop.run_in_executor(local.executor, worker.answer, msg)
+            settle(fut, reply, local.info, self.on_busy)
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        for name in list(self._local):
+            await self._stop_one(name)
+
+    async def _stop_one(self, name: str) -> None:
+        local = self._local.pop(name)
+        if local.task is not None:
+            local.task.cancel()
+            await asyncio.gather(local.task, return_exceptions=True)
+        local.executor.shutdown(wait=True)
+        while not local.ops.empty():
+            _, fut = local.ops.get_nowait()
+            if not fut.done():
+                fut.set_exception(WorkerDied(name, "stopped"))
+
+    def is_alive(self, name: str) -> bool:
+        return name in self._local
+
+    def cast(self, name: str, msg: object) -> asyncio.Future:
+        fut = quiet_future(asyncio.get_running_loop())
+        local = self._local.get(name)
+        if local is None:
+            fut.set_exception(WorkerDied(name, "not running"))
+            return fut
+        local.ops.put_nowait((P.with_seq(msg, next(self._seq)), fut))
+        return fut
+
+    async def call(self, name: str, msg: object, timeout_s: float) -> object:
+        return await asyncio.wait_for(self.cast(name, msg), timeout_s)
+
+    async def restart(self, name: str) -> None:
+        """Rebuild the worker from scratch (its state is lost, as a restarted process's would be)."""
+        restarts = self._local[name].info.restarts + 1 if name in self._local else 1
+        if name in self._local:
+            await self._stop_one(name)
+        await self._start_one(name, restarts)
+
+    def describe(self) -> list[dict]:
+        return [local.info.describe(True) for local in self._local.values()]
+
+
+def _set_threads(threads: int) -> None:
+    """torch's intra-op threads for the calling thread's work (set on each worker's own thread)."""
+    try:
+        import torch
+    except ImportError:  # a scripted worker in tests needs no torch
+        return
+    torch.set_num_threads(max(1, threads))

@@ -1,0 +1,289 @@
+"""Worker processes over ZeroMQ: spawn, talk to, watch, restart, stop (the daemon's `WorkerPool`).
+
+`WorkerProcess` is one worker: its process (`python -m spind.worker.main`, its config on stdin so nothing
+with the API key lands on disk), the DEALER socket the coordinator binds for it (a fresh ipc:// endpoint
+per incarnation, in the private run directory), and the replies in flight, matched by `seq`. Its reader
+task notices a dead process (exit) at once and a hung one through the call timeout; either fails every
+call in flight with `WorkerDied`, and the coordinator restarts it and re-prefills what it held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from spind import protocol as P
+from spind.config import TARGET_WORKER, SpindConfig
+from spind.coordinator.placement import threads_for, worker_names
+from spind.coordinator.pool import BusyHook, WorkerDied, WorkerError, WorkerInfo, quiet_future, settle
+
+log = logging.getLogger(__name__)
+
+MAX_IPC_PATH = 100  # AF_UNIX paths are limited to 107 bytes on Linux
+SOCKET_NAME = re.compile(r"^(?:w-.+|probs)-(\d+)(?:-\d+)?\.sock$")
+
+
+def default_run_dir() -> Path:
+    return Path(tempfile.gettempdir()) / f"spind-{os.getuid()}"
+
+
+def prepare_run_dir(path: Path) -> Path:
+    """Create (or check) a private 0700 directory owned by this user for sockets; remove the socket files
+    of daemons that no longer run (a SIGKILLed daemon cannot clean up after itself)."""
+    path = path.expanduser().resolve()
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"run dir {path} belongs to uid {st.st_uid}, not to this user")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    for f in path.iterdir():
+        m = SOCKET_NAME.match(f.name)
+        if m and not _pid_alive(int(m.group(1))):
+            f.unlink(missing_ok=True)
+    return path
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class WorkerProcess:
+    def __init__(self, ctx: zmq.asyncio.Context, name: str, cfg: SpindConfig, run_dir: Path, probs_endpoint: str,
+                 load_timeout_s: float) -> None:
+        self.ctx, self.name, self.cfg = ctx, name, cfg
+        self.run_dir, self.probs_endpoint = run_dir, probs_endpoint
+        self.info = WorkerInfo(name, name == TARGET_WORKER, [d.name for d in cfg.drafters if d.worker == name],
+                               cfg.worker(name).device, threads_for(cfg, name))
+        self.load_timeout_s = load_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.sock: zmq.asyncio.Socket | None = None
+        self.sock_path: Path | None = None
+        self.incarnation = 0
+        self.is_alive = False
+        self.on_busy: BusyHook | None = None
+        self._seq = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._ready_fut: asyncio.Future | None = None
+        self._reader: asyncio.Task | None = None
+        self._is_stopping = False
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.incarnation += 1
+        self.sock_path = self.run_dir / f"w-{self.name}-{os.getpid()}-{self.incarnation}.sock"
+        if len(str(self.sock_path)) > MAX_IPC_PATH:
+            raise ValueError(f"run dir {self.run_dir} is too long for ipc sockets; choose a shorter one")
+        endpoint = f"ipc://{self.sock_path}"
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self._ready_fut = asyncio.get_running_loop().create_future()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "spind.worker.main", "--name", self.name, "--config", "-",
+             "--endpoint", endpoint, "--probs-endpoint", self.probs_endpoint, "--threads", str(self.info.threads)],
+            stdin=subprocess.PIPE, env=worker_env())
+        self.proc.stdin.write(json.dumps(asdict(self.cfg)).encode())
+        self.proc.stdin.close()
+        self._reader = asyncio.create_task(self._read_loop(self.proc, self.sock), name=f"reader-{self.name}")
+        try:
+            ready = await asyncio.wait_for(asyncio.shield(self._ready_fut), self.load_timeout_s)
+        except asyncio.TimeoutError:
+            await self.kill()
+            raise WorkerDied(self.name, f"not ready within {self.load_timeout_s:.0f} s") from None
+        if ready.name != self.name:
+            await self.kill()
+            raise WorkerDied(self.name, f"a worker named {ready.name!r} answered")
+        self.info.pid, self.info.max_model_len = ready.pid, ready.max_model_len
+        self.info.threads, self.info.dtype, self.info.device = ready.num_threads, ready.dtype, ready.device
+        self.is_alive = True
+        log.info("worker %s ready (pid %d, %d threads)", self.name, self.proc.pid, ready.num_threads)
+
+    async def restart(self) -> None:
+        await self.kill()
+        self.info.restarts += 1
+        await self.start()
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Ask the worker to exit; kill it if it does not within timeout_s."""
+        self._is_stopping = True
+        if self.is_alive:
+            try:
+                await self.call(P.Shutdown(0), timeout_s)
+            except (WorkerDied, WorkerError):
+                pass
+        if self.proc is not None:
+            deadline = time.monotonic() + timeout_s
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        await self.kill()
+
+    async def kill(self) -> None:
+        """SIGKILL the process (if still running), reap it, close the socket, fail all calls in flight."""
+        self.is_alive = False
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            await asyncio.to_thread(self.proc.wait)
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+        if self.sock_path is not None:
+            self.sock_path.unlink(missing_ok=True)
+        self._fail_all("killed")
+
+    # ---- calls ----------------------------------------------------------------------------------
+    def cast(self, msg: object) -> asyncio.Future:
+        fut = quiet_future(asyncio.get_running_loop())
+        if not self.is_alive or self.sock is None:
+            fut.set_exception(WorkerDied(self.name, "not running"))
+            return fut
+        seq = next(self._seq)
+        try:
+            self.sock.send(P.encode(P.with_seq(msg, seq)), flags=zmq.NOBLOCK)  # DEALER with a peer: queues
+        except zmq.Again:  # no peer: the worker process is gone
+            fut.set_exception(WorkerDied(self.name, "not connected"))
+            return fut
+        self._pending[seq] = fut
+        return fut
+
+    async def call(self, msg: object, timeout_s: float) -> object:
+        fut = self.cast(msg)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        except asyncio.TimeoutError:
+            log.error("worker %s: no reply within %.0f s; killing it", self.name, timeout_s)
+            await self.kill()
+            raise WorkerDied(self.name, f"no reply within {timeout_s:.0f} s") from None
+
+    async def _read_loop(self, proc: subprocess.Popen, sock: zmq.asyncio.Socket) -> None:
+        """Route replies to their calls; on process exit fail them all (within 100 ms)."""
+        why = ""
+        try:
+            while not why:
+                if await sock.poll(100):
+                    self._dispatch(await sock.recv())
+                elif proc.poll() is not None:
+                    why = f"exit code {proc.returncode}"
+                    level = logging.INFO if self._is_stopping else logging.ERROR
+                    log.log(level, "worker %s (pid %d) exited with %s", self.name, proc.pid, proc.returncode)
+        except zmq.ZMQError as e:  # the socket broke under us: treat the worker as lost
+            why = f"socket error {e}"
+            log.error("worker %s: %s", self.name, why)
+        self.is_alive = False
+        self._fail_all(why)
+        if self._ready_fut is not None and not self._ready_fut.done():
+            self._ready_fut.set_exception(WorkerDied(self.name, f"{why} while loading"))
+
+    def _dispatch(self, frame: bytes) -> None:
+        try:
+            msg = P.decode(frame, P.WorkerReply)
+        except P.ProtocolError as e:
+            log.error("worker %s sent a malformed frame: %s", self.name, e)
+            return
+        if isinstance(msg, P.Ready):
+            if self._ready_fut is not None and not self._ready_fut.done():
+                self._ready_fut.set_result(msg)
+            return
+        fut = self._pending.pop(msg.seq, None)
+        if fut is None:
+            if isinstance(msg, P.ErrorReply):
+                log.error("worker %s: %s", self.name, msg.message)
+            fut = quiet_future(asyncio.get_running_loop())  # still record its busy intervals
+        settle(fut, msg, self.info, self.on_busy)
+
+    def _fail_all(self, why: str) -> None:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(WorkerDied(self.name, why))
+
+
+def worker_env() -> dict[str, str]:
+    """A worker's environment: OpenMP threads that sleep rather than spin when idle, so a worker waiting
+    on the coordinator does not burn the core another worker needs."""
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
+class ProcessPool:
+    """All worker processes of one coordinator."""
+
+    def __init__(self, cfg: SpindConfig, run_dir: Path, load_timeout_s: float = 600.0) -> None:
+        self.cfg = cfg
+        self.run_dir = prepare_run_dir(run_dir)
+        self.ctx = zmq.asyncio.Context()
+        probs = f"ipc://{self.run_dir / f'probs-{os.getpid()}.sock'}"
+        self.workers = {n: WorkerProcess(self.ctx, n, cfg, self.run_dir, probs, load_timeout_s)
+                        for n in worker_names(cfg)}
+        self._on_busy: BusyHook | None = None
+
+    @property
+    def on_busy(self) -> BusyHook | None:
+        return self._on_busy
+
+    @on_busy.setter
+    def on_busy(self, hook: BusyHook | None) -> None:
+        self._on_busy = hook
+        for w in self.workers.values():
+            w.on_busy = hook
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.workers)
+
+    def info(self, name: str) -> WorkerInfo:
+        return self.workers[name].info
+
+    def is_alive(self, name: str) -> bool:
+        return self.workers[name].is_alive
+
+    def cast(self, name: str, msg: object) -> asyncio.Future:
+        return self.workers[name].cast(msg)
+
+    async def call(self, name: str, msg: object, timeout_s: float) -> object:
+        return await self.workers[name].call(msg, timeout_s)
+
+    async def restart(self, name: str) -> None:
+        await self.workers[name].restart()
+
+    async def start(self) -> None:
+        try:  # drafter workers may connect to the draft-probs endpoint before the target binds it
+            await asyncio.gather(*(w.start() for w in self.workers.values()))
+        except BaseException:
+            await self.stop(timeout_s=1.0)
+            raise
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        if self.ctx.closed:
+            return
+        await asyncio.gather(*(w.stop(timeout_s) for w in self.workers.values()), return_exceptions=True)
+        (self.run_dir / f"probs-{os.getpid()}.sock").unlink(missing_ok=True)
+        self.ctx.term()
+
+    def describe(self) -> list[dict]:
+        return [w.info.describe(w.is_alive) for w in self.workers.values()]

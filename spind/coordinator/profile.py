@@ -1,0 +1,93 @@
+"""What the machine's models cost, as the coordinator plans with it: each drafter's ms per draft token and
+the target's verify latency per batch size. Measured by the workers themselves (`Profile` op) the first time
+something needs it, then cached on disk under a key of everything that changes the numbers (model, dtype,
+devices, threads, drafters, k), so later starts read it in milliseconds. `[runtime].profile` = "auto" (the
+cache, else measure), "measure" (always), "off" (never: what needs it falls back to config order)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from spind import protocol as P
+from spind.config import TARGET_WORKER, SpindConfig
+
+log = logging.getLogger(__name__)
+
+PROFILE_VERSION = 1
+CONTEXT = 128  # tokens of KV each probe request holds
+REPS = 3
+
+
+@dataclass
+class SystemProfile:
+    k: int
+    draft_ms_per_token: dict[str, float]  # drafter -> ms per draft token at batch 1
+    verify_ms: dict[int, float]  # batch size -> ms of one verify forward of k + 1 tokens per request
+    measured_at: float = 0.0
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "verify_ms": {str(b): ms for b, ms in self.verify_ms.items()}}
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "SystemProfile":
+        return cls(int(raw["k"]), {str(n): float(v) for n, v in raw["draft_ms_per_token"].items()},
+                   {int(b): float(v) for b, v in raw["verify_ms"].items()}, float(raw.get("measured_at", 0.0)))
+
+
+def batch_sizes(max_batch: int) -> list[int]:
+    """Powers of two up to the batch limit, and the limit itself."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch]
+
+
+def probe_context(max_model_len: int, k: int) -> int:
+    """KV tokens each probe request holds: CONTEXT, or less where the context limit leaves no room for the
+    k + 1 verified tokens after it (a small max_model_len is a valid config, not a reason to fail at start)."""
+    return max(1, min(CONTEXT, max_model_len - (k + 1)))
+
+
+def profile_key(cfg: SpindConfig, workers: list[dict]) -> str:
+    what = {"version": PROFILE_VERSION, "model": cfg.model.target, "dtype": cfg.model.dtype, "k": cfg.speculation.k,
+            "context": probe_context(cfg.model.max_model_len, cfg.speculation.k),
+            "attention": cfg.runtime.attention, "batch": batch_sizes(cfg.runtime.max_batch_size),
+            "drafters": [asdict(d) for d in cfg.drafters],
+            "workers": sorted((w["name"], w["device"], w["threads"]) for w in workers)}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+async def load_or_measure(pool, cfg: SpindConfig, timeout_s: float) -> SystemProfile:
+    path = cfg.cache_path / "profiles" / f"{profile_key(cfg, pool.describe())}.json"
+    if cfg.runtime.profile == "auto" and path.is_file():
+        try:
+            return SystemProfile.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignoring an unreadable profile cache %s", path)
+    log.info("profiling the models (once per model, device and threads; cached in %s)", path.parent)
+    k, sizes = cfg.speculation.k, batch_sizes(cfg.runtime.max_batch_size)
+    context = probe_context(cfg.model.max_model_len, k)
+    replies = await asyncio.gather(*(pool.call(name, P.Profile(0, k, sizes if name == TARGET_WORKER else [], context,
+                                                                REPS), timeout_s) for name in pool.names))
+    profile = SystemProfile(k, {n: ms for r in replies for n, ms in r.draft_ms_per_token.items()},
+                            dict(next(r.verify_ms for name, r in zip(pool.names, replies) if name == TARGET_WORKER)),
+                            time.time())
+    _write(path, profile)
+    return profile
+
+
+def _write(path: Path, profile: SystemProfile) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(profile.to_json(), indent=1))
+        tmp.replace(path)
+    except OSError as e:  # a read-only cache is no reason not to serve
+        log.warning("cannot cache the profile in %s: %s", path, e)

@@ -1,0 +1,286 @@
+"""OpenAI's wire format for spind: request JSON -> validated `GenerateArgs` (`parse_generate`), deltas ->
+OpenAI response and chunk objects (`ChunkFormatter`), errors -> OpenAI error JSON. Pure and unit-tested; the
+HTTP and ZeroMQ front ends share it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from aiohttp import web
+
+from spind.coordinator.interface import Delta, EngineError, Usage
+from spind.params import SamplingParams
+
+MAX_BODY_BYTES = 1 << 20
+
+class ApiError(Exception):
+    """A request answered with an OpenAI error object and `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+@dataclass(frozen=True)
+class ApiLimits:
+    model_name: str
+    max_model_len: int
+    drafter_names: tuple[str, ...]
+    max_k: int = 32
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    """A validated completion or chat request, before its prompt is tokenized."""
+
+    prompt: str | list[int] | None
+    messages: list[dict] | None
+    params: SamplingParams
+    has_max_tokens: bool
+    drafter: str = "auto"
+    k: int | None = None
+    is_stream: bool = False
+    include_usage: bool = False
+    ignored: tuple[str, ...] = ()  # fields of the body spind does not know and ignores (as vLLM does)
+
+    def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        """Without max_tokens a request may use the rest of the context (as vLLM does)."""
+        if self.has_max_tokens:
+            return self.params
+        return msgspec.structs.replace(self.params, max_tokens=max(1, max_model_len - num_prompt_tokens))
+
+
+# Fields parse_generate reads; others are ignored and named back in the X-Spind-Ignored-Fields header
+KNOWN_FIELDS = frozenset({"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+                          "top_k", "seed", "stop", "ignore_eos", "stream", "stream_options", "spind"})
+SPIND_FIELDS = ("drafter", "k")  # spind's own request fields live in the "spind" object
+
+# OpenAI fields spind does not implement: accepted only at their neutral values
+NEUTRAL_VALUES = {"n": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "presence_penalty": 0,
+                  "frequency_penalty": 0, "logit_bias": {}, "suffix": "", "tools": [], "tool_choice": "none"}
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+INT_LIMIT = 2**63
+
+
+def _get(body: dict, name: str, kinds: type | tuple[type, ...], what: str, default: object = None) -> object:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)) \
+            or not isinstance(value, kinds):
+        raise ApiError(400, f"'{name}' must be {what}", param=name)
+    return value
+
+
+def _int(body: dict, name: str, lo: int, hi: int, default: int | None = None) -> int | None:
+    value = _get(body, name, int, "an integer", default)
+    if value is not None and not lo <= value <= hi:
+        raise ApiError(400, f"'{name}' must be in [{lo}, {hi}], got {value}", param=name)
+    return value
+
+
+def _parse_prompt(body: dict) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < 2**31 for t in prompt):
+        return prompt
+    if prompt in (None, "", []):
+        raise ApiError(400, "'prompt' is required and must not be empty", param="prompt")
+    raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt per request)", param="prompt")
+
+
+def parse_messages(messages: object) -> list[dict]:
+    """OpenAI chat messages -> [{"role", "content": str}] (text content parts joined; "developer" = system)."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
+        if isinstance(content, list):  # content parts: only text is understood
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(400, f"messages[{i}]: only text content parts are supported", param="messages")
+            content = "".join(p["text"] for p in content)
+        if role not in CHAT_ROLES or not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}] needs a role in {CHAT_ROLES} and string content", param="messages")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def check_extension(drafter: str, k: int | None, limits: ApiLimits) -> None:
+    """The spind extension: a configured drafter name, "auto" or "none"; k in [0, max_k] or None (config)."""
+    if drafter not in ("auto", "none", *limits.drafter_names):
+        known = ", ".join(("auto", "none", *limits.drafter_names))
+        raise ApiError(400, f"unknown drafter {drafter!r}; choose one of: {known}", param="spind.drafter")
+    if k is not None and not 0 <= k <= limits.max_k:
+        raise ApiError(400, f"'k' must be in [0, {limits.max_k}], got {k}", param="spind.k")
+
+
+def _parse_spind(body: dict, limits: ApiLimits) -> tuple[str, int | None]:
+    ext = _get(body, "spind", dict, 'an object {"drafter": ..., "k": ...}', {})
+    unknown = set(ext) - {"drafter", "k"}
+    if unknown:
+        raise ApiError(400, f"unknown 'spind' field(s): {', '.join(sorted(unknown))}", param="spind")
+    drafter, k = _get(ext, "drafter", str, "a string", "auto"), _get(ext, "k", int, "an integer")
+    check_extension(drafter, k, limits)
+    return drafter, k
+
+
+def parse_generate(raw: bytes, is_chat: bool, limits: ApiLimits,
+                   defaults: dict[str, float] | None = None) -> GenerateArgs:
+    """Body of POST /v1/completions or /v1/chat/completions -> GenerateArgs, or ApiError (400/404)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise ApiError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = _get(body, "model", str, "a string")
+    if model is not None and model != limits.model_name:
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{limits.model_name}'",
+                       param="model", code="model_not_found")
+    for name, neutral in NEUTRAL_VALUES.items():
+        if body.get(name) is not None and body[name] != neutral:
+            raise ApiError(400, f"'{name}' is not supported by spind (only {json.dumps(neutral)})", param=name)
+    for name in SPIND_FIELDS:
+        if name in body:
+            raise ApiError(400, f"'{name}' is a spind extension: send it inside the \"spind\" object, as "
+                                f"\"spind\": {{\"{name}\": ...}}", param=name)
+    defaults = defaults or {}  # the model's generation defaults, else OpenAI's
+    prompt, messages = (None, parse_messages(body.get("messages"))) if is_chat else (_parse_prompt(body), None)
+    max_tokens = _int(body, "max_tokens", 1, limits.max_model_len)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_completion_tokens", 1, limits.max_model_len)
+    number = (int, float)
+    stop = _get(body, "stop", (str, list), "a string or a list of strings", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens or 1,
+            temperature=float(_get(body, "temperature", number, "a number", defaults.get("temperature", 1.0))),
+            top_p=float(_get(body, "top_p", number, "a number", defaults.get("top_p", 1.0))),
+            top_k=max(0, _int(body, "top_k", -1, 2**31 - 1, int(defaults.get("top_k", 0)))),  # -1 = off
+            seed=_int(body, "seed", -INT_LIMIT, INT_LIMIT - 1),
+            stop=tuple(stop), ignore_eos=bool(_get(body, "ignore_eos", bool, "a boolean", False))).validate()
+    except (ValueError, TypeError, OverflowError) as e:
+        raise ApiError(400, str(e)) from None
+    is_stream = bool(_get(body, "stream", bool, "a boolean", False))
+    options = _get(body, "stream_options", dict, "an object", None)
+    if options is not None and not is_stream:
+        raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    include_usage = bool(_get(options or {}, "include_usage", bool, "a boolean", False))
+    drafter, k = _parse_spind(body, limits)
+    ignored = tuple(sorted(set(body) - KNOWN_FIELDS - set(NEUTRAL_VALUES)))
+    return GenerateArgs(prompt, messages, params, max_tokens is not None, drafter, k, is_stream, include_usage,
+                        ignored)
+
+
+def check_serving(status: str) -> None:
+    """Generation is refused (503) while the daemon is starting or draining."""
+    if status != "ok":
+        message = "the server is shutting down" if status == "draining" else "the server is starting"
+        raise ApiError(503, message, code=status)
+
+
+def error_json(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = {401: "authentication_error", 429: "rate_limit_error", 503: "overloaded_error"}.get(
+        status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(e: ApiError) -> web.Response:
+    return web.json_response(error_json(e.status, e.message, e.param, e.code), status=e.status)
+
+
+def from_engine_error(e: EngineError) -> ApiError:
+    return ApiError(e.status, str(e), code=e.code)
+
+
+@dataclass
+class ChunkFormatter:
+    """OpenAI response and stream-chunk objects for one request (`text_completion` or `chat.completion`)."""
+
+    req_id: str
+    model: str
+    is_chat: bool
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    headers: dict[str, str] = field(default_factory=dict)  # extra HTTP headers of the response
+
+    def _chunk(self, choice: dict | None, **extra: object) -> dict:
+        obj = {"id": self.req_id, "object": "chat.completion.chunk" if self.is_chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": [] if choice is None else [choice]}
+        if self.include_usage:
+            obj["usage"] = None
+        obj.update(extra)
+        return obj
+
+    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+        if not self.is_chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        delta = {} if text is None else {"content": text}
+        if role:
+            delta = {"role": "assistant", **delta}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def role(self) -> dict:
+        """The first chat chunk: announces the assistant role with empty content."""
+        return self._chunk(self._choice("", None, role=True))
+
+    def delta(self, d: Delta, num_prompt_tokens: int) -> list[dict]:
+        """Chunks for one engine delta: its text (if any), then the finish chunk and usage chunk on the last."""
+        chunks = [self._chunk(self._choice(d.text, None))] if d.text else []
+        if d.finish_reason is not None:
+            usage = d.usage or Usage(num_prompt_tokens, 0)
+            chunks.append(self._chunk(self._choice(None, d.finish_reason), spind=usage.spind_json()))
+            if self.include_usage:
+                chunks.append(self._chunk(None, usage=usage.to_json(), spind=usage.spind_json()))
+        return chunks
+
+    def response(self, text: str, finish_reason: str, usage: Usage) -> dict:
+        """The whole (non-streaming) response."""
+        if self.is_chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {"id": self.req_id, "object": "chat.completion" if self.is_chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice], "usage": usage.to_json(),
+                "spind": usage.spind_json()}
+
+
+class InFlight:
+    """Counts requests in flight so that a drain can wait for the last one."""
+
+    def __init__(self) -> None:
+        self.num_active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def __enter__(self) -> None:
+        self.num_active += 1
+        self._idle.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        self.num_active -= 1
+        if self.num_active == 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+
+def sse(obj: dict | str) -> bytes:
+    body = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {body}\n\n".encode()
+
+

@@ -1,0 +1,96 @@
+"""A worker process: `python -m spind.worker.main --name NAME --config RUN_DIR/config-PID.json --endpoint ipc://...`.
+
+Socket: one DEALER, connected to a DEALER the coordinator binds for this worker incarnation. DEALER and
+not REQ (lockstep) so the coordinator can queue several ops (add + propose, or a low-priority precompute)
+and the worker can see whether anything else is waiting; not one shared ROUTER because a restarted worker
+gets a fresh endpoint and thus never receives replies-in-flight meant for the incarnation that died.
+Draft probabilities travel worker to worker (`spind.worker.probs`): the target binds `--probs-endpoint`,
+drafter workers connect to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+import zmq
+
+from spind import protocol as P
+from spind.config import from_dict
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 500  # idle poll; between polls the worker checks that its parent is alive
+
+
+def serve(worker, sock: zmq.Socket) -> None:
+    """Answer ops in arrival order; run queued precomputes only while nothing else waits."""
+    parent = os.getppid()
+    while True:
+        if worker.precompute_queue and not sock.poll(0):
+            try:
+                worker.run_precompute()
+            except Exception:
+                log.exception("precompute failed on worker %s", worker.name)
+            continue
+        if not sock.poll(POLL_MS):
+            if os.getppid() != parent:  # the coordinator died: do not linger as an orphan
+                return
+            continue
+        frame = sock.recv()
+        try:
+            msg = P.decode(frame, P.WorkerOp)
+        except P.ProtocolError as e:
+            sock.send(P.encode(P.ErrorReply(-1, f"protocol error: {e}")))
+            continue
+        if isinstance(msg, P.Shutdown):
+            sock.send(P.encode(P.Ack(msg.seq)))
+            return
+        sock.send(P.encode(worker.answer(msg)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m spind.worker.main")
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--config", required=True, help="JSON dump of the coordinator's SpindConfig ('-': stdin)")
+    ap.add_argument("--endpoint", required=True, help="ipc:// endpoint the coordinator bound for this worker")
+    ap.add_argument("--probs-endpoint", required=True, help="ipc:// endpoint of the target's draft-probs channel")
+    ap.add_argument("--threads", type=int, required=True)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker[{args.name}] %(levelname)s %(message)s")
+    import torch  # after argparse: a bad invocation fails fast
+
+    from spind.worker.probs import ZmqProbsReceiver, ZmqProbsSender
+    from spind.worker.worker import TARGET_WORKER, Worker
+
+    torch.set_num_threads(max(1, args.threads))
+    if args.config == "-":
+        cfg = from_dict(json.load(sys.stdin))
+    else:
+        with open(args.config) as f:
+            cfg = from_dict(json.load(f))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(args.endpoint)
+    if args.name == TARGET_WORKER:
+        channel = ZmqProbsReceiver(ctx, args.probs_endpoint)
+        worker = Worker(args.name, cfg, probs_in=channel)
+    else:
+        channel = ZmqProbsSender(ctx, args.probs_endpoint)
+        worker = Worker(args.name, cfg, probs_out=channel)
+    sock.send(P.encode(worker.ready(torch.get_num_threads())))
+    try:
+        serve(worker, sock)
+    finally:
+        channel.close()
+        sock.close()
+        ctx.term()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""What a worker's models cost, measured on the worker itself (at start-up, or cached by the coordinator):
+- each hosted drafter: median ms per draft token at batch 1 in steady state;
+- the target: median ms of a verify forward at several batch sizes (k + 1 new tokens per request over a
+  fixed context), the throughput profile the pipeline's micro-batch heuristic reads.
+
+Probes run on throw-away requests whose ids cannot clash with real ones, and are freed afterwards.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from spind.drafters import Drafter, DraftInput
+from spind.models.runner import ForwardItem, ModelRunner
+from spind.params import SamplingParams
+
+PROBE = "\x00profile"  # a request id no client can send (ReqId forbids nothing, but the prefix is reserved)
+
+
+def probe_prompt(length: int, vocab: int) -> list[int]:
+    """A deterministic, unrepetitive token sequence (n-gram lookup finds nothing to copy in it)."""
+    return [(i * 7919 + 13) % (vocab - 2) + 1 for i in range(length)]
+
+
+def time_draft_tokens(drafters: dict[str, Drafter], prompt: list[int], k: int,
+                      rounds: int) -> dict[str, float | None]:
+    """Median ms per drafted token at batch 1. Each round commits the drafter's first token, as an accepted
+    draft would, and times one propose of k (None: the drafter never proposed anything)."""
+    seqs = {name: list(prompt) for name in drafters}
+    samples: dict[str, list[float]] = {name: [] for name in drafters}
+    for name, drafter in drafters.items():
+        drafter.add_request(PROBE, SamplingParams())
+        drafter.propose([DraftInput(PROBE, seqs[name], k)])  # prefill + warm-up, not timed
+    try:
+        for _ in range(rounds):
+            for name, drafter in drafters.items():  # interleaved: every drafter sees the same machine load
+                start = time.perf_counter()
+                tokens = drafter.propose([DraftInput(PROBE, seqs[name], k)])[0].tokens
+                if tokens:
+                    samples[name].append((time.perf_counter() - start) * 1e3 / len(tokens))
+                seqs[name].append(tokens[0] if tokens else prompt[len(seqs[name]) % len(prompt)])
+    finally:
+        for drafter in drafters.values():
+            drafter.free_request(PROBE)
+    return {name: statistics.median(s) if s else None for name, s in samples.items()}
+
+
+def time_verify(runner: ModelRunner, batch_sizes: list[int], context: int, k: int, reps: int) -> dict[int, float]:
+    """Median ms of one forward of k + 1 new tokens for each of B requests holding `context` tokens of KV,
+    rolled back after each rep, for each B in batch_sizes."""
+    vocab = runner.model.args.vocab_size
+    ids = [f"{PROBE}-{i}" for i in range(max(batch_sizes, default=0))]
+    prompt = probe_prompt(context, vocab)
+    for rid in ids:
+        runner.add_request(rid)
+    try:
+        runner.forward([ForwardItem(rid, prompt, 0) for rid in ids])
+        out = {}
+        for b in batch_sizes:
+            samples = []
+            for _ in range(reps + 1):  # the first rep warms this shape up
+                start = time.perf_counter()
+                runner.forward([ForwardItem(rid, prompt[:k + 1], k + 1) for rid in ids[:b]])
+                samples.append((time.perf_counter() - start) * 1e3)
+                for rid in ids[:b]:
+                    runner.truncate(rid, context)
+            out[b] = statistics.median(samples[1:])
+        return out
+    finally:
+        for rid in ids:
+            runner.free_request(rid)

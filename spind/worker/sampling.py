@@ -1,0 +1,83 @@
+"""Lossless verification of drafted tokens and the sampling it needs (pure: numbers in, decisions out).
+
+Terms (as in the speculative sampling papers):
+- a *draft* is k tokens proposed by a drafter, with their proposal distributions q (or none: a point mass);
+- *accepted* drafts are the longest prefix the target agrees with;
+- the *recovered* token replaces the first rejected draft: sampled from norm(max(p - q, 0));
+- the *bonus* token follows when all k drafts are accepted: sampled from the target's p at position k.
+Each verification therefore emits `num_accepted + 1` tokens, and the emitted sequence has exactly the
+distribution of sampling from the target alone (greedy: it is the target's argmax sequence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spind.params import SamplingParams
+
+
+def make_generator(seed: int | None, salt: int = 0) -> torch.Generator:
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed((seed * 1_000_003 + salt) % (2**63))
+    return g
+
+
+def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [n, V] -> probabilities [n, V] after temperature, top-k and top-p (same for target and drafter)."""
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, idx = torch.sort(x, dim=-1, descending=True)
+        cum = sorted_x.softmax(-1).cumsum(-1)
+        drop = cum - sorted_x.softmax(-1) >= params.top_p  # keep the smallest prefix with mass >= top_p
+        x = x.scatter(-1, idx, sorted_x.masked_fill(drop, float("-inf")))
+    return x.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    num_accepted: int
+    tokens: list[int]  # accepted drafts, then one recovered or bonus token
+
+
+def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> VerifyResult:
+    """target_logits [k+1, V]: row i is the target's prediction for draft position i (row k: bonus)."""
+    target = target_logits.argmax(-1).tolist()
+    n = 0
+    while n < len(draft) and draft[n] == target[n]:
+        n += 1
+    return VerifyResult(n, draft[:n] + [target[n]])
+
+
+def verify_stochastic(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
+                      generator: torch.Generator) -> VerifyResult:
+    """Rejection sampling. p [k+1, V] target probs; q [k, V] drafter probs, or None for a point mass
+    (a deterministic drafter such as n-gram lookup, for which q(x) = 1 at the drafted token)."""
+    k = len(draft)
+    if k:
+        rows, idx = torch.arange(k, device=p.device), torch.tensor(draft, device=p.device)
+        p_x = p[rows, idx]
+        q_x = torch.ones(k, device=p.device) if q is None else q[rows, idx]
+        u = torch.rand(k, generator=generator).to(p.device)  # the generator lives on the CPU
+        rejected = (u * q_x > p_x).nonzero()  # accept iff u < p/q, written without dividing by q
+        n = int(rejected[0]) if len(rejected) else k
+    else:
+        n = 0
+    if n == k:
+        return VerifyResult(k, draft + [sample(p[k], generator)])
+    q_n = torch.zeros_like(p[n]).index_fill_(0, torch.tensor([draft[n]], device=p.device), 1.0) if q is None else q[n]
+    residual = (p[n] - q_n).clamp_min(0)
+    total = residual.sum()
+    recovered = sample(residual / total if total > 0 else p[n], generator)
+    return VerifyResult(n, draft[:n] + [recovered])

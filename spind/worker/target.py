@@ -1,0 +1,125 @@
+"""The target side of a time slot: prefill prompts in chunks; append each request's pending token and its
+draft, verify, roll back.
+
+Invariant per request: the target's KV holds every committed token but the newest ones (`pending`).
+`prefill` feeds a chunk of pending tokens into the KV without computing logits; a verify forward appends
+`pending + draft`, reads the last `len(draft) + 1` logits rows, keeps the KV of the accepted drafts and
+rolls back the rest, leaving exactly one pending token (the recovered or bonus one).
+
+`verify` is transactional: if one request's verification fails (its data, not the model), every request's
+KV is rolled back to where it was and `RequestFailed` names the culprits, so the caller can fail them alone
+and rerun the others: one bad request never costs another its slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spind.models.runner import ForwardItem, ModelRunner
+from spind.params import SamplingParams
+from spind.worker.sampling import make_generator, to_probs, verify_greedy, verify_stochastic
+
+
+class RequestFailed(RuntimeError):
+    """An op failed because of the named requests' data; nothing was changed for any request."""
+
+    def __init__(self, req_ids: list[str], why: str) -> None:
+        super().__init__(f"request(s) {', '.join(req_ids)} failed: {why}")
+        self.req_ids = req_ids
+
+
+@dataclass
+class VerifyItem:
+    req_id: str
+    draft: list[int]
+    draft_probs: torch.Tensor | None = None  # [len(draft), V]; None = point mass
+
+
+@dataclass
+class VerifyOutput:
+    req_id: str
+    num_drafted: int
+    num_accepted: int
+    tokens: list[int]  # newly committed: accepted drafts + one recovered/bonus token
+
+
+class TargetVerifier:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.pending: dict[str, list[int]] = {}
+        self.params: dict[str, SamplingParams] = {}
+        self.generators: dict[str, torch.Generator] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def add_request(self, req_id: str, tokens: list[int], params: SamplingParams) -> None:
+        """Register a request whose committed sequence is `tokens` (a prompt, or a re-prefill)."""
+        if not tokens:
+            raise ValueError("empty prompt")
+        self.runner.add_request(req_id)
+        self.pending[req_id] = list(tokens)
+        self.params[req_id] = params
+        self.generators[req_id] = make_generator(params.seed)
+
+    def free_request(self, req_id: str) -> None:
+        if self.runner.has_request(req_id):
+            self.runner.free_request(req_id)
+        for d in (self.pending, self.params, self.generators):
+            d.pop(req_id, None)
+
+    def has_request(self, req_id: str) -> bool:
+        return req_id in self.pending
+
+    def num_pending(self, req_id: str) -> int:
+        return len(self.pending[req_id])
+
+    def prefill(self, chunks: list[tuple[str, int]]) -> None:
+        """Write KV for the next `n` pending tokens of each (req_id, n); at least one token stays pending."""
+        items = []
+        for req_id, n in chunks:
+            if not 0 < n < len(self.pending[req_id]):
+                raise ValueError(f"{req_id}: prefill of {n} tokens with {len(self.pending[req_id])} pending")
+            items.append(ForwardItem(req_id, self.pending[req_id][:n], 0))
+        self.runner.forward(items)
+        for req_id, n in chunks:
+            del self.pending[req_id][:n]
+
+    def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+        before = {it.req_id: self.runner.length(it.req_id) for it in items}
+        rng = {it.req_id: self.generators[it.req_id].get_state() for it in items}
+        logits = self.runner.forward(
+            [ForwardItem(it.req_id, self.pending[it.req_id] + it.draft, len(it.draft) + 1) for it in items])
+        results, failed = [], []
+        for it, rows in zip(items, logits):
+            try:
+                results.append(self._accept(it, rows))
+            except (RuntimeError, ValueError) as e:
+                failed.append((it.req_id, f"{type(e).__name__}: {e}"))
+        if failed:  # nothing happened: every request's KV back to where it was, pending untouched
+            for req_id, length in before.items():
+                self.runner.truncate(req_id, length)
+                self.generators[req_id].set_state(rng[req_id])
+            raise RequestFailed([r for r, _ in failed], "; ".join(w for _, w in failed))
+        outs = []
+        for it, (num_accepted, tokens) in zip(items, results):
+            rejected = len(it.draft) - num_accepted
+            self.runner.truncate(it.req_id, self.runner.length(it.req_id) - rejected)
+            self.pending[it.req_id] = tokens[-1:]
+            outs.append(VerifyOutput(it.req_id, len(it.draft), num_accepted, tokens))
+        return outs
+
+    def _accept(self, it: VerifyItem, rows: torch.Tensor) -> tuple[int, list[int]]:
+        """Accepted drafts + the recovered/bonus token of one request (no state changes)."""
+        params = self.params[it.req_id]
+        if params.is_greedy:
+            res = verify_greedy(rows, it.draft)
+        else:
+            probs = to_probs(rows, params)
+            if not torch.isfinite(probs).all():
+                raise ValueError("the sampling parameters give a non-finite distribution")
+            res = verify_stochastic(probs, it.draft, it.draft_probs, self.generators[it.req_id])
+        return res.num_accepted, res.tokens

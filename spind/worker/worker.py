@@ -1,0 +1,300 @@
+"""A worker: hosts the target verifier (worker "target") and the drafters whose `worker` names it, and
+answers the coordinator's ops one at a time. No I/O here: the process main (`spind.worker.main`) and the
+in-process pool (`spind.coordinator.pool`) both drive `Worker.answer`.
+
+State: a mirror of each request it serves, keyed by req_id: its sampling params and the committed tokens
+it knows of. `AddRequest` sends them whole; `Propose`/`Precompute` send only the tokens committed since;
+the target worker extends its own mirror with what it verifies (the coordinator commits exactly that, or
+finishes the request). The coordinator owns the truth; a worker never decides what is committed.
+
+Drafters hosted beside the target draft *inline*: a Verify names them and the target worker drafts right
+before verifying, with no round trip and no queueing behind other ops (n-gram lookup, by default).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from spind import protocol as P
+from spind.config import TARGET_WORKER, SpindConfig
+from spind.drafters import Drafter, DraftInput, build_drafter
+from spind.models.llama import load_llama
+from spind.models.loader import resolve_model_dir
+from spind.models.runner import ModelRunner
+from spind.params import SamplingParams
+from spind.tokenizer import Tokenizer
+from spind.worker.probs import ProbsReceiver, ProbsSender
+from spind.worker.profile import probe_prompt, time_draft_tokens, time_verify
+from spind.worker.target import RequestFailed, TargetVerifier, VerifyItem
+
+PRECOMPUTE_CHUNK = 256  # tokens one precompute step feeds, so it never holds up a Propose for long
+PROBS_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Mirror:
+    params: SamplingParams
+    tokens: list[int]  # committed sequence as known to this worker
+
+
+class Worker:
+    """Everything one worker hosts, and the handling of one op at a time."""
+
+    def __init__(self, name: str, cfg: SpindConfig, probs_out: ProbsSender | None = None,
+                 probs_in: ProbsReceiver | None = None) -> None:
+        self.name = name
+        self.device = cfg.worker(name).device
+        self.dtype = cfg.model.dtype
+        model_dir = resolve_model_dir(cfg.model.target, cfg.cache_path)
+        tokenizer = Tokenizer(model_dir)
+        r = cfg.runtime
+        self.target: TargetVerifier | None = None
+        if name == TARGET_WORKER:
+            model = load_llama(model_dir, cfg.model.dtype, self.device)
+            ks = sorted({cfg.speculation.k, *cfg.selection.k_set})
+            self.target = TargetVerifier(ModelRunner(model, r.kv_num_blocks, r.kv_block_size, r.attention,
+                                                     cfg.model.max_model_len, r.max_batch_size,
+                                                     cuda_graphs=r.cuda_graphs,
+                                                     graph_query_lens=tuple(sorted({1, *(k + 1 for k in ks)}))))
+        self.drafters: dict[str, Drafter] = {
+            d.name: build_drafter(d, cfg, model_dir, tokenizer, self.device) for d in cfg.drafters if d.worker == name}
+        self.drafter_reqs: dict[str, set[str]] = {n: set() for n in self.drafters}
+        self.mirrors: dict[str, Mirror] = {}
+        self.precompute_queue: deque[tuple[str, str]] = deque()  # (req_id, drafter)
+        self.busy: list[P.BusyInterval] = []  # since the last reply
+        self.probs_out, self.probs_in = probs_out, probs_in
+        self.max_model_len = self.target.max_model_len if self.target else cfg.model.max_model_len
+        self.threads = self._threads_now = 0  # set by ready(): the worker's own torch thread count
+
+    def ready(self, num_threads: int) -> P.Ready:
+        self.threads = self._threads_now = num_threads
+        return P.Ready(self.name, os.getpid(), self.target is not None, sorted(self.drafters), self.max_model_len,
+                       num_threads, self.device, self.dtype)
+
+    # ---- dispatch -------------------------------------------------------------------------------
+    def answer(self, msg: object) -> object:
+        """One op -> its reply; a failure becomes an ErrorReply naming the requests at fault, if known."""
+        seq = getattr(msg, "seq", -1)
+        try:
+            return self.handle(msg)
+        except RequestFailed as e:
+            return P.ErrorReply(seq, str(e), e.req_ids)
+        except Exception as e:  # the op failed as a whole; the worker itself lives on
+            return P.ErrorReply(seq, f"{type(e).__name__}: {e}")
+
+    def handle(self, msg: object) -> object:
+        if isinstance(msg, P.AddRequest):
+            self.add_request(msg)
+            return self._ack(msg.seq)
+        if isinstance(msg, P.Prefill):
+            self._use_threads(msg.threads)
+            self.prefill(msg.items)
+            return self._ack(msg.seq)
+        if isinstance(msg, P.Propose):
+            return P.Proposed(msg.seq, self.propose(msg.slot, msg.items), self._take_busy())
+        if isinstance(msg, P.Verify):
+            self._use_threads(msg.threads)
+            results, verify_s = self.verify(msg.slot, msg.items)
+            return P.Verified(msg.seq, results, verify_s, self._take_busy())
+        if isinstance(msg, P.Precompute):
+            self.enqueue_precompute(msg.items)
+            return self._ack(msg.seq)
+        if isinstance(msg, P.FreeRequests):
+            for req_id in msg.req_ids:
+                self.free_request(req_id)
+            return self._ack(msg.seq)
+        if isinstance(msg, P.Profile):
+            return self.profile(msg)
+        if isinstance(msg, P.Ping):
+            return self.stats(msg.seq)
+        raise ValueError(f"worker cannot handle {type(msg).__name__}")
+
+    def _use_threads(self, threads: int) -> None:
+        """Run this op with `threads` torch threads (0: the worker's own count). The coordinator asks for all
+        cores when nothing drafts meanwhile, so plain decoding is never held to a share of the machine."""
+        want = threads or self.threads
+        if want != self._threads_now:
+            import torch
+
+            torch.set_num_threads(want)
+            self._threads_now = want
+
+    def _ack(self, seq: int) -> P.Ack:
+        return P.Ack(seq, self._take_busy())
+
+    def _take_busy(self) -> list[P.BusyInterval]:
+        busy, self.busy = self.busy, []
+        return busy
+
+    def _timed(self, kind: str, num_reqs: int, fn, drafter: str = ""):
+        start = time.monotonic()
+        try:
+            return fn()
+        finally:
+            self.busy.append(P.BusyInterval(kind, start, time.monotonic(), num_reqs, drafter))
+
+    # ---- request lifecycle ----------------------------------------------------------------------
+    def add_request(self, msg: P.AddRequest) -> None:
+        if not msg.tokens:
+            raise ValueError(f"{msg.req_id}: empty token list")
+        if msg.req_id in self.mirrors:  # a resync: start over from the full sequence
+            self.free_request(msg.req_id)
+        params = msg.params.validate()
+        if msg.is_target:
+            if self.target is None:
+                raise ValueError(f"worker {self.name!r} does not host the target")
+            self.target.add_request(msg.req_id, msg.tokens, params)
+        self.mirrors[msg.req_id] = Mirror(params, list(msg.tokens))
+
+    def free_request(self, req_id: str) -> None:
+        if self.target is not None:
+            self.target.free_request(req_id)
+        for name, reqs in self.drafter_reqs.items():
+            if req_id in reqs:
+                self.drafters[name].free_request(req_id)
+                reqs.discard(req_id)
+        self.mirrors.pop(req_id, None)
+
+    def _mirror(self, req_id: str) -> Mirror:
+        m = self.mirrors.get(req_id)
+        if m is None:
+            raise ValueError(f"{req_id}: unknown request on worker {self.name!r}")
+        return m
+
+    def _sync(self, req_id: str, drafter: str, base_len: int, new_tokens: list[int]) -> Mirror:
+        """Apply the coordinator's news to the mirror; make sure `drafter` holds the request."""
+        m = self._mirror(req_id)
+        if len(m.tokens) != base_len:
+            raise ValueError(f"{req_id}: mirror has {len(m.tokens)} tokens, coordinator assumed {base_len}")
+        m.tokens.extend(new_tokens)
+        self._attach(req_id, drafter, m)
+        return m
+
+    def _attach(self, req_id: str, drafter: str, m: Mirror) -> None:
+        if drafter not in self.drafters:
+            raise ValueError(f"drafter {drafter!r} is not hosted on worker {self.name!r}")
+        if req_id not in self.drafter_reqs[drafter]:
+            self.drafters[drafter].add_request(req_id, m.params)
+            self.drafter_reqs[drafter].add(req_id)
+
+    # ---- ops ------------------------------------------------------------------------------------
+    def prefill(self, items: list[P.PrefillItem]) -> None:
+        target = self._target()
+        for it in items:
+            if not target.has_request(it.req_id):
+                raise ValueError(f"{it.req_id}: unknown request on the target")
+        self._timed("prefill", len(items), lambda: target.prefill([(it.req_id, it.num_tokens) for it in items]))
+
+    def _draft(self, name: str, inputs: list[DraftInput]):
+        """One drafter's batch -> (drafts, seconds)."""
+        start = time.perf_counter()
+        drafts = self._timed("draft", len(inputs), lambda: self.drafters[name].propose(inputs), name)
+        return drafts, time.perf_counter() - start
+
+    def propose(self, slot: int, items: list[P.ProposeItem]) -> list[P.DraftRecord]:
+        groups: dict[str, list[tuple[int, DraftInput]]] = {}  # drafter -> (position in items, input)
+        for i, it in enumerate(items):
+            m = self._sync(it.req_id, it.drafter, it.base_len, it.new_tokens)
+            tokens = m.tokens + it.assume if it.assume else m.tokens  # draft ahead: past tentative tokens
+            groups.setdefault(it.drafter, []).append((i, DraftInput(it.req_id, tokens, it.k)))
+        out: list[P.DraftRecord | None] = [None] * len(items)
+        for name, batch in groups.items():
+            drafts, elapsed = self._draft(name, [x for _, x in batch])
+            for (i, x), d in zip(batch, drafts):
+                if d.probs is not None:
+                    if self.probs_out is None:
+                        raise RuntimeError(f"worker {self.name!r} has no channel to send draft probabilities on")
+                    self.probs_out.send(slot, x.req_id, d.probs)
+                out[i] = P.DraftRecord(x.req_id, d.tokens, d.probs is not None, slot, elapsed, d.switch_s)
+        return out
+
+    def verify(self, slot: int, items: list[P.VerifyItem]) -> tuple[list[P.VerifyResult], float]:
+        target = self._target()
+        for it in items:
+            if not target.has_request(it.req_id):
+                raise ValueError(f"{it.req_id}: unknown request on the target")
+        drafts = {it.req_id: (it.draft, None) for it in items}
+        draft_s = {}
+        inline: dict[str, list[DraftInput]] = {}
+        for it in items:
+            if it.inline_drafter and it.k:
+                m = self._mirror(it.req_id)
+                self._attach(it.req_id, it.inline_drafter, m)
+                inline.setdefault(it.inline_drafter, []).append(DraftInput(it.req_id, m.tokens, it.k))
+        for name, inputs in inline.items():
+            out, elapsed = self._draft(name, inputs)
+            for x, d in zip(inputs, out):
+                drafts[x.req_id] = (d.tokens, d.probs)
+                draft_s[x.req_id] = elapsed
+        wanted = [(slot if it.probs_slot < 0 else it.probs_slot, it.req_id) for it in items if it.has_probs]
+        if wanted:
+            if self.probs_in is None:
+                raise RuntimeError(f"worker {self.name!r} has no channel to receive draft probabilities on")
+            probs = self.probs_in.take(wanted, PROBS_TIMEOUT_S)
+            drafts.update((r, (drafts[r][0], probs[r])) for _, r in wanted)
+        device = target.runner.model.device  # q [len(draft), V] meets the target's p on its device
+        vitems = [VerifyItem(it.req_id, drafts[it.req_id][0],
+                             None if drafts[it.req_id][1] is None else drafts[it.req_id][1].to(device))
+                  for it in items]
+        start = time.perf_counter()
+        outs = self._timed("verify", len(items), lambda: target.verify(vitems))
+        verify_s = time.perf_counter() - start
+        for o in outs:
+            self.mirrors[o.req_id].tokens.extend(o.tokens)
+        return [P.VerifyResult(o.req_id, o.num_drafted, o.num_accepted, o.tokens, draft_s.get(o.req_id, 0.0))
+                for o in outs], verify_s
+
+    def _target(self) -> TargetVerifier:
+        if self.target is None:
+            raise ValueError(f"worker {self.name!r} does not host the target")
+        return self.target
+
+    def enqueue_precompute(self, items: list[P.PrecomputeItem]) -> None:
+        for it in items:
+            self._sync(it.req_id, it.drafter, it.base_len, it.new_tokens)
+            self.precompute_queue.append((it.req_id, it.drafter))
+
+    def run_precompute(self) -> None:
+        """One chunk of the oldest queued precompute (called only when no op is waiting); a request with
+        more to feed goes to the back of the queue."""
+        req_id, drafter = self.precompute_queue.popleft()
+        if req_id not in self.mirrors or req_id not in self.drafter_reqs[drafter]:
+            return
+        tokens = self.mirrors[req_id].tokens
+        left = self._timed("precompute", 1, lambda: self.drafters[drafter].precompute(req_id, tokens, PRECOMPUTE_CHUNK),
+                           drafter)
+        if left:
+            self.precompute_queue.append((req_id, drafter))
+
+    def profile(self, msg: P.Profile) -> P.Profiled:
+        runner = self.target.runner if self.target else None
+        any_runner = runner or next((d.runner for d in self.drafters.values() if hasattr(d, "runner")), None)
+        vocab = any_runner.model.args.vocab_size if any_runner is not None else 32000
+        prompt = probe_prompt(msg.context, vocab)
+        draft = self._timed("profile", 0, lambda: time_draft_tokens(self.drafters, prompt, msg.k, msg.reps))
+        verify = {} if runner is None else self._timed(
+            "profile", 0, lambda: time_verify(runner, list(msg.batch_sizes), msg.context, msg.k, msg.reps))
+        return P.Profiled(msg.seq, {n: ms for n, ms in draft.items() if ms is not None}, verify, self._take_busy())
+
+    def stats(self, seq: int) -> P.WorkerStats:
+        kv = {}
+        runners = {TARGET_WORKER: self.target.runner} if self.target else {}
+        runners.update({n: d.runner for n, d in self.drafters.items() if hasattr(d, "runner")})
+        for n, r in runners.items():
+            kv[n] = P.KVStats(r.kv.num_blocks, r.kv.num_free_blocks, len(r.kv.seqs))
+        ms = {n: float(d.ms_per_token) for n, d in self.drafters.items() if d.ms_per_token is not None}
+        return P.WorkerStats(seq, self.name, os.getpid(), sorted(self.mirrors), kv,
+                             {n: sorted(r) for n, r in self.drafter_reqs.items()}, ms,
+                             len(self.precompute_queue), rss_bytes(), self._take_busy())
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

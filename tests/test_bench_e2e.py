@@ -1,0 +1,90 @@
+"""`spind bench e2e`: its pure parts, and a tiny real run (a prompt file the test writes; no ../shared)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spind.bench.datasets import WorkloadFormatError, read_prompt_file, sample_workload
+from spind.bench.e2e import RefusedSystem, RequestRecord, arrivals, best_arms, drafter_shares, parse_system
+from spind.cli import main
+from spind.config import load_config
+from spind.coordinator.selector import Arm
+
+
+def test_systems_parse_and_unknown_ones_are_refused():
+    cfg = load_config()
+    spin = parse_system("spin", cfg)
+    assert (spin.policy, spin.pipeline, spin.attention) == ("lbss", True, "packed") and "int8" in spin.drafters
+    fixed = parse_system("fixed:int8", cfg)
+    assert (fixed.policy, fixed.drafters, fixed.pipeline, fixed.attention) == ("fixed:int8", ("int8",), False, "padded")
+    assert parse_system("spin-nobatch-nopipe", cfg).attention == "padded"
+    assert parse_system("hf-assisted:bf16", cfg).hf_drafter == "bf16"
+    for bad in ("fast", "fixed:nope", "hf-assisted:nope"):
+        with pytest.raises(RefusedSystem):
+            parse_system(bad, cfg)
+
+
+def test_open_loop_arrivals_are_poisson_and_seeded():
+    assert arrivals(3, None, 0) == [0.0, 0.0, 0.0]
+    a = arrivals(2000, 4.0, 7)
+    assert a == arrivals(2000, 4.0, 7) and a != arrivals(2000, 4.0, 8)
+    assert all(x < y for x, y in zip(a, a[1:])) and 2000 / a[-1] == pytest.approx(4.0, rel=0.1)
+
+
+def test_the_oracle_learns_each_requests_best_fixed_drafter():
+    def rec(i, tokens, latency):
+        return RequestRecord(i, "", 5, list(range(tokens)), latency_s=latency)
+
+    results = {"none": [rec(0, 10, 2.0), rec(1, 10, 2.0)], "fixed:ngram": [rec(0, 10, 1.0), rec(1, 10, 4.0)],
+               "fixed:int8": [rec(0, 10, 1.5), rec(1, 10, 1.0)], "spin": [rec(0, 10, 0.1), rec(1, 10, 0.1)]}
+    assert best_arms(results, 4) == {0: Arm("ngram", 4), 1: Arm("int8", 4)}  # spin's runs are not candidates
+
+
+def test_drafter_shares_count_slots():
+    r = RequestRecord(0, "", 1, arms=["none", "int8@4", "int8@2", "ngram@8"])
+    assert drafter_shares([r]) == {"int8": 0.5, "ngram": 0.25, "none": 0.25}
+
+
+def test_prompt_files_and_their_errors_name_the_line(tmp_path):
+    good = tmp_path / "q.jsonl"
+    good.write_text('{"question_id": 1, "category": "math", "turns": ["What is 2+2?", "And 3+3?"]}\n\n'
+                    '{"question_id": 2, "category": "writing", "turns": ["Write a line."]}\n')
+    prompts = read_prompt_file(good)
+    assert [(p.text, p.category) for p in prompts] == [("What is 2+2?", "math"), ("Write a line.", "writing")]
+    assert [p.text for p in sample_workload(str(good), 5, 0)] != []
+    (tmp_path / "l.json").write_text(json.dumps(["a", "b", "c"]))
+    assert len(sample_workload(str(tmp_path / "l.json"), 2, 3)) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["ok"]}\n{"turns": [}\n')
+    with pytest.raises(WorkloadFormatError, match="bad.jsonl:2: not valid JSON"):
+        read_prompt_file(bad)
+    bad.write_text('{"turns": ["ok"]}\n{"question_id": 3}\n')
+    with pytest.raises(WorkloadFormatError, match="bad.jsonl:2: expected a non-empty prompt"):
+        read_prompt_file(bad)
+    with pytest.raises(ValueError, match="unknown workload 'nope'"):
+        sample_workload("nope", 2, 0)
+
+
+@pytest.mark.e2e
+def test_a_tiny_run_reports_every_system_lossless_and_the_refused_ones(tmp_path, capsys):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["Repeat this: the cat sat on the mat, the cat sat on the mat.",
+                                   "Name three colors.", "Once upon a time"]))
+    out = tmp_path / "e2e.json"
+    code = main(["bench", "e2e", "--workload", str(prompts), "--num-requests", "3", "--batch-size", "2",
+                 "--max-tokens", "8", "--systems", "none,fixed:ngram,spin,hf-plain,fixed:nope,hf-assisted:int8",
+                 "--threads", "1", "--json", str(out)])
+    assert code == 0
+    results = json.loads(out.read_text())
+    rows = {r["system"]: r for r in results["rows"]}
+    assert set(rows) == {"none", "fixed:ngram", "spin", "hf-plain"}
+    assert set(results["refused"]) == {"fixed:nope", "hf-assisted:int8"}
+    assert all(r["lossless"] is True for r in rows.values())  # greedy: every system reproduces plain decoding
+    assert rows["none"]["speedup_vs_none"] == 1.0 and rows["none"]["drafter_shares"] == {"none": 1.0}
+    for name, recs in results["requests"].items():
+        assert len(recs) == 3 and all(len(r["token_ids"]) <= 8 and r["latency_s"] > 0 for r in recs)
+        if name in ("fixed:ngram", "spin"):
+            assert all(len(r["arms"]) == r["num_steps"] for r in recs)
+    assert "refused:" in capsys.readouterr().out

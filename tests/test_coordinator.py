@@ -1,0 +1,379 @@
+"""The coordinator's scheduling, selection, capacities, faults and bookkeeping, over scripted in-process
+workers (tests/scripted_worker.py): the real Coordinator and InProcessPool, no model, milliseconds a test."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from contextlib import aclosing
+from pathlib import Path
+
+import pytest
+
+from scripted_worker import EOS, ScriptedWorker, continuation, write_tokenizer
+from spind import protocol as P
+from spind.config import (DrafterConfig, ModelConfig, RuntimeConfig, SelectionConfig, SpeculationConfig, SpindConfig,
+                          WorkerConfig, validate)
+from spind.coordinator.engine import Coordinator
+from spind.coordinator.interface import Delta, EngineRequest
+from spind.coordinator.placement import worker_names
+from spind.coordinator.pool import InProcessPool
+from spind.coordinator.selector import StaticSelector
+from spind.params import SamplingParams
+from spind.tokenizer import Tokenizer
+
+DRAFTERS = (DrafterConfig("good", "self", "bf16", worker="draft"), DrafterConfig("bad", "self", "bf16", worker="draft"),
+            DrafterConfig("half", "self", "bf16", worker="draft"), DrafterConfig("inl", "ngram", worker="target"))
+
+
+CACHE_DIR = tempfile.mkdtemp(prefix="spind-test-cache-")  # the scripted profile is cached here, not in ~/.cache
+PIPELINE = [False, True]  # every test runs with lockstep slots and with the pipeline
+MODE = {"pipeline": False}
+
+
+@pytest.fixture(autouse=True, params=PIPELINE, ids=["lockstep", "pipeline"])
+def mode(request):
+    MODE["pipeline"] = request.param
+    yield request.param
+
+
+def make_cfg(max_batch: int = 8, kv_blocks: int = 256, block_size: int = 4, prefill_budget: int = 64,
+             drafter_caps: dict[str, int] | None = None, draft_worker_cap: int = 0,
+             cache_dir: str = CACHE_DIR, micro_batches: int = 0) -> SpindConfig:
+    drafters = tuple(DrafterConfig(d.name, d.kind, d.variant, worker=d.worker,
+                                   max_batch_size=(drafter_caps or {}).get(d.name, 0)) for d in DRAFTERS)
+    return validate(SpindConfig(
+        model=ModelConfig(max_model_len=256, cache_dir=cache_dir),
+        runtime=RuntimeConfig(kv_block_size=block_size, kv_num_blocks=kv_blocks, max_batch_size=max_batch,
+                              max_prefill_tokens=prefill_budget, pipeline=MODE["pipeline"], profile="measure",
+                              micro_batches=micro_batches),
+        speculation=SpeculationConfig(k=4), selection=SelectionConfig(policy="fixed:good"), drafters=drafters,
+        workers=(WorkerConfig("draft", max_batch_size=draft_worker_cap),)))
+
+
+class RecordingSelector(StaticSelector):
+    def __init__(self) -> None:
+        super().__init__("good", 4)
+        self.feedback: list[list[P.BusyInterval]] = []
+        self.removed: list[str] = []
+
+    def observe(self, feedback) -> None:
+        self.feedback.append(list(feedback))
+
+    def remove(self, req_id: str) -> None:
+        super().remove(req_id)
+        self.removed.append(req_id)
+
+
+class FlakyPool(InProcessPool):
+    """Workers can be declared dead; restart rebuilds them (fresh state), as for a process."""
+
+    dead: set[str]
+
+    def is_alive(self, name: str) -> bool:
+        return name not in self.dead and super().is_alive(name)
+
+    async def restart(self, name: str) -> None:
+        await super().restart(name)
+        self.dead.discard(name)
+
+
+class Env:
+    def __init__(self, tmp_path: Path, cfg: SpindConfig, selector=None) -> None:
+        self.cfg = cfg
+        hosted = {n: [d.name for d in cfg.drafters if d.worker == n] for n in worker_names(cfg)}
+        self.workers: dict[str, ScriptedWorker] = {}  # the latest incarnation of each, kept after the pool stops
+
+        def make(name: str) -> ScriptedWorker:
+            self.workers[name] = ScriptedWorker(name, hosted[name], name == "target")
+            return self.workers[name]
+
+        self.pool = FlakyPool(list(hosted), make)
+        self.pool.dead = set()
+        self.coordinator = Coordinator(cfg, self.pool, Tokenizer(write_tokenizer(tmp_path / "tok")), selector)
+
+    def worker(self, name: str) -> ScriptedWorker:
+        return self.workers[name]
+
+    def ops(self, name: str, kind: type) -> list:
+        return [m for m in self.worker(name).log if isinstance(m, kind)]
+
+
+async def collect(c: Coordinator, req: EngineRequest) -> list[Delta]:
+    async with aclosing(c.generate(req)) as stream:
+        return [d async for d in stream]
+
+
+def request(req_id: str, prompt: list[int], drafter: str = "auto", max_tokens: int = 12, k: int | None = None):
+    return EngineRequest(req_id, prompt, SamplingParams(max_tokens=max_tokens), drafter, k)
+
+
+def run(env: Env, reqs: list[EngineRequest]) -> list[list[Delta]]:
+    async def go():
+        await env.coordinator.start()
+        try:
+            return await asyncio.gather(*(collect(env.coordinator, r) for r in reqs))
+        finally:
+            await env.coordinator.shutdown(drain=False)
+    return asyncio.run(go())
+
+
+def tokens_of(deltas: list[Delta]) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+PROMPTS = [[3, 5, 7], [11, 13], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20], [9]]
+
+
+def test_every_drafter_and_plain_decoding_give_the_targets_output(tmp_path):
+    env = Env(tmp_path, make_cfg())
+    reqs = [request(f"{d}-{i}", p, d) for d in ("none", "good", "bad", "half", "inl", "auto") for i, p in
+            enumerate(PROMPTS)]
+    out = run(env, reqs)
+    for r, deltas in zip(reqs, out):
+        assert tokens_of(deltas) == continuation(r.prompt_ids, 12), r.req_id
+        assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
+        assert "".join(d.text for d in deltas) == " ".join(f"t{t}" for t in tokens_of(deltas))
+        u = deltas[-1].usage
+        drafted, accepted = (sum(v[key] for v in u.drafters.values()) for key in ("drafted", "accepted"))
+        if r.drafter in ("good", "auto"):
+            assert drafted > 0 and accepted == drafted and u.num_steps <= 4
+        elif r.drafter == "bad":
+            assert drafted > 0 and accepted == 0
+        elif r.drafter == "none":
+            assert u.drafters == {} and u.num_steps == 12
+
+
+def test_admission_is_fifo_within_the_batch_limit(tmp_path):
+    env = Env(tmp_path, make_cfg(max_batch=2))
+    reqs = [request(f"r{i}", p, "none") for i, p in enumerate(PROMPTS)]
+    out = run(env, reqs)
+    assert [tokens_of(d) for d in out] == [continuation(p, 12) for p in PROMPTS]
+    assert [m.req_id for m in env.ops("target", P.AddRequest)] == ["r0", "r1", "r2", "r3"]
+    assert max(len(m.items) for m in env.ops("target", P.Verify)) == 2
+
+
+def test_the_kv_budget_holds_the_head_and_nobody_overtakes_it(tmp_path):
+    # 4-token blocks, 20 in all. r0: 20 + 20 tokens = 10 blocks, r1: 4 + 20 = 6; r2 needs 12 and must wait;
+    # r3 needs 2, which would fit, but it arrived after r2.
+    env = Env(tmp_path, make_cfg(kv_blocks=20))
+    reqs = [request("r0", list(range(1, 21)), "none", 20), request("r1", [1, 2, 3, 4], "none", 20),
+            request("r2", list(range(1, 29)), "none", 20), request("r3", [5], "none", 7)]
+    out = run(env, reqs)
+    assert [tokens_of(d) for d in out] == [continuation(r.prompt_ids, r.params.max_tokens) for r in reqs]
+    assert [m.req_id for m in env.ops("target", P.AddRequest)] == ["r0", "r1", "r2", "r3"]
+    running_at_add = {}
+    for m in env.worker("target").log:  # which requests had been freed when r2 and r3 were added
+        if isinstance(m, P.AddRequest):
+            running_at_add[m.req_id] = {x.req_ids[0] for x in env.ops("target", P.FreeRequests)
+                                        if env.worker("target").log.index(x) < env.worker("target").log.index(m)}
+    assert running_at_add["r2"] and running_at_add["r3"] >= running_at_add["r2"]
+    assert env.coordinator.budget.num_reserved == 0
+
+
+def test_each_drafter_and_each_worker_keep_their_batch_limits(tmp_path):
+    env = Env(tmp_path, make_cfg(drafter_caps={"good": 1}, draft_worker_cap=2))
+    reqs = [request(f"g{i}", p, "good") for i, p in enumerate(PROMPTS[:3])] + [request("h", PROMPTS[3], "half"),
+                                                                               request("b", PROMPTS[0], "bad")]
+    out = run(env, reqs)
+    assert [tokens_of(d) for d in out] == [continuation(r.prompt_ids, 12) for r in reqs]
+    proposes = env.ops("draft", P.Propose)
+    assert proposes and max(len(m.items) for m in proposes) <= 2  # the draft worker's own limit
+    assert max(sum(it.drafter == "good" for it in m.items) for m in proposes) == 1  # B_good
+
+
+def test_selector_feedback_and_remove(tmp_path):
+    sel = RecordingSelector()
+    env = Env(tmp_path, make_cfg(), sel)
+    reqs = [request("g", PROMPTS[0], "good"), request("b", PROMPTS[1], "bad"), request("i", PROMPTS[2], "inl"),
+            request("n", PROMPTS[3], "none")]
+    run(env, reqs)
+    assert sorted(sel.removed) == ["b", "g", "i", "n"]  # each finished request removed exactly once
+    by_req: dict[str, list] = {}
+    for slot in sel.feedback:
+        for f in slot:
+            by_req.setdefault(f.req_id, []).append(f)
+            assert f.batch_size >= len(slot) and f.verify_s == pytest.approx(0.003)  # + first tokens, unselected
+            assert 0 <= f.num_accepted <= f.num_drafted <= f.arm.k and 1 <= f.num_committed <= f.num_accepted + 1
+    for req_id, drafter in (("g", "good"), ("b", "bad"), ("i", "inl")):
+        fb = by_req[req_id]
+        assert sum(f.num_committed for f in fb) == 12 - 1  # the first token came with the prefill, unselected
+        assert all(f.arm.drafter == drafter for f in fb)
+    assert all(f.draft_s == pytest.approx(0.002) for f in by_req["g"] if f.num_drafted)  # the Propose's time
+    assert all(f.draft_s == pytest.approx(0.001) for f in by_req["i"] if f.num_drafted)  # inline on the target
+    assert all(f.num_accepted == 0 for f in by_req["b"]) and all(f.arm.drafter is None for f in by_req["n"])
+
+
+def test_a_new_request_gets_its_likely_drafters_kv_precomputed(tmp_path):
+    env = Env(tmp_path, make_cfg())
+    run(env, [request("a", PROMPTS[2], "auto")])
+    add, pre = env.ops("draft", P.AddRequest), env.ops("draft", P.Precompute)
+    assert [(m.req_id, m.tokens) for m in add] == [("a", PROMPTS[2])]  # mirrored with its prompt at admission
+    assert [(it.req_id, it.drafter, it.base_len) for m in pre for it in m.items] == [("a", "good", len(PROMPTS[2]))]
+    assert env.worker("draft").precomputed == [("a", "good")]  # run in the worker's idle time
+    log = env.worker("draft").log
+    first_propose = env.ops("draft", P.Propose)[0]
+    assert log.index(pre[0]) < log.index(first_propose)
+    assert first_propose.items[0].base_len == len(PROMPTS[2])  # then only what was committed since
+
+
+def test_chunked_prefill_keeps_the_budget_and_lets_short_requests_through(tmp_path):
+    env = Env(tmp_path, make_cfg(prefill_budget=8))
+    long_prompt = list(range(1, 41))
+    out = run(env, [request("long", long_prompt, "none", 4), request("short", [7, 8, 9], "none", 4)])
+    assert [tokens_of(d) for d in out] == [continuation(long_prompt, 4), continuation([7, 8, 9], 4)]
+    prefills = env.ops("target", P.Prefill)
+    assert all(sum(it.num_tokens for it in m.items) <= 8 for m in prefills)
+    assert sum(it.num_tokens for m in prefills for it in m.items if it.req_id == "long") == 39  # all but the last
+    log = env.worker("target").log
+    last_long_prefill = max(log.index(m) for m in prefills if any(it.req_id == "long" for it in m.items))
+    first_short_verify = min(log.index(m) for m in env.ops("target", P.Verify)
+                             if any(it.req_id == "short" for it in m.items))
+    assert first_short_verify < last_long_prefill  # the short request did not wait for the long prefill
+
+
+def test_an_aborted_request_is_freed_everywhere(tmp_path):
+    sel = RecordingSelector()
+    env = Env(tmp_path, make_cfg(), sel)
+
+    async def go():
+        c = env.coordinator
+        await c.start()
+        try:
+            stream = c.generate(request("x", PROMPTS[0], "good", 200))
+            got = [await anext(stream), await anext(stream)]
+            await stream.aclose()  # the client went away
+            other = await collect(c, request("y", PROMPTS[1], "good"))
+            return got, other, dict(c.requests), c.budget.num_reserved
+        finally:
+            await c.shutdown(drain=False)
+
+    got, other, left, reserved = asyncio.run(go())
+    assert got[0].finish_reason is None and tokens_of(other) == continuation(PROMPTS[1], 12)
+    assert left == {} and reserved == 0 and "x" in sel.removed
+    for name in ("target", "draft"):
+        assert "x" in {r for m in env.ops(name, P.FreeRequests) for r in m.req_ids}
+        assert "x" not in env.worker(name).mirrors
+
+
+def test_a_request_whose_data_fails_a_verify_fails_alone(tmp_path):
+    env = Env(tmp_path, make_cfg())
+
+    async def go():
+        c = env.coordinator
+        await c.start()
+        env.worker("target").fail_verify_of.add("bad")
+        try:
+            return await asyncio.gather(*(collect(c, r) for r in reqs))
+        finally:
+            await c.shutdown(drain=False)
+
+    reqs = [request("ok1", PROMPTS[0], "good"), request("bad", PROMPTS[1], "good"), request("ok2", PROMPTS[2], "inl")]
+    ok1, bad, ok2 = asyncio.run(go())
+    assert bad[-1].finish_reason == "abort" and "scripted failure" in bad[-1].usage.finish_detail
+    assert tokens_of(ok1) == continuation(PROMPTS[0], 12) and tokens_of(ok2) == continuation(PROMPTS[2], 12)
+    assert 'spind_request_failures_total 1.0' in env.coordinator.render_metrics()
+
+
+def test_a_verify_that_fails_unattributed_is_bisected_to_the_request_behind_it(tmp_path):
+    env = Env(tmp_path, make_cfg())
+
+    async def go():
+        c = env.coordinator
+        await c.start()
+        env.worker("target").poison.add("p")
+        try:
+            return await asyncio.gather(*(collect(c, r) for r in reqs))
+        finally:
+            await c.shutdown(drain=False)
+
+    reqs = [request(f"ok{i}", PROMPTS[i % 4], "good" if i % 2 else "none") for i in range(5)]
+    reqs.insert(2, request("p", PROMPTS[1], "half"))
+    out = asyncio.run(go())
+    for r, deltas in zip(reqs, out):
+        if r.req_id == "p":
+            assert deltas[-1].finish_reason == "abort" and "a forward failed" in deltas[-1].usage.finish_detail
+        else:
+            assert tokens_of(deltas) == continuation(r.prompt_ids, 12) and deltas[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("victim", ["target", "draft"])
+def test_a_restarted_worker_gets_the_committed_sequences_back(tmp_path, victim):
+    env = Env(tmp_path, make_cfg(prefill_budget=4))
+
+    async def go():
+        c = env.coordinator
+        await c.start()
+        try:
+            tasks = [asyncio.create_task(collect(c, r)) for r in reqs]
+            while sum(st.seq.num_output_tokens for st in c.running) < 6:
+                await asyncio.sleep(0.001)
+            env.pool.dead.add(victim)
+            out = await asyncio.gather(*tasks)
+            return out, env.pool.info(victim).restarts
+        finally:
+            await c.shutdown(drain=False)
+
+    reqs = [request("a", PROMPTS[2], "good", 24), request("b", PROMPTS[0], "half", 24), request("c", PROMPTS[1], "inl", 24)]
+    out, restarts = asyncio.run(go())
+    assert [tokens_of(d) for d in out] == [continuation(r.prompt_ids, 24) for r in reqs]
+    assert restarts == 1
+    fresh = env.worker(victim)  # the rebuilt worker learnt every running request anew, with its output so far
+    readded = {m.req_id: m.tokens for m in fresh.log if isinstance(m, P.AddRequest)}
+    assert readded and all(len(tokens) > len(r.prompt_ids) for r, tokens in
+                           ((r, readded[r.req_id]) for r in reqs if r.req_id in readded))
+    if victim == "target":
+        assert set(readded) == {"a", "b", "c"} and env.ops(victim, P.Prefill)  # re-prefilled in chunks
+
+
+def test_eos_and_unknown_drafters(tmp_path):
+    env = Env(tmp_path, make_cfg())
+    from spind.coordinator.interface import EngineError
+
+    async def go():
+        c = env.coordinator
+        await c.start()
+        try:
+            with pytest.raises(EngineError, match="unknown drafter"):
+                c.generate(request("u", PROMPTS[0], "nope"))
+            with pytest.raises(EngineError, match="token ids"):
+                c.generate(request("v", [EOS, 99], "none"))
+            return await collect(c, request("w", PROMPTS[0], "none", 3))
+        finally:
+            await c.shutdown(drain=False)
+
+    assert tokens_of(asyncio.run(go())) == continuation(PROMPTS[0], 3)
+
+
+def metric(c: Coordinator, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in c.render_metrics().splitlines() if line.startswith(name))
+
+
+def test_draft_ahead_is_used_when_the_guess_holds_and_dropped_when_not(tmp_path, mode):
+    if not mode:
+        pytest.skip("draft ahead is part of the pipeline")
+    env = Env(tmp_path, make_cfg())
+    out = run(env, [request("good", PROMPTS[0], "good", 40)])
+    assert tokens_of(out[0]) == continuation(PROMPTS[0], 40)
+    used = metric(env.coordinator, 'spind_draft_ahead_total{outcome="used"}')
+    assert used >= 3  # all accepted every time: the next draft is ready when the verify ends
+    assert any(m.items[0].assume for m in env.ops("draft", P.Propose))
+    env = Env(tmp_path, make_cfg())
+    out = run(env, [request("half", PROMPTS[0], "half", 40)])
+    assert tokens_of(out[0]) == continuation(PROMPTS[0], 40)  # a wrong guess costs nothing but the draft
+    assert metric(env.coordinator, 'spind_draft_ahead_total{outcome="used"}') == 0
+    assert metric(env.coordinator, 'spind_draft_ahead_total{outcome="dropped"}') >= 3
+
+
+def test_the_pipeline_drafts_in_micro_batches_and_merges_them_in_verify(tmp_path, mode):
+    if not mode:
+        pytest.skip("micro-batches are part of the pipeline")
+    env = Env(tmp_path, make_cfg(micro_batches=3))
+    reqs = [request(f"g{i}", [i + 2, i + 3], "good", 24) for i in range(6)] + [request("n", [9], "none", 24)]
+    out = run(env, reqs)
+    assert [tokens_of(d) for d in out] == [continuation(r.prompt_ids, 24) for r in reqs]
+    sizes = [len(m.items) for m in env.ops("draft", P.Propose) if not m.items[0].assume]
+    assert max(sizes) < 6  # never the whole batch at once: micro-batches
+    assert env.coordinator.snapshot()["pipeline"]["micro_batches"]["draft"] == 3
+    verifies = env.ops("target", P.Verify)
+    assert sum(any(it.req_id == "n" for it in m.items) for m in verifies) >= 23  # plain rides every pass

@@ -1,0 +1,75 @@
+"""LBSS end to end: the real daemon with the embedded default config (policy lbss; drafters ngram, int8, dyn8,
+bf16), a mixed batch of requests that copy a given passage and open chat, all with drafter "auto".
+
+The learning selector must give the two kinds different drafters (n-gram lookup for the passages, a model
+drafter for chat: on this model they win there), show it in /v1/spind/state and in each response's usage, and
+stay lossless: greedy output token-identical to plain decoding of the same prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from daemon_util import start_daemon
+from prompts import PASSAGE
+from spind.client import AsyncSpindClient
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 96
+PASSAGES = [f"{task}\n\n{PASSAGE}" for task in (
+    "Repeat the following passage word for word.", "Rewrite the following passage, keeping its wording.",
+    "Copy the following passage exactly.", "Repeat this passage verbatim.")]
+CHATS = ["Give three tips for staying healthy.", "Write a short, friendly email to a colleague asking to move our "
+         "Tuesday meeting.", "What are the main causes of climate change?", "Describe a good morning routine."]
+
+
+def top_drafter(usage) -> str:
+    return max(usage.drafters, key=lambda d: usage.drafters[d]["drafted"]) if usage.drafters else "none"
+
+
+async def run_all(address: str, drafter: str) -> list:
+    async with AsyncSpindClient(address, timeout_s=600) as c:
+        return await asyncio.gather(*(
+            c.complete(messages=[{"role": "user", "content": text}], max_tokens=MAX_TOKENS, ignore_eos=True,
+                       drafter=drafter) for text in PASSAGES + CHATS))
+
+
+def test_auto_gives_passages_and_chat_different_drafters_losslessly():
+    with start_daemon() as d:
+        seen: set[str] = set()
+        stop = threading.Event()
+
+        def watch() -> None:  # the per-request drafters, as the dashboard sees them
+            while not stop.is_set():
+                seen.update(r["drafter"] for r in d.state()["requests"] if r["status"] == "running")
+                time.sleep(0.2)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            auto = asyncio.run(run_all(d.zmq_address, "auto"))
+        finally:
+            stop.set()
+            watcher.join(5)
+        state = d.state()
+        plain = asyncio.run(run_all(d.zmq_address, "none"))
+
+    assert [a.token_ids for a in auto] == [p.token_ids for p in plain]  # lossless
+    assert all(len(a.token_ids) == MAX_TOKENS for a in auto)
+    tops = [top_drafter(a.usage) for a in auto]
+    passage_tops, chat_tops = tops[:len(PASSAGES)], tops[len(PASSAGES):]
+    assert sum(t == "ngram" for t in passage_tops) >= 3, tops
+    assert sum(t not in ("ngram",) for t in chat_tops) >= 3, tops
+    ngram_share = [sum(a.usage.drafters.get("ngram", {}).get("drafted", 0) for a in group) /
+                   max(1, sum(v["drafted"] for a in group for v in a.usage.drafters.values()))
+                   for group in (auto[:len(PASSAGES)], auto[len(PASSAGES):])]
+    assert ngram_share[0] > 0.5 > 0.2 > ngram_share[1], ngram_share
+    assert "ngram" in seen and seen & {"int8", "dyn8", "bf16"}, seen
+    sel = state["selector"]
+    assert sel["policy"] == "lbss" and sel["epoch"] >= 2 and sel["num_slots"] > 0
+    assert set(sel["arms"]) >= {"none", "ngram@8", "int8@2"}

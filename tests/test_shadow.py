@@ -1,0 +1,71 @@
+"""Counterfactual n-gram drafts: the incremental index equals a direct search, shadow drafts are decided
+exactly by the committed tokens, and LBSS learns a request's n-gram acceptance from them without running it."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from spind.config import SelectionConfig
+from spind.coordinator.bandit import LBSSSelector
+from spind.coordinator.selector import PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
+from spind.coordinator.shadow import ShadowDrafts
+from spind.ngram_index import NgramIndex
+
+
+def direct_lookup(tokens: list[int], k: int, ngram_max: int, ngram_min: int) -> list[int]:
+    """The definition, searched from scratch: tokens after the latest earlier match of the longest suffix."""
+    seq = np.asarray(tokens)
+    for n in range(min(ngram_max, len(seq) - 1), ngram_min - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
+        hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return seq[start:start + k].tolist()
+    return []
+
+
+def test_incremental_index_equals_the_direct_search_at_every_length():
+    rng = random.Random(0)
+    for _ in range(200):
+        tokens = [rng.randrange(rng.choice([3, 10, 50])) for _ in range(rng.randint(1, 80))]
+        index = NgramIndex(3, 1)
+        for i, tok in enumerate(tokens):
+            index.extend([tok])
+            for k in (1, 4, 8):
+                assert index.lookup(k) == direct_lookup(tokens[:i + 1], k, 3, 1)
+
+
+def test_shadow_drafts_are_decided_by_the_committed_tokens():
+    shadows = ShadowDrafts({"ng": (3, 1)}, k=4)
+    prompt = [1, 2, 3, 4, 5, 9, 1, 2, 3]  # the suffix 1 2 3 occurred before, followed by 4 5 9 1
+    shadows.draft("r", prompt)
+    assert shadows.resolve("r", prompt + [4]) == []  # one token matched, three undecided
+    assert shadows.resolve("r", prompt + [4, 5, 7]) == [("ng", 4, 2)]  # mismatch at the third
+    shadows.draft("r", prompt + [4, 5, 7])  # nothing earlier matches "7": an empty proposal
+    assert shadows.resolve("r", prompt + [4, 5, 7, 8]) == [("ng", 0, 0)]
+    shadows.draft("r", prompt + [4, 5, 7, 8], exclude="ng")  # the request runs n-gram itself: no shadow
+    assert shadows.resolve("r", prompt + [4, 5, 7, 8, 1]) == []
+    shadows.draft("r", prompt + [4, 5, 7, 8, 1])
+    assert shadows.resolve("r", prompt + [4, 5, 7, 8, 1, 2], is_final=True) == [("ng", 1, 1)]  # cut short
+    shadows.remove("r")
+    assert shadows.resolve("r", prompt) == []
+
+
+def test_lbss_learns_a_requests_ngram_acceptance_from_shadows_alone():
+    """Two requests that never ran n-gram: the one whose shadows were all accepted is estimated far above the
+    one whose shadows all failed."""
+    sel = LBSSSelector(SelectionConfig(alpha=1, beta=1, prior_strength=4.0, seed=0), ["ng", "m"], 4)
+    reqs = [RequestInfo(r, "auto", None, None, 100, 0) for r in ("copy", "chat")]
+    reqs.append(RequestInfo("other", "ng", 8, None, 100, 0))  # names n-gram: the population learns its timing
+    cap = Capacity({"ng": 8, "m": 8})
+    for slot in range(6):  # both run the model drafter; shadows say n-gram fits one and not the other
+        sel.select(reqs, cap)
+        sel.observe([SlotFeedback("copy", Arm("m", 4), 4, 4, 5, 0.2, 0.1, shadow=(("ng", 8, 8),)),
+                     SlotFeedback("chat", Arm("m", 4), 4, 4, 5, 0.2, 0.1, shadow=(("ng", 8, 0),)),
+                     SlotFeedback("other", Arm("ng", 8), 8, 2, 3, 0.0, 0.1)])  # timing of the n-gram arm
+    g = {r: v["estimate"] for r, v in sel.describe()["requests"].items()}
+    assert g["copy"]["ng@8"] > 3 * g["chat"]["ng@8"] > 0
+    assert g["copy"]["ng@8"] > g["copy"]["m@4"]  # free and always accepted beats its own model drafter
+    assert PLAIN_ARM.name in g["copy"]
