@@ -27,9 +27,17 @@ def config_from_args(args: argparse.Namespace, **server: object) -> SpindConfig:
                                      "runtime": {"threads": args.threads}, "server": dict(server)})
 
 
+def check_prompt_fits(num_tokens: int, max_model_len: int) -> None:
+    if num_tokens >= max_model_len:
+        raise ValueError(f"prompt has {num_tokens} tokens; the context limit is {max_model_len} "
+                         f"and at least one token must be generated")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from spind.coordinator.local import GenRequest, LocalEngine
+    from spind.models.loader import resolve_model_dir
     from spind.params import SamplingParams
+    from spind.tokenizer import Tokenizer
 
     if not args.prompt.strip():
         raise ValueError("empty prompt")
@@ -42,16 +50,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ())).validate()
     drafters = [] if args.drafter == "none" else None if args.drafter == "auto" else [args.drafter]
     names = ", ".join(d.name for d in cfg.drafters) if drafters is None else ", ".join(drafters) or "no drafter"
+    # the tokenizer alone (no torch, no weights) checks the prompt, so a prompt over the limit fails at once
+    tok = Tokenizer(resolve_model_dir(cfg.model.target, cfg.cache_path))
+    prompt = tok.apply_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    check_prompt_fits(len(prompt), cfg.model.max_model_len)
     print(f"spind: loading {cfg.model.target} ({cfg.model.dtype}) with {names} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     engine = LocalEngine.load(cfg, drafters=drafters)
     print(f"spind: loaded in {time.perf_counter() - start:.1f}s; generating", file=sys.stderr, flush=True)
     try:
-        tok = engine.tokenizer
-        prompt = tok.apply_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
-        if len(prompt) >= engine.max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens; the context limit is {engine.max_model_len} "
-                             f"and at least one token must be generated")
+        check_prompt_fits(len(prompt), engine.max_model_len)  # the model's own limit may be lower
         res = engine.generate([GenRequest("cli", prompt, params, None if args.drafter == "none" else args.drafter,
                                           args.k)])[0]
     finally:
