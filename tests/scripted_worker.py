@@ -62,8 +62,10 @@ def write_tokenizer(model_dir: Path) -> Path:
 
 
 class ScriptedWorker:
-    def __init__(self, name: str, drafters: list[str], is_target: bool) -> None:
+    def __init__(self, name: str, drafters: list[str], is_target: bool,
+                 draft_ms: dict[str, float] | None = None) -> None:
         self.name, self.drafters, self.is_target = name, drafters, is_target
+        self.draft_ms = draft_ms or {}  # what Profile reports per draft token (default 1 ms)
         self.mirrors: dict[str, list[int]] = {}
         self.kv_len: dict[str, int] = {}  # target: committed tokens with KV
         self.drafter_reqs: dict[str, set[str]] = {d: set() for d in drafters}
@@ -119,9 +121,9 @@ class ScriptedWorker:
                 for reqs in self.drafter_reqs.values():
                     reqs.discard(r)
             return P.Ack(msg.seq)
-        if isinstance(msg, P.Profile):  # a verify costs 2 ms + 0.5 ms a request; every draft token 1 ms
+        if isinstance(msg, P.Profile):  # a verify costs 2 ms + 0.5 ms a request; a draft token 1 ms (draft_ms)
             verify = {b: 2.0 + 0.5 * b for b in msg.batch_sizes} if self.is_target else {}
-            return P.Profiled(msg.seq, {d: 1.0 for d in self.drafters}, verify)
+            return P.Profiled(msg.seq, {d: self.draft_ms.get(d, 1.0) for d in self.drafters}, verify)
         if isinstance(msg, P.Ping):
             return P.WorkerStats(msg.seq, self.name, os.getpid(), sorted(self.mirrors), {},
                                  {d: sorted(r) for d, r in self.drafter_reqs.items()}, {}, len(self.precompute_queue))

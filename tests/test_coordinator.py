@@ -39,7 +39,7 @@ def mode(request):
 
 def make_cfg(max_batch: int = 8, kv_blocks: int = 256, block_size: int = 4, prefill_budget: int = 64,
              drafter_caps: dict[str, int] | None = None, draft_worker_cap: int = 0,
-             cache_dir: str = CACHE_DIR, micro_batches: int = 0) -> SpindConfig:
+             cache_dir: str = CACHE_DIR, micro_batches: int = 0, policy: str = "fixed:good") -> SpindConfig:
     drafters = tuple(DrafterConfig(d.name, d.kind, d.variant, worker=d.worker,
                                    max_batch_size=(drafter_caps or {}).get(d.name, 0)) for d in DRAFTERS)
     return validate(SpindConfig(
@@ -47,7 +47,7 @@ def make_cfg(max_batch: int = 8, kv_blocks: int = 256, block_size: int = 4, pref
         runtime=RuntimeConfig(kv_block_size=block_size, kv_num_blocks=kv_blocks, max_batch_size=max_batch,
                               max_prefill_tokens=prefill_budget, pipeline=MODE["pipeline"], profile="measure",
                               micro_batches=micro_batches),
-        speculation=SpeculationConfig(k=4), selection=SelectionConfig(policy="fixed:good"), drafters=drafters,
+        speculation=SpeculationConfig(k=4), selection=SelectionConfig(policy=policy), drafters=drafters,
         workers=(WorkerConfig("draft", max_batch_size=draft_worker_cap),)))
 
 
@@ -79,13 +79,13 @@ class FlakyPool(InProcessPool):
 
 
 class Env:
-    def __init__(self, tmp_path: Path, cfg: SpindConfig, selector=None) -> None:
+    def __init__(self, tmp_path: Path, cfg: SpindConfig, selector=None, draft_ms: dict[str, float] | None = None) -> None:
         self.cfg = cfg
         hosted = {n: [d.name for d in cfg.drafters if d.worker == n] for n in worker_names(cfg)}
         self.workers: dict[str, ScriptedWorker] = {}  # the latest incarnation of each, kept after the pool stops
 
         def make(name: str) -> ScriptedWorker:
-            self.workers[name] = ScriptedWorker(name, hosted[name], name == "target")
+            self.workers[name] = ScriptedWorker(name, hosted[name], name == "target", draft_ms)
             return self.workers[name]
 
         self.pool = FlakyPool(list(hosted), make)
@@ -202,6 +202,17 @@ def test_selector_feedback_and_remove(tmp_path):
     assert all(f.draft_s == pytest.approx(0.002) for f in by_req["g"] if f.num_drafted)  # the Propose's time
     assert all(f.draft_s == pytest.approx(0.001) for f in by_req["i"] if f.num_drafted)  # inline on the target
     assert all(f.num_accepted == 0 for f in by_req["b"]) and all(f.arm.drafter is None for f in by_req["n"])
+
+
+def test_lbss_leaves_out_drafters_that_cost_more_than_a_target_step(tmp_path):
+    # the scripted target's 1-token step costs 2.5 ms; "bad" drafts at 5 ms a token: it cannot pay whatever it drafts
+    env = Env(tmp_path, make_cfg(policy="lbss"), draft_ms={"bad": 5.0})
+    outs = run(env, [request("a", PROMPTS[0]), request("b", PROMPTS[1], "bad")])
+    c = env.coordinator
+    assert c.profile.decode_ms == pytest.approx(2.5) and c.dominated_drafters == ["bad"]
+    assert c.selector.arm_set.drafters == ("good", "half", "inl")
+    assert all(len(tokens_of(o)) == 12 for o in outs)  # a request may still name it
+    assert any(it.drafter == "bad" for m in env.ops("draft", P.Propose) for it in m.items)
 
 
 def test_a_new_request_gets_its_likely_drafters_kv_precomputed(tmp_path):

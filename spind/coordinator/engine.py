@@ -62,6 +62,7 @@ class Coordinator(SlotPhases):
         self.model_name = cfg.server.model_name
         self.selector: Selector | None = selector  # None: built from [selection] at start
         self.profile: SystemProfile | None = None
+        self.dominated_drafters: list[str] = []  # left out of auto selection (profile.dominated_drafters)
         self.metrics = EngineMetrics()
         self.budget = KVBudget(cfg.runtime.kv_num_blocks, cfg.runtime.kv_block_size)
         self.call_timeout_s = call_timeout_s
@@ -137,11 +138,18 @@ class Coordinator(SlotPhases):
         policy = self.cfg.selection.policy
         drafters = [d.name for d in self.cfg.drafters]
         costs = None
+        if policy in ("greedy-length", "lbss") and self.cfg.runtime.profile != "off":
+            self.profile = await load_or_measure(self.pool, self.cfg, self.call_timeout_s)
         if policy == "greedy-length":  # ranks drafters by their measured cost per draft token
-            if self.cfg.runtime.profile != "off":
-                self.profile = await load_or_measure(self.pool, self.cfg, self.call_timeout_s)
             measured = self.profile.draft_ms_per_token if self.profile else {}
             costs = {n: measured.get(n, float(i + 1)) / 1e3 for i, n in enumerate(drafters)}
+        if policy == "lbss" and self.profile is not None:
+            self.dominated_drafters = [d for d in self.profile.dominated_drafters() if d in drafters]
+            if self.dominated_drafters:
+                log.info("selection leaves out %s: a draft token costs more than a target step (%.1f ms), so "
+                         "they cannot beat plain decoding; requests may still name them",
+                         ", ".join(self.dominated_drafters), self.profile.decode_ms)
+                drafters = [d for d in drafters if d not in self.dominated_drafters]
         try:
             return build_selector(policy, self.cfg.selection, drafters, self.cfg.speculation.k, costs=costs)
         except ValueError as e:

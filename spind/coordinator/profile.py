@@ -19,7 +19,7 @@ from spind.config import TARGET_WORKER, SpindConfig
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 CONTEXT = 128  # tokens of KV each probe request holds
 REPS = 3
 
@@ -30,14 +30,27 @@ class SystemProfile:
     draft_ms_per_token: dict[str, float]  # drafter -> ms per draft token at batch 1
     verify_ms: dict[int, float]  # batch size -> ms of one verify forward of k + 1 tokens per request
     measured_at: float = 0.0
+    decode_ms: float | None = None  # ms of the target's 1-token step at batch 1 (plain decoding)
 
     def to_json(self) -> dict:
         return {**asdict(self), "verify_ms": {str(b): ms for b, ms in self.verify_ms.items()}}
 
     @classmethod
     def from_json(cls, raw: dict) -> "SystemProfile":
+        decode = raw.get("decode_ms")
         return cls(int(raw["k"]), {str(n): float(v) for n, v in raw["draft_ms_per_token"].items()},
-                   {int(b): float(v) for b, v in raw["verify_ms"].items()}, float(raw.get("measured_at", 0.0)))
+                   {int(b): float(v) for b, v in raw["verify_ms"].items()}, float(raw.get("measured_at", 0.0)),
+                   None if decode is None else float(decode))
+
+    def dominated_drafters(self) -> list[str]:
+        """Drafters that cannot beat plain decoding whatever they draft: one draft token costs at least a target
+        step. A slot of k drafts then takes >= k * decode + verify >= (k + 1) * decode for at most k + 1 tokens,
+        so even with every draft accepted its goodput is at most plain decoding's. (Measured at batch 1, where
+        speculation pays most: the target step is a weight read there.) A 4-bit target on a CPU makes every
+        self-draft of the same model such a drafter; LBSS leaves them out rather than pay to explore them."""
+        if not self.decode_ms:
+            return []
+        return sorted(n for n, ms in self.draft_ms_per_token.items() if ms >= self.decode_ms)
 
 
 def batch_sizes(max_batch: int) -> list[int]:
@@ -76,9 +89,11 @@ async def load_or_measure(pool, cfg: SpindConfig, timeout_s: float) -> SystemPro
     context = probe_context(cfg.model.max_model_len, k)
     replies = await asyncio.gather(*(pool.call(name, P.Profile(0, k, sizes if name == TARGET_WORKER else [], context,
                                                                 REPS), timeout_s) for name in pool.names))
+    # plain decoding's step: the same probe with no draft (k = 0) at batch 1, on the target alone
+    decode = await pool.call(TARGET_WORKER, P.Profile(0, 0, [1], context, REPS), timeout_s)
     profile = SystemProfile(k, {n: ms for r in replies for n, ms in r.draft_ms_per_token.items()},
                             dict(next(r.verify_ms for name, r in zip(pool.names, replies) if name == TARGET_WORKER)),
-                            time.time())
+                            time.time(), decode.verify_ms.get(1))
     _write(path, profile)
     return profile
 
