@@ -78,7 +78,7 @@ def _selection(c: Coordinator) -> SelectionState | None:
         return None
     d = c.selector.describe()
     precompute_s = sum(kinds.get("precompute", 0.0) for kinds in c.history.busy_s.values())
-    capacity = {n: c.capacity.of(n) for n in c.drafter_counters}
+    capacity = {n: c.capacity.of(n) for n in c.drafter_counters} | d.get("capacity", {})  # B_j at the last slot
     return SelectionState(
         policy=d["policy"], epoch=d.get("epoch"), stage=d.get("stage"), slot_in_stage=d.get("slot_in_stage"),
         stage_slots=d.get("stage_slots"), arms=d.get("arms", []),
