@@ -24,6 +24,9 @@ from spind.state import SpindState
 
 REFRESH_S = 1.0
 RECENT_S = 5  # the headline numbers average the last few whole seconds
+# Streamlit fades what a running script has not redrawn yet; on a page redrawn every second, on a busy
+# machine, that fade is a flicker. The numbers a second old are still the right ones to show.
+NO_STALE_FADE = "<style>[data-stale='true'] { opacity: 1 !important; transition: none !important; }</style>"
 
 
 @st.cache_resource
@@ -45,6 +48,7 @@ def defaults(argv: tuple[str, ...]) -> tuple[str, str]:
 
 def main() -> None:
     st.set_page_config(page_title="spind", page_icon="⚡", layout="wide")
+    st.html(NO_STALE_FADE)
     url, api_key = defaults(tuple(sys.argv[1:]))
     with st.sidebar:
         st.header("Daemon")

@@ -11,6 +11,18 @@ from spind.state import BUSY_KINDS, SelectionState, SpindState, WorkerState
 PLAIN = "none"
 HEIGHT = 220
 MERGE_GAP_S = 0.005  # busy spans of the same activity closer than this are drawn as one bar
+# (dark, light) per drafter, in config order (Tableau's paired palette); the target's own work in blue / grey
+DRAFTER_COLOURS = [("#f58518", "#ffbf79"), ("#54a24b", "#88d27a"), ("#e45756", "#ff9d98"), ("#b279a2", "#d6a5c9"),
+                   ("#439894", "#83bcb6"), ("#d67195", "#fcbfd2"), ("#b79a20", "#f2cf5b")]
+VERIFY_COLOUR, PREFILL_COLOUR, PLAIN_COLOUR = "#4c78a8", "#79706e", "#bab0ac"
+KIND_COLOURS = alt.Scale(domain=list(BUSY_KINDS), range=["#f58518", VERIFY_COLOUR, PREFILL_COLOUR, "#ffbf79"])
+
+
+def drafter_colours(state: SpindState) -> alt.Scale:
+    """The same colour for a drafter in every chart; plain decoding grey."""
+    names = list(state.drafters)
+    return alt.Scale(domain=[PLAIN, *names],
+                     range=[PLAIN_COLOUR, *(DRAFTER_COLOURS[i % len(DRAFTER_COLOURS)][0] for i in range(len(names)))])
 
 
 def short_id(req_id: str) -> str:
@@ -39,7 +51,8 @@ def estimate_heatmap(sel: SelectionState) -> alt.Chart:
     cells = base.mark_rect().encode(
         color=alt.Color("goodput:Q", title="tok/s", scale=alt.Scale(scheme="viridis")),
         tooltip=["request:N", "arm:N", alt.Tooltip("goodput:Q", format=".1f")])
-    labels = base.mark_text(fontSize=10, color="white").encode(text=alt.Text("goodput:Q", format=".0f"))
+    labels = base.transform_filter("isValid(datum.goodput)").mark_text(fontSize=10, color="white").encode(
+        text=alt.Text("goodput:Q", format=".0f"))
     return (cells + labels).properties(height=alt.Step(22))
 
 
@@ -59,7 +72,7 @@ def assignment_chart(state: SpindState) -> alt.Chart:
     df = assignment_frame(state)
     base = alt.Chart(df).encode(y=alt.Y("drafter:N", sort=list(df["drafter"]), title=None))
     bars = base.mark_bar().encode(x=alt.X("requests:Q", title="requests (bar) / capacity B_j (tick)"),
-                                  color=alt.Color("drafter:N", legend=None), tooltip=["drafter:N", "requests:Q", "capacity:Q"])
+                                  color=alt.Color("drafter:N", scale=drafter_colours(state), legend=None), tooltip=["drafter:N", "requests:Q", "capacity:Q"])
     ticks = base.mark_tick(color="crimson", thickness=3, size=22).encode(x="capacity:Q")
     return (bars + ticks).properties(height=alt.Step(26))
 
@@ -67,6 +80,16 @@ def assignment_chart(state: SpindState) -> alt.Chart:
 # ---- pipeline occupancy ---------------------------------------------------------------------------------------
 def activity(kind: str, drafter: str) -> str:
     return f"{kind} {drafter}" if drafter and kind in ("draft", "precompute") else kind
+
+
+def activity_colours(state: SpindState) -> alt.Scale:
+    """Each drafter's own hue, dark for drafting and light for precomputing its KV."""
+    domain, colours = ["verify", "prefill"], [VERIFY_COLOUR, PREFILL_COLOUR]
+    for i, name in enumerate(state.drafters):
+        dark, light = DRAFTER_COLOURS[i % len(DRAFTER_COLOURS)]
+        domain += [activity("draft", name), activity("precompute", name)]
+        colours += [dark, light]
+    return alt.Scale(domain=domain, range=colours)
 
 
 def occupancy_frame(state: SpindState) -> pd.DataFrame:
@@ -91,9 +114,9 @@ def occupancy_timeline(state: SpindState) -> alt.Chart:
     return alt.Chart(df).mark_bar(height=26).encode(
         x=alt.X("start:Q", scale=window, title="seconds ago"), x2="end:Q",
         y=alt.Y("worker:N", sort=[w.name for w in state.workers], title=None),
-        color=alt.Color("activity:N", scale=alt.Scale(scheme="tableau20")),
+        color=alt.Color("activity:N", scale=activity_colours(state)),
         tooltip=["worker:N", "activity:N", alt.Tooltip("start:Q", format=".2f"), alt.Tooltip("end:Q", format=".2f")],
-    ).properties(height=max(60 * len(state.workers), 20 * df["activity"].nunique() + 20))
+    ).properties(height=max(60 * len(state.workers), 20 * (2 + 2 * len(state.drafters)) + 20))
 
 
 def utilisation_frame(state: SpindState) -> pd.DataFrame:
@@ -114,7 +137,7 @@ def utilisation_chart(state: SpindState) -> alt.Chart:
         x=alt.X("share:Q", stack="zero", scale=alt.Scale(domain=[0, 1]), axis=alt.Axis(format="%"),
                 title=f"busy share of the last {state.window_s:.0f} s"),
         y=alt.Y("worker:N", sort=[w.name for w in state.workers], title=None),
-        color=alt.Color("kind:N", sort=list(BUSY_KINDS)),
+        color=alt.Color("kind:N", scale=KIND_COLOURS),
         tooltip=["worker:N", "kind:N", alt.Tooltip("share:Q", format=".0%")],
     ).properties(height=40 * max(1, len(state.workers)) + 40)
 
@@ -145,7 +168,7 @@ def goodput_chart(state: SpindState) -> alt.Chart:
     """Committed tokens per second, stacked by the drafter the requests ran with."""
     return alt.Chart(throughput_frame(state)).mark_area(interpolate="step-after").encode(
         x=_time_axis(state), y=alt.Y("goodput:Q", stack="zero", title="committed tok/s"),
-        color=alt.Color("drafter:N"),
+        color=alt.Color("drafter:N", scale=drafter_colours(state)),
         tooltip=["drafter:N", "goodput:Q"]).properties(height=HEIGHT)
 
 
@@ -154,7 +177,7 @@ def per_drafter_line(state: SpindState, field: str, title: str, fmt: str) -> alt
     df = df[(df["drafter"] != PLAIN) & df[field].notna()]
     return alt.Chart(df).mark_line(point=True).encode(
         x=_time_axis(state), y=alt.Y(f"{field}:Q", title=title, axis=alt.Axis(format=fmt)),
-        color=alt.Color("drafter:N"),
+        color=alt.Color("drafter:N", scale=drafter_colours(state)),
         tooltip=["drafter:N", alt.Tooltip(f"{field}:Q", format=fmt)]).properties(height=HEIGHT)
 
 
