@@ -28,6 +28,7 @@ class History:
         self.busy_s: dict[str, dict[str, float]] = {}  # worker -> kind -> seconds since start
         self.seconds: deque[ThroughputSample] = deque(maxlen=MAX_SECONDS)  # closed seconds, oldest first
         self._current = ThroughputSample(t=float(int(clock())))
+        self._next_t = self._current.t + 1.0
         self.ttft_s: deque[float] = deque(maxlen=MAX_LATENCIES)
         self.latency_s: deque[float] = deque(maxlen=MAX_LATENCIES)
 
@@ -43,9 +44,10 @@ class History:
 
     def add_step(self, drafter: str, num_committed: int, num_drafted: int, num_accepted: int) -> None:
         """One request's verification step with `drafter` ("none": plain decoding)."""
-        counts = self._second().drafters.get(drafter)
+        by_drafter = self._second().drafters
+        counts = by_drafter.get(drafter)
         if counts is None:
-            counts = self._current.drafters[drafter] = DraftCounts()
+            counts = by_drafter[drafter] = DraftCounts()
         counts.num_committed += num_committed
         counts.num_drafted += num_drafted
         counts.num_accepted += num_accepted
@@ -66,10 +68,11 @@ class History:
         self.latency_s.append(seconds)
 
     def _second(self) -> ThroughputSample:
-        t = float(int(self.clock()))
-        if t != self._current.t:
+        now = self.clock()
+        if now >= self._next_t:
             self.seconds.append(self._current)
-            self._current = ThroughputSample(t=t)
+            self._current = ThroughputSample(t=float(int(now)))
+            self._next_t = self._current.t + 1.0
         return self._current
 
     # ---- reading (per snapshot) -------------------------------------------------------------------------------
