@@ -90,7 +90,7 @@ class WorkerPool(Protocol):
 
 
 def settle(fut: asyncio.Future, reply: object, info: WorkerInfo, on_busy: BusyHook | None) -> None:
-    """Record a reply's busy intervals and resolve its call (an ErrorReply becomes WorkerError)."""
+    """Report a reply's busy intervals to on_busy and resolve its call (an ErrorReply becomes WorkerError)."""
     if on_busy is not None:
         for b in getattr(reply, "busy", ()):
             on_busy(info.name, b)

@@ -19,11 +19,11 @@ _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 def build_state(c: Coordinator) -> SpindState:
     now = time.monotonic()
+    described = c.selector.describe() if c.selector else None
     return SpindState(
         model=c.model_name, accepting=c.is_accepting, failure=c.failure, now=now, window_s=WINDOW_S,
         num_waiting=len(c.waiting), num_running=len(c.running), workers=_workers(c, now), requests=_requests(c),
-        drafters=_drafters(c), selection=_selection(c),
-        selector=c.selector.describe() if c.selector else None,
+        drafters=_drafters(c), selection=_selection(c, described), selector=described,
         throughput=c.history.throughput(now), latency=c.history.latency(), slots=c.times.describe(),
         kv={"num_blocks": c.budget.num_blocks, "num_reserved": c.budget.num_reserved},
         profile=c.profile.to_json() if c.profile else None,
@@ -72,11 +72,10 @@ def _drafters(c: Coordinator) -> dict[str, DrafterState]:
             for n, s in c.drafter_counters.items()}
 
 
-def _selection(c: Coordinator) -> SelectionState | None:
-    """The policy-independent view of selector.describe(): LBSS's fields where it has them."""
-    if c.selector is None:
+def _selection(c: Coordinator, d: dict | None) -> SelectionState | None:
+    """The policy-independent view of selector.describe() (d): LBSS's fields where it has them."""
+    if d is None:
         return None
-    d = c.selector.describe()
     precompute_s = sum(kinds.get("precompute", 0.0) for kinds in c.history.busy_s.values())
     capacity = {n: c.capacity.of(n) for n in c.drafter_counters} | d.get("capacity", {})  # B_j at the last slot
     return SelectionState(
