@@ -20,6 +20,7 @@ import streamlit as st
 
 from spind.dashboard import charts
 from spind.dashboard.source import Unavailable, fetch_state
+from spind.frontend.daemon_cli import daemon_url, load_daemon_config
 from spind.state import SpindState
 
 REFRESH_S = 1.0
@@ -30,27 +31,27 @@ NO_STALE_FADE = "<style>[data-stale='true'] { opacity: 1 !important; transition:
 
 
 @st.cache_resource
-def defaults(argv: tuple[str, ...]) -> tuple[str, str]:
-    """(daemon URL, API key) from `-- --url ... --config ...` and the config (the embedded one by default)."""
-    from spind.frontend.daemon_cli import daemon_url, load_daemon_config
-
+def defaults(argv: tuple[str, ...]) -> tuple[str, str, str | None]:
+    """(daemon URL, API key, why the config could not be read) from `-- --url ... --config ...` and the config
+    (the embedded one by default)."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--url", default=None)
     p.add_argument("--config", default=None)
     args, _ = p.parse_known_args(list(argv))
     try:
         cfg = load_daemon_config(argparse.Namespace(config=args.config, run_dir=None))
-    except Exception as e:  # a bad config must not stop the page: the sidebar can still name a daemon
-        st.warning(f"cannot read the config: {e}")
-        return args.url or "http://127.0.0.1:8000", ""
-    return args.url or daemon_url(cfg), cfg.server.api_key
+    except (ValueError, OSError) as e:  # a ConfigError or an unreadable file: the sidebar can still name a daemon
+        return args.url or "http://127.0.0.1:8000", "", f"cannot read the config: {e}"
+    return args.url or daemon_url(cfg), cfg.server.api_key, None
 
 
 def main() -> None:
     st.set_page_config(page_title="spind", page_icon="⚡", layout="wide")
     st.html(NO_STALE_FADE)
-    url, api_key = defaults(tuple(sys.argv[1:]))
+    url, api_key, problem = defaults(tuple(sys.argv[1:]))
     with st.sidebar:
+        if problem:
+            st.warning(problem)
         st.header("Daemon")
         url = st.text_input("Address", value=url, key="url")
         api_key = st.text_input("API key", value=api_key, type="password", key="api_key",
