@@ -95,7 +95,7 @@ def test_the_page_shows_live_selection_occupancy_and_throughput_under_a_mixed_lo
         driver = browser()
         try:
             driver.get(f"http://127.0.0.1:{port}")
-            with MixedLoad(daemon.url, clients=4, max_tokens=48) as load:
+            with MixedLoad(daemon.url, clients=4, max_tokens=32) as load:
                 first = wait_for(driver, is_live, 90)
                 time.sleep(3)
                 second = wait_for(driver, is_live, 30)
