@@ -6,9 +6,8 @@ from __future__ import annotations
 import altair as alt
 import pandas as pd
 
-from spind.state import BUSY_KINDS, SelectionState, SpindState, WorkerState
+from spind.state import BUSY_KINDS, PLAIN, SelectionState, SpindState, WorkerState
 
-PLAIN = "none"
 HEIGHT = 220
 MERGE_GAP_S = 0.005  # busy spans of the same activity closer than this are drawn as one bar
 # (dark, light) per drafter, in config order (Tableau's paired palette); the target's own work in blue / grey

@@ -14,6 +14,7 @@ from __future__ import annotations
 import msgspec
 
 STATE_VERSION = 1
+PLAIN = "none"  # the drafter of plain decoding (no speculation), wherever the state names drafters or arms
 BUSY_KINDS = ("draft", "verify", "prefill", "precompute")  # what a worker's busy time goes to; the rest is idle
 PERCENTILES = (50, 90, 99)
 
