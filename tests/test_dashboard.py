@@ -159,3 +159,20 @@ def test_another_state_version_is_a_message(stand_in):
     raw = snapshot("busy") | {"version": STATE_VERSION + 1}
     at = page(stand_in(raw).url)
     assert not at.exception and "different spind versions" in at.error[0].value
+
+
+def test_spind_dashboard_runs_the_installed_page_for_the_configs_daemon(monkeypatch, tmp_path, capsys):
+    from spind.cli import main
+
+    config = tmp_path / "config.toml"
+    config.write_text('[server]\nport = 8123\napi_key = "sesame"\n')
+    calls = []
+    monkeypatch.setattr("os.execv", lambda path, argv: calls.append(argv))
+    main(["dashboard", "--config", str(config), "--run-dir", str(tmp_path / "run"), "--port", "8600"])
+    argv = calls[0]
+    assert argv[1:4] == ["-m", "streamlit", "run"] and Path(argv[4]).name == "app.py"
+    assert Path(argv[4]).read_text() == APP.read_text()  # the page of this checkout, as installed
+    assert argv[argv.index("--server.port") + 1] == "8600"
+    assert argv[argv.index("--url") + 1] == "http://127.0.0.1:8123"  # no daemon runs: the config's address
+    assert argv[argv.index("--config") + 1] == str(config)
+    assert "sesame" not in " ".join(argv)  # the page reads the key from the config, never from a command line
