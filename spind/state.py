@@ -108,7 +108,7 @@ class ThroughputSample(_State):
 
     t: float  # start of the second
     num_prompt_tokens: int = 0  # prefilled
-    num_running: int = 0  # most seen in the second
+    num_running: int = 0  # after the second's last slot (a second without slots: the second before's)
     num_waiting: int = 0
     drafters: dict[str, DraftCounts] = {}  # by the drafter the requests ran with ("none" = plain)
 

@@ -77,7 +77,8 @@ def test_throughput_samples_one_per_second_with_gaps_filled():
     first = by_t[1000.0]
     assert first.drafters["ngram"].num_committed == 6 and first.drafters["ngram"].num_steps == 2
     assert first.drafters["none"].num_drafted == 0 and first.num_running == 3 and first.num_waiting == 1
-    assert by_t[1001.0].drafters == {}  # an idle second is a zero sample
+    assert by_t[1001.0].drafters == {}  # a second without slots committed nothing
+    assert (by_t[1001.0].num_running, by_t[1001.0].num_waiting) == (3, 1)  # and kept the queues
 
 
 def test_latency_percentiles_in_ms():

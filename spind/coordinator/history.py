@@ -57,9 +57,9 @@ class History:
         self._second().num_prompt_tokens += n
 
     def add_queue(self, num_running: int, num_waiting: int) -> None:
+        """The queues after a slot; a second keeps its last slot's."""
         s = self._second()
-        s.num_running = max(s.num_running, num_running)
-        s.num_waiting = max(s.num_waiting, num_waiting)
+        s.num_running, s.num_waiting = num_running, num_waiting
 
     def add_ttft(self, seconds: float) -> None:
         self.ttft_s.append(seconds)
@@ -100,11 +100,17 @@ class History:
         return round(busy / WINDOW_S, 4)
 
     def throughput(self, now: float) -> list[ThroughputSample]:
-        """One sample per whole second of the last WINDOW_S (seconds with nothing recorded are zeros)."""
+        """One sample per whole second of the last WINDOW_S. A second without slots committed nothing and kept
+        the queues of the second before."""
         self._second()  # close the current second if it is over
         first, last = int(now - WINDOW_S), int(now)  # the current second (last) is still open
-        kept = {s.t: s for s in self.seconds if s.t >= first}
-        return [kept.get(float(t)) or ThroughputSample(t=float(t)) for t in range(first, last)]
+        by_t = {s.t: s for s in self.seconds}
+        prev = next((s for s in reversed(self.seconds) if s.t < first), ThroughputSample(t=first - 1.0))
+        out = []
+        for t in map(float, range(first, last)):
+            prev = by_t.get(t) or ThroughputSample(t=t, num_running=prev.num_running, num_waiting=prev.num_waiting)
+            out.append(prev)
+        return out
 
     def latency(self) -> LatencyState:
         def pct(values: deque[float]) -> dict[str, float]:
