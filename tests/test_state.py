@@ -69,6 +69,8 @@ def test_throughput_samples_one_per_second_with_gaps_filled():
     h.add_step("ngram", 1, 4, 0)
     h.add_step("none", 1, 0, 0)
     h.add_queue(3, 1)
+    clock.t = 1002.5
+    h.add_prompt_tokens(7)  # an admission, no slot yet: the queues are still those of 1000
     clock.t = 1003.5
     h.add_step("int8", 2, 4, 1)
     samples = h.throughput(clock.t)
@@ -79,6 +81,7 @@ def test_throughput_samples_one_per_second_with_gaps_filled():
     assert first.drafters["none"].num_drafted == 0 and first.num_running == 3 and first.num_waiting == 1
     assert by_t[1001.0].drafters == {}  # a second without slots committed nothing
     assert (by_t[1001.0].num_running, by_t[1001.0].num_waiting) == (3, 1)  # and kept the queues
+    assert by_t[1002.0].num_prompt_tokens == 7 and by_t[1002.0].num_running == 3
 
 
 def test_latency_percentiles_in_ms():

@@ -69,9 +69,11 @@ class History:
 
     def _second(self) -> ThroughputSample:
         now = self.clock()
-        if now >= self._next_t:
-            self.seconds.append(self._current)
-            self._current = ThroughputSample(t=float(int(now)))
+        if now >= self._next_t:  # a new second: it starts from the queues the last one ended with
+            last = self._current
+            self.seconds.append(last)
+            self._current = ThroughputSample(t=float(int(now)), num_running=last.num_running,
+                                             num_waiting=last.num_waiting)
             self._next_t = self._current.t + 1.0
         return self._current
 
