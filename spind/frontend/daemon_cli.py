@@ -161,11 +161,11 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("streamlit") is None:
         raise ValueError("the dashboard needs streamlit and altair: pip install 'spind[dashboard]'")
     cfg = load_daemon_config(argparse.Namespace(config=args.config, run_dir=args.run_dir))
-    page = importlib.util.find_spec("spind.dashboard.app").origin
+    page, url = importlib.util.find_spec("spind.dashboard.app").origin, args.url or daemon_url(cfg)
     argv = [sys.executable, "-m", "streamlit", "run", page, "--server.address", args.host,
             "--server.port", str(args.port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
-            "--", "--url", args.url or daemon_url(cfg), *(["--config", args.config] if args.config else [])]
-    print(f"spind dashboard: http://{args.host}:{args.port} (daemon {args.url or daemon_url(cfg)})", flush=True)
+            "--client.toolbarMode", "minimal", "--", "--url", url, *(["--config", args.config] if args.config else [])]
+    print(f"spind dashboard: http://{args.host}:{args.port} (daemon {url})", flush=True)
     os.execv(sys.executable, argv)  # the API key is read from the config by the page, never put on a command line
 
 
