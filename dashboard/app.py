@@ -147,8 +147,12 @@ def throughput_section(state: SpindState) -> None:
             with col:
                 st.subheader(title)
                 show(chart)
-    st.caption(f"Percentiles over the last {lat.num_requests} finished requests")
-    st.dataframe(charts.latency_frame(state), width="content")
+    latency = charts.latency_frame(state)
+    if latency.empty:
+        st.caption("No request has finished yet.")
+    else:
+        st.caption(f"Percentiles over the last {lat.num_requests} finished requests")
+        st.dataframe(latency, width="content")
 
 
 def show(chart) -> None:

@@ -187,8 +187,10 @@ def queue_chart(state: SpindState) -> alt.Chart:
 
 
 def latency_frame(state: SpindState) -> pd.DataFrame:
+    """Percentile columns (ms), one row per measure that has finished requests behind it."""
     lat = state.latency
-    return pd.DataFrame({"TTFT (ms)": lat.ttft_ms, "latency (ms)": lat.latency_ms}).T
+    rows = {name: ms for name, ms in (("TTFT (ms)", lat.ttft_ms), ("latency (ms)", lat.latency_ms)) if ms}
+    return pd.DataFrame.from_dict(rows, orient="index")
 
 
 # ---- workers --------------------------------------------------------------------------------------------------

@@ -133,6 +133,7 @@ def test_idle_daemon_says_nothing_runs(stand_in):
     m = metrics(at)
     assert m["Running"] == "0" and m["Waiting"] == "0" and m["Goodput"] == "0.0 tok/s"
     assert m["TTFT p50 / p99"] == "-" and m["Acceptance"] == "-"
+    assert "No request has finished yet." in [c.value for c in at.main.caption]
     assert "No request is running." in [i.value for i in at.info]
     assert list(at.dataframe[-1].value["health"]) == ["alive", "alive"]
 

@@ -88,6 +88,10 @@ def is_live(seen: dict[str, str]) -> bool:
             and "target busy\n0%" not in occ and "draft busy\n0%" not in occ)
 
 
+def has_finished(seen: dict[str, str]) -> bool:
+    return "Latency p50 / p99\n-" not in seen["throughput"]
+
+
 def test_the_page_shows_live_selection_occupancy_and_throughput_under_a_mixed_load():
     ARTIFACTS.mkdir(exist_ok=True)
     port = free_port()
@@ -98,7 +102,7 @@ def test_the_page_shows_live_selection_occupancy_and_throughput_under_a_mixed_lo
             with MixedLoad(daemon.url, clients=4, max_tokens=32) as load:
                 first = wait_for(driver, is_live, 90)
                 time.sleep(3)
-                second = wait_for(driver, is_live, 30)
+                second = wait_for(driver, lambda seen: is_live(seen) and has_finished(seen), 60)
                 height = driver.execute_script("return document.querySelector('[data-testid=stMain]').scrollHeight")
                 driver.set_window_size(1600, max(1200, height + 100))
                 time.sleep(1.5)  # the charts lay out again at the new size
