@@ -385,6 +385,6 @@ def test_the_pipeline_drafts_in_micro_batches_and_merges_them_in_verify(tmp_path
     assert [tokens_of(d) for d in out] == [continuation(r.prompt_ids, 24) for r in reqs]
     sizes = [len(m.items) for m in env.ops("draft", P.Propose) if not m.items[0].assume]
     assert max(sizes) < 6  # never the whole batch at once: micro-batches
-    assert env.coordinator.snapshot()["pipeline"]["micro_batches"]["draft"] == 3
+    assert env.coordinator.snapshot().pipeline["micro_batches"]["draft"] == 3
     verifies = env.ops("target", P.Verify)
     assert sum(any(it.req_id == "n" for it in m.items) for m in verifies) >= 23  # plain rides every pass

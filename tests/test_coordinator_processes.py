@@ -157,12 +157,14 @@ def test_concurrent_requests_with_different_drafters(harness, reference):
     assert "int8" in results[3][-1].usage.drafters  # auto = the fixed:int8 policy
     assert "ngram" in results[2][-1].usage.drafters
     snap = harness.engine.snapshot()
-    assert snap["drafters"]["int8"]["drafted"] >= int8_usage.drafters["int8"]["drafted"]
-    assert snap["selector"]["policy"] == "fixed:int8@4" and snap["slots"]["num_slots"] > 0
-    draft = next(w for w in snap["workers"] if w["name"] == "draft")
-    assert {("precompute", "int8"), ("draft", "int8")} <= {(b["kind"], b["drafter"]) for b in draft["busy"]}
-    target = next(w for w in snap["workers"] if w["name"] == "target")
-    assert {"prefill", "verify", "draft"} <= {b["kind"] for b in target["busy"]}  # n-gram drafts inline
+    assert snap.drafters["int8"].drafted >= int8_usage.drafters["int8"]["drafted"]
+    assert snap.selection.policy == "fixed:int8@4" and snap.slots["num_slots"] > 0
+    draft = next(w for w in snap.workers if w.name == "draft")
+    assert {("precompute", "int8"), ("draft", "int8")} <= {(b.kind, b.drafter) for b in draft.busy}
+    target = next(w for w in snap.workers if w.name == "target")
+    assert {"prefill", "verify", "draft"} <= {b.kind for b in target.busy}  # n-gram drafts inline
+    assert 0 < target.utilisation <= 1 and snap.selection.precompute_s > 0
+    assert sum(c.num_committed for s in snap.throughput for c in s.drafters.values()) > 0
     text = harness.engine.render_metrics()
     assert 'spind_draft_tokens_total{drafter="int8"}' in text
     assert 'spind_accepted_at_position_total{drafter="int8",position="0"}' in text
@@ -302,8 +304,8 @@ def test_worker_fault_mid_generation_output_unchanged(harness, reference, victim
         check_stream(deltas, reference(name, 24))
     info = harness.pool.info(victim)
     assert info.restarts == restarts_before + 1 and info.pid != old_pid and harness.pool.is_alive(victim)
-    snap = {x["name"]: x for x in engine.snapshot()["workers"]}
-    assert snap[victim]["restarts"] == info.restarts and snap[victim]["alive"]
+    snap = {w.name: w for w in engine.snapshot().workers}
+    assert snap[victim].restarts == info.restarts and snap[victim].alive
 
 
 def test_shutdown_drain_finishes_in_flight_requests(tmp_path, harness, reference):

@@ -450,7 +450,8 @@ def test_status_cli_reports_the_running_daemon(daemon: Daemon):
     out = subprocess.run([sys.executable, "-m", "spind.cli", "status", "--config", str(daemon.config)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert f"pid {daemon.proc.pid}" in out.stdout and "worker name=target" in out.stdout
+    assert f"pid {daemon.proc.pid}" in out.stdout and "worker target: alive" in out.stdout
+    assert "selection: fixed:int8" in out.stdout
 
 
 def _detach(*args: str) -> subprocess.CompletedProcess:

@@ -62,6 +62,11 @@ async def _closed_loop(coordinator, prompts: list[list[int]], clients: int, draf
     return tokens, time.perf_counter() - start
 
 
+def _busy_totals(c) -> dict[str, float]:
+    """worker:kind -> seconds busy since the coordinator started."""
+    return {f"{w}:{k}": v for w, kinds in c.history.busy_s.items() for k, v in kinds.items()}
+
+
 def run_pipeline_bench(cfg: SpindConfig, s: PipelineBenchSettings, texts: list[Prompt]) -> dict:
     from spind.coordinator.local import LocalEngine
 
@@ -74,12 +79,12 @@ def run_pipeline_bench(cfg: SpindConfig, s: PipelineBenchSettings, texts: list[P
     try:
         for batch, (label, micro, ahead) in runs:
             c.pipeline = None if micro is None else Pipeline(c, micro, ahead)
-            busy_before = dict(c.busy_s)
+            busy_before = _busy_totals(c)
             batch_prompts = [prompts[i % len(prompts)] for i in range(batch * s.requests_per_client)]
             drafter = "none" if label == "none" else s.drafter
             tokens, wall = engine.loop.run_until_complete(_closed_loop(c, batch_prompts, batch, drafter, s, label))
-            busy = {f"{w}:{k}": (v - busy_before.get((w, k), 0.0)) / wall for (w, k), v in c.busy_s.items()
-                    if v - busy_before.get((w, k), 0.0) > 0}
+            busy = {key: (v - busy_before.get(key, 0.0)) / wall for key, v in _busy_totals(c).items()
+                    if v > busy_before.get(key, 0.0)}
             chosen = c.pipeline.state.micro_batches.get(cfg.drafter(s.drafter).worker) if c.pipeline else None
             rows.append({"batch": batch, "mode": label, "micro_batches": micro if micro else chosen,
                          "tokens": tokens, "wall_s": wall, "goodput": tokens / wall, "occupancy": busy})

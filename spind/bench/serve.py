@@ -29,6 +29,7 @@ import aiohttp
 from spind.bench.datasets import Prompt
 from spind.bench.report import Progress, fmt, format_table
 from spind.client import http_json
+from spind.state import SpindState, decode_state
 
 PLAIN = "none"
 START_TIMEOUT_S = 900.0
@@ -182,10 +183,10 @@ async def _read_stream(resp: aiohttp.ClientResponse, is_chat: bool, start: float
         rec.error = "the stream ended without a usage chunk"
 
 
-async def _state(session: aiohttp.ClientSession, url: str) -> dict:
+async def _state(session: aiohttp.ClientSession, url: str) -> SpindState:
     async with session.get(url + "/v1/spind/state") as resp:
         resp.raise_for_status()
-        return await resp.json()
+        return decode_state(await resp.read())
 
 
 async def run_level(session: aiohttp.ClientSession, url: str, prompts: list[Prompt], level: Level,
@@ -202,26 +203,26 @@ async def run_level(session: aiohttp.ClientSession, url: str, prompts: list[Prom
                           (f"error {rec.error}" if rec.error else
                            f"{rec.completion_tokens} tokens, ttft {fmt(rec.ttft_s)}s, {rec.latency_s:.2f}s"))
 
-    before = (await _state(session, url))["slots"]
+    before = (await _state(session, url)).slots
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(level.concurrency)))
     wall_s = time.perf_counter() - start
-    after = (await _state(session, url))["slots"]
+    after = (await _state(session, url)).slots
     return summarize(level, records, wall_s, before, after), records
 
 
 async def _check_daemon(session: aiohttp.ClientSession, label: str, url: str, prompt: Prompt,
                         settings: ServeSettings) -> str:
     state = await _state(session, url)
-    unknown = set(settings.drafters) - {"auto", PLAIN, *state["drafters"]}
+    unknown = set(settings.drafters) - {"auto", PLAIN, *state.drafters}
     if unknown:
         raise ValueError(f"daemon {label} has no drafter {', '.join(sorted(unknown))}; it has: "
-                         f"auto, {PLAIN}, {', '.join(state['drafters'])}")
+                         f"auto, {PLAIN}, {', '.join(state.drafters)}")
     for d in settings.drafters:  # the first forwards of each model, not timed
         rec = await send_request(session, url, prompt, d, settings, RequestRecord(label, 4, d, 0, -1))
         if rec.error:
             raise ValueError(f"warm-up request to {label} with drafter {d} failed: {rec.error}")
-    return state["model"]
+    return state.model
 
 
 async def run_serve_bench(daemons: dict[str, str], prompts: list[Prompt], settings: ServeSettings,

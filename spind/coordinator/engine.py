@@ -33,6 +33,7 @@ from typing import AsyncIterator
 from spind import protocol as P
 from spind.config import TARGET_WORKER, SpindConfig
 from spind.coordinator.interface import Delta, EngineError, EngineRequest, Usage
+from spind.coordinator.history import History
 from spind.coordinator.metrics import EngineMetrics, SlotTimes
 from spind.coordinator.phases import SlotPhases
 from spind.coordinator.pipeline import Pipeline
@@ -44,6 +45,8 @@ from spind.coordinator.baselines import build_selector
 from spind.coordinator.profile import SystemProfile, load_or_measure
 from spind.coordinator.selector import AUTO, PLAIN, Capacity, Selector
 from spind.coordinator.shadow import ShadowDrafts
+from spind.coordinator.snapshot import build_state
+from spind.state import SpindState
 from spind.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -88,7 +91,7 @@ class Coordinator(SlotPhases):
         self._loop_task: asyncio.Task | None = None
         self._wait_s = 0.0  # time of the current slot spent awaiting workers
         self.num_cores = os.cpu_count() or 1
-        self.busy_s: dict[tuple[str, str], float] = {}  # (worker, kind) -> seconds busy so far (occupancy)
+        self.history = History()  # busy intervals, per-second throughput, latencies: for the dashboard
         self.generation_defaults: dict[str, float] = {}  # the model's sampling defaults for unset API fields
         self.pipeline: Pipeline | None = Pipeline(self) if cfg.runtime.pipeline else None
 
@@ -184,23 +187,8 @@ class Coordinator(SlotPhases):
         except ValueError as e:
             raise EngineError(str(e)) from None
 
-    def snapshot(self) -> dict:
-        reqs = [{"req_id": st.req_id, "status": st.status, "drafter": (st.arm.drafter if st.arm else None) or PLAIN,
-                 "k": st.arm.k if st.arm else 0, "requested_drafter": st.req.drafter,
-                 "num_prompt_tokens": st.seq.num_prompt_tokens, "num_output_tokens": st.seq.num_output_tokens,
-                 "num_steps": st.seq.stats.num_steps, "prefill_left": st.num_prefill_left}
-                for st in list(self.running) + list(self.waiting)]
-        drafters = {n: {"drafted": c.num_drafted, "accepted": c.num_accepted, "accepted_at": list(c.accepted_at),
-                        "num_steps": c.num_steps, "acceptance_rate": c.num_accepted / max(c.num_drafted, 1),
-                        "worker": self.drafter_worker[n], "capacity": self.capacity.of(n)}
-                    for n, c in self.drafter_counters.items()}
-        return {"model": self.model_name, "accepting": self.is_accepting, "failure": self.failure,
-                "now": time.monotonic(), "workers": self.pool.describe(), "requests": reqs, "drafters": drafters,
-                "selector": self.selector.describe() if self.selector else None, "slots": self.times.describe(),
-                "profile": self.profile.to_json() if self.profile else None,
-                "pipeline": self.pipeline.describe() if self.pipeline else None,
-                "kv": {"num_blocks": self.budget.num_blocks, "num_reserved": self.budget.num_reserved},
-                "num_waiting": len(self.waiting), "num_running": len(self.running)}
+    def snapshot(self) -> SpindState:
+        return build_state(self)
 
     def render_metrics(self) -> str:
         self.metrics.running.set(len(self.running))
@@ -325,8 +313,7 @@ class Coordinator(SlotPhases):
     def _on_busy(self, worker: str, b: P.BusyInterval) -> None:
         seconds = max(0.0, b.end - b.start)
         self.metrics.busy.labels(worker=worker, kind=b.kind).inc(seconds)
-        key = (worker, b.kind)
-        self.busy_s[key] = self.busy_s.get(key, 0.0) + seconds
+        self.history.add_busy(worker, b)
 
     async def _await_workers(self, aw):
         t0 = time.perf_counter()
@@ -360,7 +347,9 @@ class Coordinator(SlotPhases):
                       s.num_steps, s.mean_accepted_length, st.finish_detail, st.draft_s, st.verify_s, st.arms_used)
         st.queue.put_nowait(Delta(token_ids or [], self._text_delta(st, len(st.seq.text)), st.seq.finish_reason, usage))
         self.metrics.requests.labels(status=st.seq.finish_reason).inc()
-        self.metrics.latency.observe(time.perf_counter() - st.arrival)
+        latency_s = time.perf_counter() - st.arrival
+        self.metrics.latency.observe(latency_s)
+        self.history.add_latency(latency_s)
 
     # ---- faults ---------------------------------------------------------------------------------
     def _fail_requests(self, e: WorkerError) -> None:

@@ -9,6 +9,7 @@ from typing import AsyncIterator, Protocol
 
 from spind.errors import StatusError
 from spind.params import SamplingParams
+from spind.state import SpindState
 
 
 class EngineError(StatusError):
@@ -75,9 +76,8 @@ class Engine(Protocol):
     def encode_prompt(self, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
         """Completion prompt (text or token ids) or chat messages -> prompt ids; EngineError(400) if invalid."""
 
-    def snapshot(self) -> dict:
-        """JSON-able state for GET /v1/spind/state: workers, requests with their drafter, per-drafter counters,
-        per-worker busy intervals."""
+    def snapshot(self) -> SpindState:
+        """The engine's state for GET /v1/spind/state (schema: spind.state); the front end fills in `api`."""
 
     def render_metrics(self) -> str:
         """Prometheus text exposition for GET /metrics."""

@@ -48,6 +48,7 @@ class SlotPhases:
         st.status = "running"
         self.running.append(st)
         self.metrics.prompt_tokens.inc(st.seq.num_prompt_tokens)
+        self.history.add_prompt_tokens(st.seq.num_prompt_tokens)
         self._add_to_target(st)
         hint = self._first_drafter(st)
         if hint is not None:
@@ -241,13 +242,16 @@ class SlotPhases:
                                              verify_s, d.switch_s if d is not None else 0.0, len(batch),
                                              shadow))
             self.metrics.generation_tokens.inc(len(kept))
+            self.history.add_step(name, len(kept), r.num_drafted, r.num_accepted)
             if kept and st.first_token_at is None:
                 st.first_token_at = now
                 self.metrics.ttft.observe(now - st.arrival)
+                self.history.add_ttft(now - st.arrival)
             if seq.is_finished:
                 self._finish(st, seq.finish_reason, kept)
             else:
                 st.queue.put_nowait(Delta(kept, self._text_delta(st, visible_len(seq.text, seq.params.stop))))
+        self.history.add_queue(len(self.running), len(self.waiting))
         if feedback:
             self.selector.observe(feedback)
 

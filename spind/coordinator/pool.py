@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from spind import protocol as P
@@ -55,14 +54,11 @@ class WorkerInfo:
     dtype: str = ""
     pid: int | None = None
     restarts: int = 0
-    busy: deque = field(default_factory=lambda: deque(maxlen=512))  # recent BusyIntervals
 
     def describe(self, is_alive: bool) -> dict:
         return {"name": self.name, "device": self.device, "dtype": self.dtype, "pid": self.pid, "alive": is_alive,
                 "restarts": self.restarts, "threads": self.threads, "is_target": self.is_target,
-                "drafters": self.drafters,
-                "busy": [{"kind": b.kind, "drafter": b.drafter, "start": round(b.start, 6), "end": round(b.end, 6),
-                          "num_reqs": b.num_reqs} for b in list(self.busy)[-128:]]}
+                "drafters": self.drafters}
 
 
 BusyHook = Callable[[str, P.BusyInterval], None]
@@ -94,10 +90,9 @@ class WorkerPool(Protocol):
 
 
 def settle(fut: asyncio.Future, reply: object, info: WorkerInfo, on_busy: BusyHook | None) -> None:
-    """Record a reply's busy intervals and resolve its call (an ErrorReply becomes WorkerError)."""
-    for b in getattr(reply, "busy", ()):
-        info.busy.append(b)
-        if on_busy is not None:
+    """Report a reply's busy intervals to on_busy and resolve its call (an ErrorReply becomes WorkerError)."""
+    if on_busy is not None:
+        for b in getattr(reply, "busy", ()):
             on_busy(info.name, b)
     if fut.done():
         return

@@ -17,9 +17,11 @@ import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+import msgspec
 from aiohttp import web
 
 from spind.coordinator.interface import Delta, Engine, EngineError, EngineRequest, Usage
+from spind.state import ApiState, encode_state
 from spind.frontend.openai_schema import (
     MAX_BODY_BYTES,
     ApiError,
@@ -117,9 +119,9 @@ class ApiServer:
         return web.Response(text=self.engine.render_metrics(), headers={"Content-Type": PROMETHEUS_TYPE})
 
     async def state(self, request: web.Request) -> web.Response:
-        snap = dict(self.engine.snapshot())
-        snap["api"] = {"status": self.status, "num_active": self.in_flight.num_active}
-        return web.json_response(snap)
+        state = msgspec.structs.replace(self.engine.snapshot(),
+                                        api=ApiState(status=self.status, num_active=self.in_flight.num_active))
+        return web.Response(body=encode_state(state), content_type="application/json")
 
     # -- generation --------------------------------------------------------------------------------------
 

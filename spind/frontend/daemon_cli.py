@@ -17,7 +17,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from spind.config import SpindConfig, load_config
+from spind.state import SpindState, StateVersionError, decode_state
 
 if TYPE_CHECKING:
     from spind.frontend.server import PidInfo
@@ -112,25 +115,58 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 1
     headers = {"Authorization": f"Bearer {cfg.server.api_key}"} if cfg.server.api_key else {}
     status, health = http_json(probe_url(info.host, info.port, "/health"))
-    _, state = http_json(probe_url(info.host, info.port, "/v1/spind/state"), headers=headers)
+    state_status, state = http_json(probe_url(info.host, info.port, "/v1/spind/state"), headers=headers)
     if args.json:
         print(json.dumps({"pid": info.pid, "port": info.port, "zmq_port": info.zmq_port, "health": health,
                           "state": state}))
     else:
         print(f"spind pid {info.pid}, http://{info.host}:{info.port}, zmq port {info.zmq_port or 'off'}, "
               f"up {time.time() - info.started:.0f}s: {(health or {}).get('status', 'no answer')}")
-        for line in summarize_state(state or {}):
+        try:
+            lines = summarize_state(decode_state(state)) if state_status == 200 else [f"no state (HTTP {state_status})"]
+        except (StateVersionError, msgspec.ValidationError) as e:
+            lines = [f"cannot read the daemon's state: {e}"]
+        for line in lines:
             print("  " + line)
     return 0 if status == 200 else 1
 
 
-def summarize_state(state: dict) -> list[str]:
-    """A few lines from /v1/spind/state: requests, then one line per worker."""
-    statuses = [r["status"] for r in state.get("requests", [])]
-    lines = [f"requests: {statuses.count('running')} running, {statuses.count('waiting')} waiting"]
-    lines += ["worker " + ", ".join(f"{k}={v}" for k, v in w.items() if not isinstance(v, (list, dict)))
-              for w in state.get("workers", [])]
+def summarize_state(state: SpindState) -> list[str]:
+    """A few lines from /v1/spind/state: requests and selection, then one line per worker."""
+    lines = [f"requests: {state.num_running} running, {state.num_waiting} waiting"]
+    sel = state.selection
+    if sel is not None:
+        stage = f", epoch {sel.epoch} {sel.stage} slot {sel.slot_in_stage}/{sel.stage_slots}" if sel.stage else ""
+        lines.append(f"selection: {sel.policy}{stage}")
+    for w in state.workers:
+        mib = f"{w.rss_bytes / 2**20:.0f} MiB" if w.rss_bytes else "? MiB"
+        lines.append(f"worker {w.name}: {'alive' if w.alive else 'DEAD'}, pid {w.pid}, {w.device} {w.dtype}, {mib}, "
+                     f"{w.utilisation:.0%} busy, {w.restarts} restarts; {w.model}")
     return lines
+
+
+def daemon_url(cfg: SpindConfig) -> str:
+    """The HTTP address of this config's daemon: from its pid file when it runs, else from [server]."""
+    from spind.frontend.server import PidInfo  # noqa: F811
+
+    info = PidInfo.read(Path(cfg.server.run_dir))
+    host, port = (info.host, info.port) if info is not None and info.is_alive else (cfg.server.host, cfg.server.port)
+    return probe_url(host, port, "")
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    """Serve the live dashboard (a Streamlit page, the `dashboard` extra) for this config's daemon."""
+    import importlib.util
+
+    if importlib.util.find_spec("streamlit") is None:
+        raise ValueError("the dashboard needs streamlit and altair: pip install 'spind[dashboard]'")
+    cfg = load_daemon_config(argparse.Namespace(config=args.config, run_dir=args.run_dir))
+    page, url = importlib.util.find_spec("spind.dashboard.app").origin, args.url or daemon_url(cfg)
+    argv = [sys.executable, "-m", "streamlit", "run", page, "--server.address", args.host,
+            "--server.port", str(args.port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
+            "--client.toolbarMode", "minimal", "--", "--url", url, *(["--config", args.config] if args.config else [])]
+    print(f"spind dashboard: http://{args.host}:{args.port} (daemon {url})", flush=True)
+    os.execv(sys.executable, argv)  # the API key is read from the config by the page, never put on a command line
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -171,6 +207,14 @@ def add_parsers(sub, add_config_args) -> None:
     _add_where(st)
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
+
+    db = sub.add_parser("dashboard", help="serve the live dashboard page (needs the `dashboard` extra)")
+    db.add_argument("--config", default=None, help="config.toml: the daemon's address and API key (default: embedded)")
+    _add_where(db)
+    db.add_argument("--url", default=None, help="the daemon's HTTP address (default: its pid file, else [server])")
+    db.add_argument("--host", default="127.0.0.1", help="address the page listens on (default: 127.0.0.1)")
+    db.add_argument("--port", type=int, default=8501, help="port the page listens on (default: 8501)")
+    db.set_defaults(func=cmd_dashboard)
 
     sp = sub.add_parser("stop", help="SIGTERM the daemon (it drains in-flight requests) and wait for it to exit")
     sp.add_argument("--config", default=None, help="config.toml (default: the embedded one)")

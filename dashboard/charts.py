@@ -1,0 +1,202 @@
+"""SpindState -> pandas frames -> Altair charts, for the page. Times are plotted as seconds before the
+snapshot (`t - state.now`, so -30 .. 0), which needs no agreement between the page's clock and the daemon's."""
+
+from __future__ import annotations
+
+import altair as alt
+import pandas as pd
+
+from spind.state import BUSY_KINDS, PLAIN, SelectionState, SpindState, WorkerState
+
+HEIGHT = 220
+MERGE_GAP_S = 0.005  # busy spans of the same activity closer than this are drawn as one bar
+# (dark, light) per drafter, in config order (Tableau's paired palette); the target's own work in blue / grey
+DRAFTER_COLOURS = [("#f58518", "#ffbf79"), ("#54a24b", "#88d27a"), ("#e45756", "#ff9d98"), ("#b279a2", "#d6a5c9"),
+                   ("#439894", "#83bcb6"), ("#d67195", "#fcbfd2"), ("#b79a20", "#f2cf5b")]
+VERIFY_COLOUR, PREFILL_COLOUR, PLAIN_COLOUR = "#4c78a8", "#79706e", "#bab0ac"
+KIND_COLOURS = alt.Scale(domain=list(BUSY_KINDS), range=["#f58518", VERIFY_COLOUR, PREFILL_COLOUR, "#ffbf79"])
+
+
+def drafter_colours(state: SpindState) -> alt.Scale:
+    """The same colour for a drafter in every chart; plain decoding grey."""
+    names = list(state.drafters)
+    return alt.Scale(domain=[PLAIN, *names],
+                     range=[PLAIN_COLOUR, *(DRAFTER_COLOURS[i % len(DRAFTER_COLOURS)][0] for i in range(len(names)))])
+
+
+def short_id(req_id: str) -> str:
+    """chatcmpl-3f9a...e41c -> …e41c: enough to tell a page's requests apart."""
+    return "…" + req_id[-6:]
+
+
+def drafter_of(arm: str) -> str:
+    """'int8@4' -> 'int8'; 'none' stays."""
+    return arm.split("@", 1)[0]
+
+
+# ---- selection ------------------------------------------------------------------------------------------------
+def estimate_frame(sel: SelectionState) -> pd.DataFrame:
+    rows = [{"request": short_id(r), "arm": arm, "goodput": g}
+            for r, by_arm in sel.estimates.items() for arm, g in by_arm.items()]
+    return pd.DataFrame(rows, columns=["request", "arm", "goodput"])
+
+
+def estimate_heatmap(sel: SelectionState) -> alt.Chart:
+    """Estimated goodput (tok/s) per running request x arm; blank = not known yet."""
+    df = estimate_frame(sel)
+    base = alt.Chart(df).encode(
+        x=alt.X("arm:N", sort=sel.arms, title="drafter@k"),
+        y=alt.Y("request:N", title="request"))
+    cells = base.mark_rect().encode(
+        color=alt.Color("goodput:Q", title="tok/s", scale=alt.Scale(scheme="viridis")),
+        tooltip=["request:N", "arm:N", alt.Tooltip("goodput:Q", format=".1f")])
+    labels = base.transform_filter("isValid(datum.goodput)").mark_text(fontSize=10, color="white").encode(
+        text=alt.Text("goodput:Q", format=".0f"))
+    return (cells + labels).properties(height=alt.Step(22))
+
+
+def assignment_frame(state: SpindState) -> pd.DataFrame:
+    """Requests per drafter at the last slot against its capacity B_j then ("none": plain decoding, unlimited)."""
+    sel = state.selection
+    assigned: dict[str, int] = {}
+    for arm, n in (sel.assignment if sel else {}).items():
+        assigned[drafter_of(arm)] = assigned.get(drafter_of(arm), 0) + n
+    capacity = sel.capacity if sel else {}
+    names = [PLAIN, *state.drafters]
+    return pd.DataFrame({"drafter": names, "requests": [assigned.get(n, 0) for n in names],
+                         "capacity": [capacity.get(n) for n in names]})
+
+
+def assignment_chart(state: SpindState) -> alt.Chart:
+    df = assignment_frame(state)
+    base = alt.Chart(df).encode(y=alt.Y("drafter:N", sort=list(df["drafter"]), title=None))
+    bars = base.mark_bar().encode(x=alt.X("requests:Q", title="requests (bar) / capacity B_j (tick)"),
+                                  color=alt.Color("drafter:N", scale=drafter_colours(state), legend=None), tooltip=["drafter:N", "requests:Q", "capacity:Q"])
+    ticks = base.mark_tick(color="crimson", thickness=3, size=22).encode(x="capacity:Q")
+    return (bars + ticks).properties(height=alt.Step(26))
+
+
+# ---- pipeline occupancy ---------------------------------------------------------------------------------------
+def activity(kind: str, drafter: str) -> str:
+    return f"{kind} {drafter}" if drafter and kind in ("draft", "precompute") else kind
+
+
+def activity_colours(state: SpindState) -> alt.Scale:
+    """Each drafter's own hue, dark for drafting and light for precomputing its KV."""
+    domain, colours = ["verify", "prefill"], [VERIFY_COLOUR, PREFILL_COLOUR]
+    for i, name in enumerate(state.drafters):
+        dark, light = DRAFTER_COLOURS[i % len(DRAFTER_COLOURS)]
+        domain += [activity("draft", name), activity("precompute", name)]
+        colours += [dark, light]
+    return alt.Scale(domain=domain, range=colours)
+
+
+def occupancy_frame(state: SpindState) -> pd.DataFrame:
+    """One row per drawn bar: worker, activity, start/end in seconds before the snapshot."""
+    rows = []
+    for w in state.workers:
+        last = None
+        for s in w.busy:
+            what = activity(s.kind, s.drafter)
+            if last is not None and last["activity"] == what and s.start - state.now - last["end"] < MERGE_GAP_S:
+                last["end"] = max(last["end"], s.end - state.now)
+                continue
+            last = {"worker": w.name, "activity": what, "start": s.start - state.now, "end": s.end - state.now}
+            rows.append(last)
+    return pd.DataFrame(rows, columns=["worker", "activity", "start", "end"])
+
+
+def occupancy_timeline(state: SpindState) -> alt.Chart:
+    """What each worker did over the last window; white = idle."""
+    df = occupancy_frame(state)
+    window = alt.Scale(domain=[-state.window_s, 0])
+    return alt.Chart(df).mark_bar(height=26).encode(
+        x=alt.X("start:Q", scale=window, title="seconds ago"), x2="end:Q",
+        y=alt.Y("worker:N", sort=[w.name for w in state.workers], title=None),
+        color=alt.Color("activity:N", scale=activity_colours(state)),
+        tooltip=["worker:N", "activity:N", alt.Tooltip("start:Q", format=".2f"), alt.Tooltip("end:Q", format=".2f")],
+    ).properties(height=max(60 * len(state.workers), 20 * (2 + 2 * len(state.drafters)) + 20))
+
+
+def utilisation_frame(state: SpindState) -> pd.DataFrame:
+    """Share of the window each worker spent per kind (overlaps count in each kind they belong to)."""
+    rows = []
+    for w in state.workers:
+        since = state.now - state.window_s
+        by_kind = {k: 0.0 for k in BUSY_KINDS}
+        for s in w.busy:
+            by_kind[s.kind] = by_kind.get(s.kind, 0.0) + max(0.0, s.end - max(s.start, since))
+        rows += [{"worker": w.name, "kind": k, "share": v / state.window_s} for k, v in by_kind.items() if v > 0]
+    return pd.DataFrame(rows, columns=["worker", "kind", "share"])
+
+
+def utilisation_chart(state: SpindState) -> alt.Chart:
+    df = utilisation_frame(state)
+    return alt.Chart(df).mark_bar().encode(
+        x=alt.X("share:Q", stack="zero", scale=alt.Scale(domain=[0, 1]), axis=alt.Axis(format="%"),
+                title=f"busy share of the last {state.window_s:.0f} s"),
+        y=alt.Y("worker:N", sort=[w.name for w in state.workers], title=None),
+        color=alt.Color("kind:N", scale=KIND_COLOURS),
+        tooltip=["worker:N", "kind:N", alt.Tooltip("share:Q", format=".0%")],
+    ).properties(height=40 * max(1, len(state.workers)) + 40)
+
+
+# ---- throughput -----------------------------------------------------------------------------------------------
+def throughput_frame(state: SpindState) -> pd.DataFrame:
+    """Per second x drafter: goodput (committed tok/s), acceptance rate, mean accepted length."""
+    rows = []
+    for s in state.throughput:
+        for name, c in s.drafters.items():
+            rows.append({"t": s.t - state.now, "drafter": name, "goodput": c.num_committed,
+                         "acceptance": c.num_accepted / c.num_drafted if c.num_drafted else None,
+                         "accepted_length": (c.num_accepted + c.num_steps) / c.num_steps if c.num_steps else None})
+    return pd.DataFrame(rows, columns=["t", "drafter", "goodput", "acceptance", "accepted_length"])
+
+
+def queue_frame(state: SpindState) -> pd.DataFrame:
+    rows = [{"t": s.t - state.now, "queue": q, "requests": n} for s in state.throughput
+            for q, n in (("running", s.num_running), ("waiting", s.num_waiting))]
+    return pd.DataFrame(rows, columns=["t", "queue", "requests"])
+
+
+def _time_axis(state: SpindState) -> alt.X:
+    return alt.X("t:Q", scale=alt.Scale(domain=[-state.window_s, 0]), title="seconds ago")
+
+
+def goodput_chart(state: SpindState) -> alt.Chart:
+    """Committed tokens per second, stacked by the drafter the requests ran with."""
+    return alt.Chart(throughput_frame(state)).mark_area(interpolate="step-after").encode(
+        x=_time_axis(state), y=alt.Y("goodput:Q", stack="zero", title="committed tok/s"),
+        color=alt.Color("drafter:N", scale=drafter_colours(state)),
+        tooltip=["drafter:N", "goodput:Q"]).properties(height=HEIGHT)
+
+
+def per_drafter_line(state: SpindState, field: str, title: str, fmt: str) -> alt.Chart:
+    df = throughput_frame(state)
+    df = df[(df["drafter"] != PLAIN) & df[field].notna()]
+    return alt.Chart(df).mark_line(point=True).encode(
+        x=_time_axis(state), y=alt.Y(f"{field}:Q", title=title, axis=alt.Axis(format=fmt)),
+        color=alt.Color("drafter:N", scale=drafter_colours(state)),
+        tooltip=["drafter:N", alt.Tooltip(f"{field}:Q", format=fmt)]).properties(height=HEIGHT)
+
+
+def queue_chart(state: SpindState) -> alt.Chart:
+    return alt.Chart(queue_frame(state)).mark_line(interpolate="step-after").encode(
+        x=_time_axis(state), y=alt.Y("requests:Q", title="requests"),
+        color=alt.Color("queue:N")).properties(height=HEIGHT)
+
+
+def latency_frame(state: SpindState) -> pd.DataFrame:
+    """Percentile columns (ms), one row per measure that has finished requests behind it."""
+    lat = state.latency
+    rows = {name: ms for name, ms in (("TTFT (ms)", lat.ttft_ms), ("latency (ms)", lat.latency_ms)) if ms}
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
+# ---- workers --------------------------------------------------------------------------------------------------
+def workers_frame(workers: list[WorkerState]) -> pd.DataFrame:
+    return pd.DataFrame([{
+        "worker": w.name, "health": "alive" if w.alive else "DEAD", "device": w.device, "dtype": w.dtype,
+        "model": w.model, "threads": w.threads, "pid": w.pid,
+        "memory (MiB)": None if w.rss_bytes is None else round(w.rss_bytes / 2**20),
+        "busy": f"{w.utilisation:.0%}", "restarts": w.restarts} for w in workers])
