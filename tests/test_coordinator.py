@@ -205,8 +205,9 @@ def test_selector_feedback_and_remove(tmp_path):
 
 
 def test_lbss_leaves_out_drafters_that_cost_more_than_a_target_step(tmp_path):
-    # the scripted target's 1-token step costs 2.5 ms; "bad" drafts at 5 ms a token: it cannot pay whatever it drafts
-    env = Env(tmp_path, make_cfg(policy="lbss"), draft_ms={"bad": 5.0})
+    # the scripted target's 1-token step costs 2.5 ms; at the smallest k (2) a drafter cannot pay from 3.75 ms a
+    # draft token on ("bad"); "half" at 3.5 ms still can, when most drafts are accepted
+    env = Env(tmp_path, make_cfg(policy="lbss"), draft_ms={"bad": 3.75, "half": 3.5})
     outs = run(env, [request("a", PROMPTS[0]), request("b", PROMPTS[1], "bad")])
     c = env.coordinator
     assert c.profile.decode_ms == pytest.approx(2.5) and c.dominated_drafters == ["bad"]

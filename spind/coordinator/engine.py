@@ -147,11 +147,12 @@ class Coordinator(SlotPhases):
             measured = self.profile.draft_ms_per_token if self.profile else {}
             costs = {n: measured.get(n, float(i + 1)) / 1e3 for i, n in enumerate(drafters)}
         if policy == "lbss" and self.profile is not None:
-            self.dominated_drafters = [d for d in self.profile.dominated_drafters() if d in drafters]
+            min_k = min(self.cfg.selection.k_set)
+            self.dominated_drafters = [d for d in self.profile.dominated_drafters(min_k) if d in drafters]
             if self.dominated_drafters:
-                log.info("selection leaves out %s: a draft token costs more than a target step (%.1f ms), so "
-                         "they cannot beat plain decoding; requests may still name them",
-                         ", ".join(self.dominated_drafters), self.profile.decode_ms)
+                log.info("selection leaves out %s: %d draft tokens cost more than %d target steps (%.1f ms each), "
+                         "so they cannot beat plain decoding; requests may still name them",
+                         ", ".join(self.dominated_drafters), min_k, min_k + 1, self.profile.decode_ms)
                 drafters = [d for d in drafters if d not in self.dominated_drafters]
         try:
             return build_selector(policy, self.cfg.selection, drafters, self.cfg.speculation.k, costs=costs)

@@ -42,15 +42,18 @@ class SystemProfile:
                    {int(b): float(v) for b, v in raw["verify_ms"].items()}, float(raw.get("measured_at", 0.0)),
                    None if decode is None else float(decode))
 
-    def dominated_drafters(self) -> list[str]:
-        """Drafters that cannot beat plain decoding whatever they draft: one draft token costs at least a target
-        step. A slot of k drafts then takes >= k * decode + verify >= (k + 1) * decode for at most k + 1 tokens,
-        so even with every draft accepted its goodput is at most plain decoding's. (Measured at batch 1, where
-        speculation pays most: the target step is a weight read there.) A 4-bit target on a CPU makes every
-        self-draft of the same model such a drafter; LBSS leaves them out rather than pay to explore them."""
+    def dominated_drafters(self, min_k: int) -> list[str]:
+        """Drafters that cannot beat plain decoding whatever they draft. A request's slot with drafter j at draft
+        length k commits at most k + 1 tokens and needs k draft tokens, which take k * d_j even when drafting
+        overlaps verification completely (the pipeline), while plain decoding makes k + 1 tokens in
+        (k + 1) * decode. So j can never pay at any k >= min_k when k * d_j >= (k + 1) * decode there, i.e.
+        d_j >= decode * (min_k + 1) / min_k. Measured at batch 1 (drafter and target batch alike; the target
+        at the threads plain decoding gets). A 4-bit target on a CPU makes the int8 and bf16 self-drafts of the
+        same model such drafters; LBSS leaves them out rather than pay to explore them."""
         if not self.decode_ms:
             return []
-        return sorted(n for n, ms in self.draft_ms_per_token.items() if ms >= self.decode_ms)
+        bound = self.decode_ms * (min_k + 1) / min_k
+        return sorted(n for n, ms in self.draft_ms_per_token.items() if ms >= bound)
 
 
 def batch_sizes(max_batch: int) -> list[int]:
