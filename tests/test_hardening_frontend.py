@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import socket
 import threading
 import zlib
@@ -316,3 +317,34 @@ def test_zmq_non_streamed_request_is_cancelled_when_its_client_goes_away(monkeyp
             ctx.destroy(linger=0)
     closed, num_active = asyncio.run(check())
     assert len(closed) == 1 and num_active == 0
+
+
+# -- the run dir -------------------------------------------------------------------------------------------------
+
+def test_a_start_removes_the_sockets_a_killed_daemon_left(tmp_path):
+    from spind.coordinator.process_pool import prepare_run_dir
+
+    dead = 2**22 + 12345  # above pid_max's default: no such process
+    run_dir = prepare_run_dir(tmp_path / "run")
+    names = [f"w-draft-{dead}-1.sock", f"w-draft-2-{dead}-3.sock", f"probs-{dead}.sock",  # a dead daemon's
+             f"w-target-{os.getpid()}-1.sock", f"probs-{os.getpid()}.sock", "spind.log"]      # a live one's, a log
+    for n in names:
+        (run_dir / n).touch()
+    prepare_run_dir(run_dir)
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted(names[3:])
+
+
+def test_the_zmq_api_binds_its_own_host_loopback_by_default_and_checks_the_key(tmp_path):
+    """B5: the ZeroMQ API does not follow HTTP onto 0.0.0.0, and carries the API key (refusal tested in
+    test_frontend.py::test_zmq_api_refuses_requests_without_the_api_key)."""
+    import dataclasses
+
+    from spind.config import ServerConfig, SpindConfig
+    from spind.frontend.server import Daemon
+
+    server = ServerConfig(host="0.0.0.0", api_key="k", run_dir=str(tmp_path / "run"))
+    daemon = Daemon.create(dataclasses.replace(SpindConfig(), server=server))
+    try:
+        assert daemon.zmq is not None and daemon.zmq.host == "127.0.0.1" and daemon.zmq.api_key == "k"
+    finally:
+        daemon.engine.pool.ctx.term()
