@@ -348,3 +348,18 @@ def test_the_zmq_api_binds_its_own_host_loopback_by_default_and_checks_the_key(t
         assert daemon.zmq is not None and daemon.zmq.host == "127.0.0.1" and daemon.zmq.api_key == "k"
     finally:
         daemon.engine.pool.ctx.term()
+
+
+def test_the_connection_cap_fits_the_descriptor_limit():
+    import resource
+
+    from spind.frontend.server import RESERVED_FDS, fit_descriptor_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))
+        capped = fit_descriptor_limit(10**9)  # more than any hard limit
+        assert capped == resource.getrlimit(resource.RLIMIT_NOFILE)[0] - RESERVED_FDS
+        assert fit_descriptor_limit(64) == 64
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

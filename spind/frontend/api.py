@@ -23,8 +23,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from spind.coordinator.interface import Delta, Engine, EngineError, EngineRequest, Usage
 from spind.frontend.openai_schema import (
-    MAX_BODY_BYTES,
     ABORT,
+    MAX_BODY_BYTES,
     ApiError,
     ApiLimits,
     ChunkFormatter,

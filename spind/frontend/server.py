@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import os
+import resource
 import signal
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ PID_FILE = "spind.pid"
 LOG_FILE = "spind.log"
 ABORT_TIMEOUT_S = 10.0
 EXIT_GAVE_UP = 3  # the engine cannot go on (a worker that cannot be restarted)
+RESERVED_FDS = 256  # descriptors kept for the daemon itself beyond its HTTP connections
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,8 @@ class Daemon:
 
     async def _bind(self) -> int:
         s = self.cfg.server
-        self.runner = CappedAppRunner(self.api.build_app(), s.max_connections, handler_cancellation=True,
+        max_connections = fit_descriptor_limit(s.max_connections)
+        self.runner = CappedAppRunner(self.api.build_app(), max_connections, handler_cancellation=True,
                                       access_log=None, keepalive_timeout=s.idle_timeout_s)
         await self.runner.setup()
         try:
@@ -221,6 +224,22 @@ class Daemon:
         info = PidInfo.read(self.run_dir)
         if info is not None and info.pid == os.getpid():
             (self.run_dir / PID_FILE).unlink(missing_ok=True)
+
+
+def fit_descriptor_limit(max_connections: int) -> int:
+    """Raise the soft descriptor limit to fit max_connections plus the daemon's own (workers, ZeroMQ, files),
+    up to the hard limit; past it, fewer connections: the cap must bite before accept() fails (EMFILE)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + RESERVED_FDS
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        soft = new
+    if soft != resource.RLIM_INFINITY and soft < want:
+        log.warning("[server] max_connections %d does not fit the descriptor limit %d; capping at %d",
+                    max_connections, soft, soft - RESERVED_FDS)
+        return max(1, soft - RESERVED_FDS)
+    return max_connections
 
 
 def serve(cfg: SpindConfig) -> int:
