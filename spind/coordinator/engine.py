@@ -213,9 +213,10 @@ class Coordinator(SlotPhases):
         if self.failure:
             return self.failure
         now = time.monotonic()
-        stalled = [n for n, (sent, fut) in self._pings.items() if not fut.done() and now - sent > self.heartbeat_timeout_s]
+        stalled = {n: now - sent for n, (sent, fut) in self._pings.items()
+                   if not fut.done() and now - sent > self.heartbeat_timeout_s}
         if stalled:
-            return f"worker(s) {', '.join(stalled)} answered no heartbeat for {self.heartbeat_timeout_s:.0f} s"
+            return "; ".join(f"worker {n!r} answered no heartbeat for {s:.0f} s" for n, s in stalled.items())
         return None
 
     async def wait_failed(self) -> None:

@@ -230,14 +230,17 @@ class ZmqApiServer:
     async def _until_client_gone(deltas, probe: asyncio.Task | None):
         """The engine's deltas, until the probe fails (its ZMQError is raised: the request is then aborted)."""
         while True:
-            nxt = asyncio.ensure_future(anext(deltas))
-            if probe is None:
-                d = await nxt
-            else:
+            try:
+                if probe is None:
+                    yield await anext(deltas)
+                    continue
+                nxt = asyncio.ensure_future(anext(deltas))
                 await asyncio.wait({nxt, probe}, return_when=asyncio.FIRST_COMPLETED)
                 if not nxt.done():
                     nxt.cancel()
                     await asyncio.gather(nxt, return_exceptions=True)
                     probe.result()  # raises the probe's ZMQError
                 d = nxt.result()
+            except StopAsyncIteration:
+                return
             yield d
