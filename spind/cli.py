@@ -143,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     daemon = args.command == "start"  # a daemon's log records its normal life at INFO; commands stay quiet
     logging.basicConfig(level=logging.INFO if args.verbose or daemon else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if daemon:
+        from spind.logs import install_rate_limit
+
+        install_rate_limit()
     try:
         return args.func(args)
     except (ConfigError, ValueError, FileNotFoundError) as e:

@@ -105,6 +105,8 @@ class SpindClient:
         req = make_request(prompt, stream=False, api_key=self.api_key, **kw)
         self._sock.send(P.encode(req))
         msg = self._recv(req.req_id)
+        while _is_probe(msg):  # the daemon checks that we are still here
+            msg = self._recv(req.req_id)
         if not isinstance(msg, P.ClientReply):
             raise P.ProtocolError("expected a ClientReply to a non-streamed request")
         return _completion(msg)
@@ -176,7 +178,10 @@ class AsyncSpindClient:
     async def complete(self, prompt: str | list[int] | None = None, **kw) -> Completion:
         req = make_request(prompt, stream=False, api_key=self.api_key, **kw)
         try:
-            msg = await self._recv(await self._open(req))
+            q = await self._open(req)
+            msg = await self._recv(q)
+            while _is_probe(msg):  # the daemon checks that we are still here
+                msg = await self._recv(q)
         finally:
             self._queues.pop(req.req_id, None)
         if not isinstance(msg, P.ClientReply):
@@ -200,6 +205,11 @@ class AsyncSpindClient:
             self._queues.pop(req.req_id, None)
             if not is_done:
                 await self._sock.send(P.encode(P.ClientAbort(req.req_id, self.api_key)))
+
+
+def _is_probe(msg: object) -> bool:
+    """An empty chunk the daemon sends while a non-streamed request runs, to notice a client gone."""
+    return isinstance(msg, P.ClientChunk) and msg.finish_reason is None and not msg.token_ids and not msg.text
 
 
 def http_json(url: str, headers: dict[str, str] | None = None, timeout: float = 5.0) -> tuple[int, dict | None]:

@@ -38,6 +38,8 @@ class Tokenizer:
             ids.add(self.tk.token_to_id(self.eos_token))
         self.eos_token_ids: frozenset[int] = frozenset(ids)
         self.vocab_size = self.tk.get_vocab_size(with_added_tokens=True)
+        # no token spans more characters: a text over max_model_len * this cannot fit, whatever it tokenizes to
+        self.max_token_chars = max(1, max(len(t) for t in self.tk.get_vocab(with_added_tokens=True)))
         template = model_dir / "chat_template.jinja"
         self.chat_template: str | None = template.read_text() if template.is_file() else cfg.get("chat_template")
         self._special = tuple(t.content for t in self.tk.get_added_tokens_decoder().values() if t.special)

@@ -198,10 +198,17 @@ def test_error_mapping():
     assert error_json(404, "no")["error"]["type"] == "invalid_request_error"
 
 
-# -- the app, on requests refused before the engine is reached (engine=None: it must never be touched) -------
+# -- the app, on requests refused before the engine is reached (the engine answers /health only) -------------
+
+class _HealthyEngine:
+    """Answers /health only: any other use fails the test."""
+
+    def health(self) -> None:
+        return None
+
 
 async def _with_client(api_key: str, check) -> None:
-    server = ApiServer(engine=None, limits=LIMITS, api_key=api_key, status="ok")  # type: ignore[arg-type]
+    server = ApiServer(engine=_HealthyEngine(), limits=LIMITS, api_key=api_key, status="ok")  # type: ignore[arg-type]
     async with TestClient(TestServer(server.build_app())) as client:
         await check(client, server)
 

@@ -51,6 +51,8 @@ from spind.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+HEARTBEAT_INTERVAL_S = 1.0  # every worker is pinged this often (its op queue answers in order)
+
 
 class Coordinator(SlotPhases):
     """Implements spind.coordinator.interface.Engine over a WorkerPool. Use from one asyncio loop:
@@ -58,7 +60,8 @@ class Coordinator(SlotPhases):
 
     def __init__(self, cfg: SpindConfig, pool: WorkerPool, tokenizer: Tokenizer | None = None,
                  selector: Selector | None = None,
-                 call_timeout_s: float = 300.0, restarts: RestartPolicy | None = None) -> None:
+                 call_timeout_s: float = 300.0, restarts: RestartPolicy | None = None,
+                 heartbeat_timeout_s: float = 10.0) -> None:
         self.cfg = cfg
         self.pool = pool
         self.tokenizer = tokenizer
@@ -70,6 +73,10 @@ class Coordinator(SlotPhases):
         self.budget = KVBudget(cfg.runtime.kv_num_blocks, cfg.runtime.kv_block_size)
         self.call_timeout_s = call_timeout_s
         self.restarts = restarts or RestartPolicy()
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._pings: dict[str, tuple[float, asyncio.Future]] = {}  # worker -> (sent at, reply) of its last ping
+        self._heartbeat_task: asyncio.Task | None = None
+        self._failed = asyncio.Event()
         self.max_model_len = cfg.model.max_model_len
         self.max_batch_size = cfg.runtime.max_batch_size
         self.requests: dict[str, RequestState] = {}  # waiting + running
@@ -119,6 +126,7 @@ class Coordinator(SlotPhases):
             raise
         self._idle.set()
         self._loop_task = asyncio.create_task(self._run(), name="spind-coordinator")
+        self._heartbeat_task = asyncio.create_task(self._heartbeat(), name="spind-heartbeat")
         self.is_accepting = True
 
     async def shutdown(self, drain: bool = True) -> None:
@@ -130,6 +138,9 @@ class Coordinator(SlotPhases):
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            await asyncio.gather(self._heartbeat_task, return_exceptions=True)
         if self.pipeline is not None:
             await self.pipeline.cancel()
         for st in list(self.running) + list(self.waiting):
@@ -172,8 +183,11 @@ class Coordinator(SlotPhases):
         return self._stream(st)
 
     def encode_prompt(self, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
+        """Thread-safe (front ends call it off the event loop); a text too long to fit is refused before it
+        is tokenized."""
         if (prompt is None) == (messages is None):
             raise EngineError("give exactly one of a prompt or chat messages")
+        self._check_text_size(prompt, messages)
         try:
             if messages is not None:
                 if not isinstance(messages, list) or not messages:
@@ -191,6 +205,30 @@ class Coordinator(SlotPhases):
     def snapshot(self) -> SpindState:
         return build_state(self)
 
+    def health(self) -> str | None:
+        """None while healthy; else why not: the engine gave up, or a worker answers no heartbeat (hung)."""
+        if self.failure:
+            return self.failure
+        now = time.monotonic()
+        stalled = {n: now - sent for n, (sent, fut) in self._pings.items()
+                   if not fut.done() and now - sent > self.heartbeat_timeout_s}
+        if stalled:
+            return "; ".join(f"worker {n!r} answered no heartbeat for {s:.0f} s" for n, s in stalled.items())
+        return None
+
+    async def wait_failed(self) -> None:
+        """Returns once the engine has given up (a worker that cannot be restarted)."""
+        await self._failed.wait()
+
+    async def _heartbeat(self) -> None:
+        """Keep one ping in flight per live worker; `health` reads one unanswered for too long as a stall."""
+        while True:
+            for name in self.pool.names:
+                last = self._pings.get(name)
+                if (last is None or last[1].done()) and self.pool.is_alive(name):
+                    self._pings[name] = (time.monotonic(), self.pool.cast(name, P.Ping(0)))
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
     def render_metrics(self) -> str:
         self.metrics.running.set(len(self.running))
         self.metrics.waiting.set(len(self.waiting))
@@ -205,6 +243,15 @@ class Coordinator(SlotPhases):
         vocab = self.tokenizer.vocab_size
         if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+
+    def _check_text_size(self, prompt: str | list[int] | None, messages: list[dict] | None) -> None:
+        texts = [prompt] if isinstance(prompt, str) else [m.get("content") for m in messages or ()
+                                                           if isinstance(m, dict)]
+        num_chars = sum(len(t) for t in texts if isinstance(t, str))
+        limit = self.max_model_len * self.tokenizer.max_token_chars
+        if num_chars > limit:
+            raise EngineError(f"the prompt has {num_chars} characters, more than {self.max_model_len} tokens (the "
+                              f"context limit) can hold", 413, "context_length_exceeded")
 
     def _check(self, req: EngineRequest) -> RequestState:
         if not self.is_accepting:
@@ -376,6 +423,7 @@ class Coordinator(SlotPhases):
                 log.error("cannot restart worker %s: %s; failing all requests", name, e)
                 self.failure = f"worker {name!r} cannot be restarted: {e}"
                 self.is_accepting = False
+                self._failed.set()
                 for st in list(self.running) + list(self.waiting):
                     self._finish(st, "abort", detail=self.failure)
                 return

@@ -81,3 +81,9 @@ class Engine(Protocol):
 
     def render_metrics(self) -> str:
         """Prometheus text exposition for GET /metrics."""
+
+    def health(self) -> str | None:
+        """None while the engine can serve; else why not (gave up, a worker stalled), for GET /health."""
+
+    async def wait_failed(self) -> None:
+        """Returns once the engine has given up for good (the daemon then exits non-zero)."""

@@ -38,7 +38,12 @@ class SlotPhases:
         n = num_admissible([st.num_blocks for st in self.waiting], len(self.running), self.max_batch_size,
                            self.budget)
         for _ in range(n):
-            self._admit(self.waiting.popleft())
+            st = self.waiting.popleft()
+            try:
+                self._admit(st)
+            except Exception as e:  # this request's data cannot even be sent (it passed the checks): it alone fails
+                log.exception("admitting request %s", st.req_id)
+                self._fail_requests(WorkerError(TARGET_WORKER, f"cannot send the request: {e}", [st.req_id]))
         pending = [st for st in self.running if not st.is_prefilled]
         sizes = plan_prefill([st.num_prefill_left for st in pending], self.cfg.runtime.max_prefill_tokens)
         return [(st, size) for st, size in zip(pending, sizes) if size]

@@ -35,7 +35,7 @@ from spind.coordinator.pool import BusyHook, WorkerDied, WorkerError, WorkerInfo
 log = logging.getLogger(__name__)
 
 MAX_IPC_PATH = 100  # AF_UNIX paths are limited to 107 bytes on Linux
-SOCKET_NAME = re.compile(r"^(?:w-.+|probs)-(\d+)(?:-\d+)?\.sock$")
+SOCKET_NAME = re.compile(r"^(?:w-.+-(\d+)-\d+|probs-(\d+))\.sock$")  # w-NAME-PID-INCARNATION, probs-PID
 
 
 def default_run_dir() -> Path:
@@ -54,7 +54,7 @@ def prepare_run_dir(path: Path) -> Path:
         os.chmod(path, 0o700)
     for f in path.iterdir():
         m = SOCKET_NAME.match(f.name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not _pid_alive(int(m.group(1) or m.group(2))):
             f.unlink(missing_ok=True)
     return path
 

@@ -10,24 +10,28 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import os
 import json
 import logging
+import os
 import uuid
+import zlib
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import msgspec
-from aiohttp import web
+from aiohttp import ClientPayloadError, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from spind.coordinator.interface import Delta, Engine, EngineError, EngineRequest, Usage
 from spind.state import ApiState, encode_state
 from spind.frontend.openai_schema import (
+    ABORT,
     MAX_BODY_BYTES,
     ApiError,
     ApiLimits,
     ChunkFormatter,
     InFlight,
+    abort_error,
     check_serving,
     error_json,
     error_response,
@@ -35,6 +39,7 @@ from spind.frontend.openai_schema import (
     parse_generate,
     sse,
 )
+from spind.frontend.http_server import SERVER_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +55,13 @@ class ApiServer:
     engine: Engine
     limits: ApiLimits
     api_key: str = ""
-    status: str = "starting"  # starting -> ok -> draining; generation is refused unless "ok"
+    status: str = "starting"  # starting -> ok -> draining | failed; generation is refused unless "ok"
+    body_timeout_s: float = 30.0  # to receive a request's body once its headers are in
     in_flight: InFlight = field(default_factory=InFlight)
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors, self._auth])
+        app.on_response_prepare.append(_server_header)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -99,8 +106,13 @@ class ApiServer:
     # -- plain endpoints ---------------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": self.status, "model": self.limits.model_name, "pid": os.getpid()},
-                                 status=200 if self.status == "ok" else 503)
+        """200 only while serving with every worker answering; a stalled or given-up worker reads 503."""
+        problem = self.engine.health() if self.status == "ok" else None
+        body = {"status": "unhealthy" if problem else self.status, "model": self.limits.model_name,
+                "pid": os.getpid()}
+        if problem:
+            body["detail"] = problem
+        return web.json_response(body, status=200 if self.status == "ok" and not problem else 503)
 
     def _model_card(self) -> dict:
         return {"id": self.limits.model_name, "object": "model", "created": 0, "owned_by": "spind",
@@ -133,9 +145,10 @@ class ApiServer:
 
     async def _generate(self, request: web.Request, is_chat: bool) -> web.StreamResponse:
         check_serving(self.status)
-        args = parse_generate(await request.read(), is_chat, self.limits, getattr(self.engine, "generation_defaults", {}))
-        try:
-            prompt_ids = self.engine.encode_prompt(args.prompt, args.messages)
+        args = parse_generate(await self._read_body(request), is_chat, self.limits,
+                              getattr(self.engine, "generation_defaults", {}))
+        try:  # off the event loop: a long prompt must not stall every other connection while it tokenizes
+            prompt_ids = await asyncio.to_thread(self.engine.encode_prompt, args.prompt, args.messages)
         except EngineError as e:
             raise from_engine_error(e) from None
         prefix = "chatcmpl-" if is_chat else "cmpl-"
@@ -156,6 +169,18 @@ class ApiServer:
                     return await self._stream(request, fmt, first, deltas, len(prompt_ids))
                 return await self._collect(fmt, first, deltas, len(prompt_ids))
 
+    async def _read_body(self, request: web.Request) -> bytes:
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.body_timeout_s:.0f} s",
+                           close_connection=True) from None
+        except web.HTTPException:
+            raise  # 413: over client_max_size
+        except (web.RequestPayloadError, HttpProcessingError, ClientPayloadError, zlib.error) as e:  # no inflate
+            raise ApiError(400, f"the request body cannot be read: {_reason(e)}", close_connection=True) from None
+
     async def _first_delta(self, deltas) -> Delta:
         """The engine refuses a request (bad input, too long, overloaded) before its first delta."""
         try:
@@ -170,6 +195,8 @@ class ApiServer:
         while last.finish_reason is None:
             last = await anext(deltas)
             parts.append(last.text)
+        if last.finish_reason == ABORT:
+            raise abort_error(last.usage)
         usage = last.usage or Usage(num_prompt_tokens, 0)
         return web.json_response(fmt.response("".join(parts), last.finish_reason, usage), headers=fmt.headers,
                                  dumps=lambda o: json.dumps(o, ensure_ascii=False))
@@ -182,14 +209,29 @@ class ApiServer:
             await resp.write(sse(fmt.role()))
         d = first
         try:
-            while True:
+            while d.finish_reason is None:
                 for chunk in fmt.delta(d, num_prompt_tokens):
                     await resp.write(sse(chunk))
-                if d.finish_reason is not None:
-                    break
                 d = await anext(deltas)
-        except EngineError as e:  # after the headers went out: report in-band, as OpenAI does
+            if d.finish_reason == ABORT:  # after the headers went out: report in-band, as OpenAI does
+                if d.text:
+                    await resp.write(sse(fmt.delta(Delta(d.token_ids, d.text), num_prompt_tokens)[0]))
+                e = abort_error(d.usage)
+                await resp.write(sse(error_json(e.status, e.message, code=e.code)))
+            else:
+                for chunk in fmt.delta(d, num_prompt_tokens):
+                    await resp.write(sse(chunk))
+        except EngineError as e:
             await resp.write(sse(error_json(e.status, str(e), code=e.code)))
         await resp.write(sse("[DONE]"))
         await resp.write_eof()
         return resp
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    """Never aiohttp's and Python's versions."""
+    response.headers["Server"] = SERVER_HEADER
+
+
+def _reason(e: BaseException) -> str:
+    return getattr(e, "message", None) or str(e) or type(e).__name__

@@ -15,16 +15,19 @@ import msgspec
 from aiohttp import web
 
 from spind.coordinator.interface import Delta, EngineError, Usage
-from spind.params import SamplingParams
+from spind.params import SamplingParams, is_encodable
 
 MAX_BODY_BYTES = 1 << 20
+ABORT = "abort"  # the engine's finish_reason for a request ended early; never sent as an OpenAI finish_reason
 
 class ApiError(Exception):
     """A request answered with an OpenAI error object and `status`."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 close_connection: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.close_connection = close_connection  # the body was not read to its end: the connection is unusable
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,8 @@ SPIND_FIELDS = ("drafter", "k")  # spind's own request fields live in the "spind
 
 # OpenAI fields spind does not implement: accepted only at their neutral values
 NEUTRAL_VALUES = {"n": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "presence_penalty": 0,
-                  "frequency_penalty": 0, "logit_bias": {}, "suffix": "", "tools": [], "tool_choice": "none"}
+                  "frequency_penalty": 0, "logit_bias": {}, "suffix": "", "tools": [], "tool_choice": "none",
+                  "functions": [], "function_call": "none", "response_format": {"type": "text"}}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 INT_LIMIT = 2**63
 
@@ -90,6 +94,7 @@ def _parse_prompt(body: dict) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
+        check_text(prompt, "prompt")
         return prompt
     if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < 2**31 for t in prompt):
         return prompt
@@ -112,8 +117,15 @@ def parse_messages(messages: object) -> list[dict]:
             content = "".join(p["text"] for p in content)
         if role not in CHAT_ROLES or not isinstance(content, str):
             raise ApiError(400, f"messages[{i}] needs a role in {CHAT_ROLES} and string content", param="messages")
+        check_text(content, "messages")
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
+
+
+def check_text(text: str, param: str) -> None:
+    """JSON can carry lone surrogates (\\ud800) that no tokenizer can encode: refused as bad input."""
+    if not is_encodable(text):
+        raise ApiError(400, f"'{param}' is not valid Unicode (it holds a lone surrogate)", param=param)
 
 
 def check_extension(drafter: str, k: int | None, limits: ApiLimits) -> None:
@@ -187,7 +199,8 @@ def parse_generate(raw: bytes, is_chat: bool, limits: ApiLimits,
 def check_serving(status: str) -> None:
     """Generation is refused (503) while the daemon is starting or draining."""
     if status != "ok":
-        message = "the server is shutting down" if status == "draining" else "the server is starting"
+        message = {"draining": "the server is shutting down", "failed": "the server failed and is exiting"}.get(
+            status, "the server is starting")
         raise ApiError(503, message, code=status)
 
 
@@ -198,11 +211,26 @@ def error_json(status: int, message: str, param: str | None = None, code: str | 
 
 
 def error_response(e: ApiError) -> web.Response:
-    return web.json_response(error_json(e.status, e.message, e.param, e.code), status=e.status)
+    resp = web.json_response(error_json(e.status, e.message, e.param, e.code), status=e.status)
+    if e.close_connection:
+        resp.force_close()
+    return resp
 
 
 def from_engine_error(e: EngineError) -> ApiError:
     return ApiError(e.status, str(e), code=e.code)
+
+
+SHUTTING_DOWN = "the server is shutting down"
+
+
+def abort_error(usage: Usage | None) -> ApiError:
+    """The engine ended a request early ("abort", not an OpenAI finish_reason): an error object that says
+    why; 503 when the server is going away, 500 when the request itself failed."""
+    detail = usage.finish_detail if usage is not None and usage.finish_detail else "the request was aborted"
+    if SHUTTING_DOWN in detail:
+        return ApiError(503, f"request aborted: {detail}", code="server_shutting_down")
+    return ApiError(500, f"request aborted: {detail}", code="request_aborted")
 
 
 @dataclass

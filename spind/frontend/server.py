@@ -5,6 +5,8 @@ Life of the process:
   ok        serving; the pid file names the pid and the addresses
   draining  first SIGTERM/SIGINT: new requests get 503, in-flight ones finish, the engine stops, exit 0
   second signal while draining: in-flight requests are aborted and the process exits 1 at once
+  failed    the engine gave up (a worker crashed more than [server].max_restarts times within
+            restart_window_s): /health 503, the process exits 3 so that a supervisor restarts it
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import json
 import logging
 import os
+import resource
 import signal
 import time
 from dataclasses import dataclass, field
@@ -23,6 +26,7 @@ from aiohttp import web
 
 from spind.config import SpindConfig
 from spind.frontend.api import ApiLimits, ApiServer
+from spind.frontend.http_server import CappedAppRunner
 from spind.coordinator.interface import Engine
 from spind.coordinator.process_pool import prepare_run_dir
 from spind.frontend.zmq_api import ZmqApiServer
@@ -32,6 +36,8 @@ log = logging.getLogger(__name__)
 PID_FILE = "spind.pid"
 LOG_FILE = "spind.log"
 ABORT_TIMEOUT_S = 10.0
+EXIT_GAVE_UP = 3  # the engine cannot go on (a worker that cannot be restarted)
+RESERVED_FDS = 256  # descriptors kept for the daemon itself beyond its HTTP connections
 
 
 @dataclass(frozen=True)
@@ -75,8 +81,11 @@ def build_engine(cfg: SpindConfig, run_dir: Path) -> Engine:
     """The coordinator over worker processes."""
     from spind.coordinator.engine import Coordinator
     from spind.coordinator.process_pool import ProcessPool
+    from spind.coordinator.recovery import RestartPolicy
 
-    return Coordinator(cfg, ProcessPool(cfg, run_dir))
+    s = cfg.server
+    return Coordinator(cfg, ProcessPool(cfg, run_dir), restarts=RestartPolicy(s.max_restarts, s.restart_window_s),
+                       heartbeat_timeout_s=s.heartbeat_timeout_s)
 
 
 @dataclass
@@ -86,7 +95,7 @@ class Daemon:
     engine: Engine
     api: ApiServer
     zmq: ZmqApiServer | None
-    runner: web.AppRunner | None = None
+    runner: CappedAppRunner | None = None
     num_signals: int = 0
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _abort: asyncio.Event = field(default_factory=asyncio.Event)
@@ -97,7 +106,7 @@ class Daemon:
         engine = build_engine(cfg, run_dir)
         s = cfg.server
         limits = ApiLimits(s.model_name, cfg.model.max_model_len, tuple(d.name for d in cfg.drafters))
-        api = ApiServer(engine, limits, api_key=s.api_key)
+        api = ApiServer(engine, limits, api_key=s.api_key, body_timeout_s=s.body_timeout_s)
         zmq = ZmqApiServer(engine, limits, s.zmq_host, s.zmq_port, s.api_key) if s.zmq_port else None
         return cls(cfg, run_dir, engine, api, zmq)
 
@@ -120,16 +129,34 @@ class Daemon:
             zmq_port = self.zmq.port if self.zmq else 0
             PidInfo(os.getpid(), self.cfg.server.host, port, zmq_port, time.time()).write(self.run_dir)
             log.info("spind serving %s on http://%s:%d (zmq port %d), pid %d", self.cfg.server.model_name,
-                        self.cfg.server.host, port, zmq_port, os.getpid())
-            await self._stop.wait()
-            return await self._shutdown()
+                     self.cfg.server.host, port, zmq_port, os.getpid())
+            if await self._wait_stop_or_failure():
+                return await self._shutdown()
+            return await self._give_up()
         finally:
             await self._close()
 
+    async def _wait_stop_or_failure(self) -> bool:
+        """True on a stop signal, False when the engine gave up."""
+        stop = asyncio.create_task(self._stop.wait())
+        failed = asyncio.create_task(self.engine.wait_failed())
+        await asyncio.wait({stop, failed}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (stop, failed):
+            t.cancel()
+        return self._stop.is_set()
+
+    async def _give_up(self) -> int:
+        log.error("the engine gave up (%s); exiting with code %d", self.engine.health(), EXIT_GAVE_UP)
+        self._set_status("failed")
+        await _stop_engine_quietly(self.engine)
+        return EXIT_GAVE_UP
+
     async def _bind(self) -> int:
-        self.runner = web.AppRunner(self.api.build_app(), handler_cancellation=True, access_log=None)
-        await self.runner.setup()
         s = self.cfg.server
+        max_connections = fit_descriptor_limit(s.max_connections)
+        self.runner = CappedAppRunner(self.api.build_app(), max_connections, handler_cancellation=True,
+                                      access_log=None, keepalive_timeout=s.idle_timeout_s)
+        await self.runner.setup()
         try:
             await web.TCPSite(self.runner, s.host, s.port).start()
         except OSError as e:
@@ -138,7 +165,7 @@ class Daemon:
             try:
                 self.zmq.bind()
             except zmq.ZMQError as e:
-                raise ValueError(f"cannot serve the ZeroMQ API on {s.host}:{s.zmq_port}: {e}") from None
+                raise ValueError(f"cannot serve the ZeroMQ API on {s.zmq_host}:{s.zmq_port}: {e}") from None
         return self.runner.addresses[0][1]
 
     async def _start_engine(self) -> bool:
@@ -197,6 +224,22 @@ class Daemon:
         info = PidInfo.read(self.run_dir)
         if info is not None and info.pid == os.getpid():
             (self.run_dir / PID_FILE).unlink(missing_ok=True)
+
+
+def fit_descriptor_limit(max_connections: int) -> int:
+    """Raise the soft descriptor limit to fit max_connections plus the daemon's own (workers, ZeroMQ, files),
+    up to the hard limit; past it, fewer connections: the cap must bite before accept() fails (EMFILE)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + RESERVED_FDS
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        soft = new
+    if soft != resource.RLIM_INFINITY and soft < want:
+        log.warning("[server] max_connections %d does not fit the descriptor limit %d; capping at %d",
+                    max_connections, soft, soft - RESERVED_FDS)
+        return max(1, soft - RESERVED_FDS)
+    return max_connections
 
 
 def serve(cfg: SpindConfig) -> int:

@@ -6,8 +6,12 @@ Out: streamed: `ClientChunk`s, the last with finish_reason and usage; not stream
      req_id "" and status 400 - the server never crashes on input.
 
 A client is a DEALER; its identity plus its own req_id names a request (the engine sees a fresh unique id).
-ROUTER_MANDATORY makes a send to a vanished client fail, which aborts its request like an HTTP disconnect.
-A message over MAX_FRAME_BYTES makes ZeroMQ drop that client's connection (the body limit of this API).
+ROUTER_MANDATORY makes a send to a vanished client fail, which aborts its request like an HTTP disconnect; a
+non-streamed request is probed every PROBE_INTERVAL_S with an empty `ClientChunk` (clients skip it) so that
+its client going away is noticed too. A message over MAX_FRAME_BYTES makes ZeroMQ drop that client's
+connection (the body limit of this API). With [server].api_key set every request must carry it (401
+otherwise). A request the engine ended early (finish_reason "abort") is answered with a `ClientError`
+saying why, as over HTTP.
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ import zmq.asyncio
 
 from spind import protocol as P
 from spind.coordinator.interface import Engine, EngineError, EngineRequest, Usage
-from spind.frontend.openai_schema import (ApiError, ApiLimits, InFlight, check_extension, check_serving,
-                                        from_engine_error, parse_messages)
+from spind.frontend.openai_schema import (ABORT, ApiError, ApiLimits, InFlight, abort_error, check_extension,
+                                          check_serving, check_text, from_engine_error, parse_messages)
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 1 << 20
 SEND_HWM = 10_000  # messages queued per client before a send waits
+PROBE_INTERVAL_S = 2.0  # a non-streamed request's client is probed this often while it waits
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,8 @@ def client_prompt(msg: P.ClientRequest, limits: ApiLimits) -> tuple[str | list[i
         raise ApiError(400, "exactly one of prompt, prompt_ids or messages must be set")
     if msg.prompt is not None and not msg.prompt or msg.prompt_ids is not None and not msg.prompt_ids:
         raise ApiError(400, "empty prompt", param="prompt")
+    if msg.prompt is not None:
+        check_text(msg.prompt, "prompt")
     check_extension(msg.drafter, msg.k, limits)
     if not 1 <= msg.params.max_tokens <= limits.max_model_len:
         raise ApiError(400, f"max_tokens must be in [1, {limits.max_model_len}]", param="max_tokens")
@@ -187,20 +194,53 @@ class ZmqApiServer:
             params = msg.params.validate()
         except (ValueError, TypeError) as e:
             raise ApiError(400, str(e)) from None
-        prompt_ids = self.engine.encode_prompt(prompt, messages)
+        prompt_ids = await asyncio.to_thread(self.engine.encode_prompt, prompt, messages)  # off the event loop
         req = EngineRequest("zmq-" + uuid.uuid4().hex, prompt_ids, params, msg.drafter, msg.k)
         token_ids: list[int] = []
         parts: list[str] = []
         async with aclosing(self.engine.generate(req)) as deltas:
-            async for d in deltas:
-                usage = usage_record(d.usage or Usage(len(prompt_ids), 0)) if d.finish_reason else None
-                if msg.stream and (d.token_ids or d.text or d.finish_reason):
-                    await self._send(env, P.ClientChunk(msg.req_id, d.token_ids, d.text, d.finish_reason, usage))
-                token_ids += d.token_ids
-                parts.append(d.text)
-                if d.finish_reason is not None:
-                    if not msg.stream:
-                        reply = P.ClientReply(msg.req_id, token_ids, "".join(parts), d.finish_reason, usage)
-                        await self._send(env, reply)
-                    return
+            probe = None if msg.stream else asyncio.create_task(self._probe(env, msg.req_id))
+            try:
+                async for d in self._until_client_gone(deltas, probe):
+                    if d.finish_reason == ABORT:
+                        raise abort_error(d.usage)
+                    usage = usage_record(d.usage or Usage(len(prompt_ids), 0)) if d.finish_reason else None
+                    if msg.stream and (d.token_ids or d.text or d.finish_reason):
+                        await self._send(env, P.ClientChunk(msg.req_id, d.token_ids, d.text, d.finish_reason, usage))
+                    token_ids += d.token_ids
+                    parts.append(d.text)
+                    if d.finish_reason is not None:
+                        if not msg.stream:
+                            reply = P.ClientReply(msg.req_id, token_ids, "".join(parts), d.finish_reason, usage)
+                            await self._send(env, reply)
+                        return
+            finally:
+                if probe is not None:
+                    probe.cancel()
+                    await asyncio.gather(probe, return_exceptions=True)
         raise ApiError(500, "the engine ended the request without output", code="internal_error")
+
+    async def _probe(self, env: Envelope, req_id: str) -> None:
+        """Send an empty chunk every PROBE_INTERVAL_S; ends (ZMQError) once the client is gone."""
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            await self._send(env, P.ClientChunk(req_id, [], "", None, None))
+
+    @staticmethod
+    async def _until_client_gone(deltas, probe: asyncio.Task | None):
+        """The engine's deltas, until the probe fails (its ZMQError is raised: the request is then aborted)."""
+        while True:
+            try:
+                if probe is None:
+                    yield await anext(deltas)
+                    continue
+                nxt = asyncio.ensure_future(anext(deltas))
+                await asyncio.wait({nxt, probe}, return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():
+                    nxt.cancel()
+                    await asyncio.gather(nxt, return_exceptions=True)
+                    probe.result()  # raises the probe's ZMQError
+                d = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield d
