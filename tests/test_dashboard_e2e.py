@@ -83,9 +83,10 @@ def wait_for(driver, ok, timeout_s: float) -> dict[str, str]:
 
 
 def is_live(seen: dict[str, str]) -> bool:
+    """The target is busy; the draft worker may rightly idle: over the default 4-bit target the model drafters
+    cost more than they save, and selection leaves them out (n-gram lookup drafts on the target)."""
     sel, occ, thr = seen["selection"], seen["occupancy"], seen["throughput"]
-    return ("Epoch" in sel and "tok/s" in thr and "Goodput\n0.0 tok/s" not in thr
-            and "target busy\n0%" not in occ and "draft busy\n0%" not in occ)
+    return ("Epoch" in sel and "tok/s" in thr and "Goodput\n0.0 tok/s" not in thr and "target busy\n0%" not in occ)
 
 
 def has_finished(seen: dict[str, str]) -> bool:
