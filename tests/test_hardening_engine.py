@@ -34,6 +34,18 @@ def assert_bystanders_untouched(out: list) -> None:
         assert tokens_of(deltas) == continuation(r.prompt_ids, 16)
 
 
+def serve(env, body):
+    """Start the env's coordinator, run `body(coordinator)`, shut it down (without draining); its result."""
+    async def go():
+        c = env.coordinator
+        await c.start()
+        try:
+            return await body(c)
+        finally:
+            await c.shutdown(drain=False)
+    return asyncio.run(go())
+
+
 async def _with_bystanders(c, culprit_coro) -> tuple[list, object]:
     tasks = [asyncio.create_task(collect(c, r)) for r in BYSTANDERS]
     while not any(st.seq.num_output_tokens for st in c.running):  # the bystanders are mid-generation
@@ -53,18 +65,13 @@ def test_b1_a_lone_surrogate_stop_string_is_refused_and_a_request_that_cannot_be
 
     env.pool.cast = failing_cast
 
-    async def go():
-        c = env.coordinator
-        await c.start()
-        try:
-            with pytest.raises(EngineError) as refused:
-                c.generate(EngineRequest("surrogate", PROMPTS[0], SamplingParams(max_tokens=4, stop=("\ud800",))))
-            assert refused.value.status == 400
-            return await _with_bystanders(c, collect(c, request("bad", PROMPTS[1], "good", 16)))
-        finally:
-            await c.shutdown(drain=False)
+    async def go(c):
+        with pytest.raises(EngineError) as refused:
+            c.generate(EngineRequest("surrogate", PROMPTS[0], SamplingParams(max_tokens=4, stop=("\ud800",))))
+        assert refused.value.status == 400
+        return await _with_bystanders(c, collect(c, request("bad", PROMPTS[1], "good", 16)))
 
-    out, bad = asyncio.run(go())
+    out, bad = serve(env, go)
     assert bad[-1].finish_reason == "abort" and "cannot send the request" in bad[-1].usage.finish_detail
     assert_bystanders_untouched(out)
 
@@ -86,17 +93,12 @@ def test_b2_a_vanishing_temperature_decodes_greedily_beside_untouched_bystanders
     monkeypatch.setattr(tc, "ScriptedWorker", NanTarget)
     env = Env(tmp_path, make_cfg())
 
-    async def go():
-        c = env.coordinator
-        await c.start()
-        try:
-            tiny = [EngineRequest(f"t{i}", PROMPTS[1], SamplingParams(max_tokens=16, temperature=t), "good")
-                    for i, t in enumerate((1e-300, 1e-40))]
-            return await _with_bystanders(c, asyncio.gather(*(collect(c, r) for r in tiny)))
-        finally:
-            await c.shutdown(drain=False)
+    async def go(c):
+        tiny = [EngineRequest(f"t{i}", PROMPTS[1], SamplingParams(max_tokens=16, temperature=t), "good")
+                for i, t in enumerate((1e-300, 1e-40))]
+        return await _with_bystanders(c, asyncio.gather(*(collect(c, r) for r in tiny)))
 
-    out, tiny = asyncio.run(go())
+    out, tiny = serve(env, go)
     assert_bystanders_untouched(out)
     for deltas in tiny:  # treated as greedy (vLLM's rule), not a NaN softmax
         assert deltas[-1].finish_reason == "length" and tokens_of(deltas) == continuation(PROMPTS[1], 16)
@@ -107,22 +109,17 @@ def test_b2_a_request_that_still_breaks_a_verify_fails_alone(tmp_path, monkeypat
     monkeypatch.setattr(tc, "ScriptedWorker", NanTarget)
     env = Env(tmp_path, make_cfg())
 
-    async def go():
-        c = env.coordinator
-        await c.start()
-        try:
-            # the culprit slips past the checks: its temperature is changed once it is queued
-            culprit = EngineRequest("nan", PROMPTS[1], SamplingParams(max_tokens=16), "good")
+    async def go(c):
+        # the culprit slips past the checks: its temperature is changed once it is queued
+        culprit = EngineRequest("nan", PROMPTS[1], SamplingParams(max_tokens=16), "good")
 
-            async def run_culprit():
-                stream = c.generate(culprit)
-                c.requests["nan"].seq.params = SamplingParams(max_tokens=16, temperature=1e-30)
-                return [d async for d in stream]
-            return await _with_bystanders(c, run_culprit())
-        finally:
-            await c.shutdown(drain=False)
+        async def run_culprit():
+            stream = c.generate(culprit)
+            c.requests["nan"].seq.params = SamplingParams(max_tokens=16, temperature=1e-30)
+            return [d async for d in stream]
+        return await _with_bystanders(c, run_culprit())
 
-    out, nan = asyncio.run(go())
+    out, nan = serve(env, go)
     assert nan[-1].finish_reason == "abort" and "probability tensor" in nan[-1].usage.finish_detail
     assert_bystanders_untouched(out)
 
@@ -140,23 +137,18 @@ def test_restarts_are_limited_over_a_window_then_the_engine_gives_up_and_says_so
             outs.append(await collect(c, request(f"r{n}-{i}", PROMPTS[0], "good", 8)))
         return outs
 
-    async def go():
-        c = env.coordinator
-        await c.start()
-        try:
-            served = []
-            for _ in range(3):  # 6 crashes in all, but never more than 2 within the window: all served
-                served += await crash_and_serve(c, 2)
-                assert c.health() is None
-                await asyncio.sleep(0.5)
-            assert not c._failed.is_set()
-            gave_up = await crash_and_serve(c, 3)
-            await asyncio.wait_for(c.wait_failed(), 1)
-            return served, gave_up, c.health()
-        finally:
-            await c.shutdown(drain=False)
+    async def go(c):
+        served = []
+        for _ in range(3):  # 6 crashes in all, but never more than 2 within the window: all served
+            served += await crash_and_serve(c, 2)
+            assert c.health() is None
+            await asyncio.sleep(0.5)
+        assert not c._failed.is_set()
+        gave_up = await crash_and_serve(c, 3)
+        await asyncio.wait_for(c.wait_failed(), 1)
+        return served, gave_up, c.health()
 
-    served, gave_up, health = asyncio.run(go())
+    served, gave_up, health = serve(env, go)
     assert all(tokens_of(d) == continuation(PROMPTS[0], 8) for d in served)
     assert gave_up[-1][-1].finish_reason == "abort"
     assert health and "cannot be restarted" in health and "2 times within" in health
