@@ -47,8 +47,8 @@ class SystemProfile:
         length k commits at most k + 1 tokens and needs k draft tokens, which take k * d_j even when drafting
         overlaps verification completely (the pipeline), while plain decoding makes k + 1 tokens in
         (k + 1) * decode. So j can never pay at any k >= min_k when k * d_j >= (k + 1) * decode there, i.e.
-        d_j >= decode * (min_k + 1) / min_k. Measured at batch 1 (drafter and target batch alike; the target
-        at the threads plain decoding gets). A 4-bit target on a CPU makes the int8 and bf16 self-drafts of the
+        d_j >= decode * (min_k + 1) / min_k. Measured at batch 1 (drafter and target batch alike), each on its
+        worker's own threads. A 4-bit target on a CPU makes the int8 and bf16 self-drafts of the
         same model such drafters; LBSS leaves them out rather than pay to explore them."""
         if not self.decode_ms:
             return []
