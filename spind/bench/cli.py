@@ -140,6 +140,16 @@ def add_parsers(sub: argparse._SubParsersAction,
     v.add_argument("--out", type=Path, default=Path("bench-results/verify.json"), help="JSON; the plot goes beside it")
     v.set_defaults(func=cmd_bench_verify)
 
+    sw = bench_sub.add_parser("switch", help="a drafter switch's slot latency, with and without KV precompute")
+    add_config_args(sw)
+    sw.add_argument("--from", dest="from_drafter", default="int8", help="the drafter the request used before")
+    sw.add_argument("--to", dest="to_drafter", default="dyn8", help="the drafter it switches to")
+    sw.add_argument("--contexts", default="64,256,1024", help="comma-separated context lengths (tokens)")
+    sw.add_argument("--k", type=int, default=None, help="tokens drafted per slot (default: config)")
+    sw.add_argument("--reps", type=int, default=4, help="reps per cell (the first warms up)")
+    sw.add_argument("--out", type=Path, default=Path("bench-results/switch.json"))
+    sw.set_defaults(func=cmd_bench_switch)
+
 
 def _names(csv: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in csv.split(",") if n.strip())
@@ -429,4 +439,27 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     print(f"wrote {write_json(args.out, results)}", file=sys.stderr)
     plot = write_plot(results, args.out.with_suffix(".png"))
     print(f"wrote {plot}" if plot else "no plot: pip install -e '.[bench]' (matplotlib)", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_switch(args: argparse.Namespace) -> int:
+    from spind.bench.report import write_json
+    from spind.bench.switch import SwitchBenchSettings, render_table, run_switch_bench
+    from spind.cli import config_from_args
+
+    cfg = config_from_args(args)
+    drafters = _drafters(f"{args.from_drafter},{args.to_drafter}", cfg)
+    if len(set(drafters)) != 2 or any(cfg.drafter(d).kind == "ngram" for d in drafters):
+        raise ValueError("--from and --to must be two different model drafters (n-gram lookup keeps no KV)")
+    try:
+        lengths = tuple(int(n) for n in _names(args.contexts))
+    except ValueError:
+        raise ValueError(f"--contexts must be comma-separated integers, got {args.contexts!r}") from None
+    k = cfg.speculation.k if args.k is None else args.k
+    _check_positive(k=k, reps=args.reps, **{f"context_{n}": n for n in lengths})
+    if args.reps < 2 or not lengths or max(lengths) + k >= cfg.model.max_model_len:
+        raise ValueError(f"need --reps >= 2 and contexts below max_model_len - k ({cfg.model.max_model_len - k})")
+    results = run_switch_bench(cfg, SwitchBenchSettings(drafters[0], drafters[1], lengths, k, args.reps))
+    print(render_table(results))
+    print(f"wrote {write_json(args.out, results)}", file=sys.stderr)
     return 0
