@@ -56,7 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_prompt_fits(len(prompt), cfg.model.max_model_len)
     print(f"spind: loading {cfg.model.target} ({cfg.model.dtype}) with {names} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    engine = LocalEngine.load(cfg, drafters=drafters)
+    engine = LocalEngine.load(cfg, drafters=drafters, tokenizer=tok)
     print(f"spind: loaded in {time.perf_counter() - start:.1f}s; generating", file=sys.stderr, flush=True)
     try:
         check_prompt_fits(len(prompt), engine.max_model_len)  # the model's own limit may be lower

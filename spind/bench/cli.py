@@ -393,10 +393,7 @@ def cmd_bench_e2e(args: argparse.Namespace) -> int:
     systems = _names(args.systems)
     if not systems:
         raise ValueError("--systems needs at least one system")
-    for flag, value in (("--num-requests", args.num_requests), ("--batch-size", args.batch_size),
-                        ("--max-tokens", args.max_tokens)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1")
+    _check_positive(num_requests=args.num_requests, batch_size=args.batch_size, max_tokens=args.max_tokens)
     if args.rate is not None and args.rate <= 0:
         raise ValueError("--rate must be > 0 requests per second")
     k = cfg.speculation.k if args.k is None else args.k
@@ -424,10 +421,8 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     cfg.drafter(args.drafter)
     batches = _ints("--batch-sizes", args.batch_sizes)
-    for flag, value in (("--max-tokens", args.max_tokens), ("--max-micro-batches", args.max_micro_batches),
-                        ("--requests-per-client", args.requests_per_client)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1")
+    _check_positive(max_tokens=args.max_tokens, max_micro_batches=args.max_micro_batches,
+                    requests_per_client=args.requests_per_client)
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, pipeline=True,
                                                                max_batch_size=max(cfg.runtime.max_batch_size,
                                                                                   max(batches))))
@@ -451,14 +446,13 @@ def cmd_bench_switch(args: argparse.Namespace) -> int:
     drafters = _drafters(f"{args.from_drafter},{args.to_drafter}", cfg)
     if len(set(drafters)) != 2 or any(cfg.drafter(d).kind == "ngram" for d in drafters):
         raise ValueError("--from and --to must be two different model drafters (n-gram lookup keeps no KV)")
-    try:
-        lengths = tuple(int(n) for n in _names(args.contexts))
-    except ValueError:
-        raise ValueError(f"--contexts must be comma-separated integers, got {args.contexts!r}") from None
+    lengths = _ints("--contexts", args.contexts)
     k = cfg.speculation.k if args.k is None else args.k
-    _check_positive(k=k, reps=args.reps, **{f"context_{n}": n for n in lengths})
-    if args.reps < 2 or not lengths or max(lengths) + k >= cfg.model.max_model_len:
-        raise ValueError(f"need --reps >= 2 and contexts below max_model_len - k ({cfg.model.max_model_len - k})")
+    _check_positive(k=k)
+    if args.reps < 2:
+        raise ValueError("--reps must be >= 2 (the first warms up)")
+    if max(lengths) + k >= cfg.model.max_model_len:
+        raise ValueError(f"--contexts must stay below max_model_len - k ({cfg.model.max_model_len - k})")
     results = run_switch_bench(cfg, SwitchBenchSettings(drafters[0], drafters[1], lengths, k, args.reps))
     print(render_table(results))
     print(f"wrote {write_json(args.out, results)}", file=sys.stderr)

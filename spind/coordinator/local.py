@@ -73,8 +73,9 @@ class LocalEngine:
 
     @classmethod
     def load(cls, cfg: SpindConfig, drafters: list[str] | None = None, selector: Selector | None = None,
-             make_worker=None) -> "LocalEngine":
-        """Load the target and the named drafters (all configured ones when None) in this process."""
+             make_worker=None, tokenizer: Tokenizer | None = None) -> "LocalEngine":
+        """Load the target and the named drafters (all configured ones when None) in this process; `tokenizer`:
+        the target's, when the caller has already loaded it."""
         from spind.models.loader import load_generation_defaults, resolve_model_dir
 
         if drafters is not None:
@@ -96,7 +97,7 @@ class LocalEngine:
 
         model_dir = resolve_model_dir(cfg.model.target, cfg.cache_path)
         pool = InProcessPool(worker_names(cfg), make_worker, lambda name: threads_for(cfg, name))
-        engine = cls(cfg, pool, Tokenizer(model_dir), selector)
+        engine = cls(cfg, pool, tokenizer or Tokenizer(model_dir), selector)
         engine.coordinator.generation_defaults = load_generation_defaults(model_dir)
         return engine
 
