@@ -17,6 +17,7 @@ Ops (all batch-invariant: a row's result does not depend on the other rows of th
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -28,7 +29,8 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("quant_gemm.cpp", "row_attention.cpp", "fused_ops.cpp")
+SOURCES = ("quant_gemm.cpp", "row_attention.cpp", "fused_ops.cpp", "stack.cpp")
+HEADERS = ("simd.h", "pool.h", "ops.h")
 ISA_FLAGS = {
     "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -110,8 +112,11 @@ def _build(isa: str) -> str | None:
 
         if path is not None:
             os.environ["PATH"] = path
+        # torch's builder hashes the sources, not the headers: a define carrying their digest rebuilds on a change
+        headers = hashlib.sha1(b"".join((CSRC / h).read_bytes() for h in HEADERS)).hexdigest()[:12]
         cpp_extension.load(name=f"spind_cpu_{isa}", sources=[str(CSRC / s) for s in SOURCES],
-                           extra_cflags=["-O3", "-ffp-contract=off", f"-DSPIND_OPS=spind_cpu_{isa}", *ISA_FLAGS[isa]],
+                           extra_cflags=["-O3", "-ffp-contract=off", f"-DSPIND_OPS=spind_cpu_{isa}",
+                                         f"-DSPIND_HEADERS={headers}", *ISA_FLAGS[isa]],
                            extra_include_paths=[str(CSRC)], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: all mean "use torch instead"
         lines = str(e).strip().splitlines()

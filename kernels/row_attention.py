@@ -49,6 +49,13 @@ class RowInvariantAttention(Backend):
             self.cu_q = meta.query_start_loc.long().contiguous()
             self.ctx_lens = meta.seq_lens.long().contiguous()
 
+    def kernel_plan(self) -> tuple[torch.Tensor, ...] | None:
+        """This forward's arguments of the kernel (slots, slot_start, cu_q, ctx_lens) for callers that run it from
+        C++ (spind/models/fused.py `FusedStack`); None when a forward of fp32 CPU tensors would not use it."""
+        if self.ops is None or self._meta is None or self.num_owned != self._meta.num_tokens:
+            return None
+        return self.slots, self.slot_start, self.cu_q, self.ctx_lens
+
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         # q: [T, H, D]; caches: [slots, Hkv, D] -> [T, H, D]
         if self.ops is not None and q.dtype == k_cache.dtype == torch.float32 and q.device.type == "cpu":

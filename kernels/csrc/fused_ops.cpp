@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "ops.h"
+#include "pool.h"
 #include "simd.h"
 
 namespace spind_cpu {
@@ -18,14 +20,14 @@ void check_rows(const at::Tensor& x, const char* what) {
 }
 
 // y = w * (x / sqrt(mean(x^2) + eps)) per row; the sum of squares in vector lanes, a fixed horizontal sum, the tail last
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_rows(x, "x");
   const int64_t T = x.size(0), D = x.size(1);
   TORCH_CHECK(w.dim() == 1 && w.size(0) == D && w.scalar_type() == at::kFloat && w.is_contiguous(), "w must be fp32 [D]");
   at::Tensor y = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* xr = xp + t * D;
       float* yr = yp + t * D;
@@ -54,14 +56,14 @@ inline vf silu(vf x) {
   return vselect_nonnegative(x, pos, neg);
 }
 
-at::Tensor silu_mul(const at::Tensor& gu) {
+at::Tensor silu_mul_impl(const at::Tensor& gu) {
   check_rows(gu, "gu");
   const int64_t T = gu.size(0), I = gu.size(1) / 2;
   TORCH_CHECK(gu.size(1) == 2 * I, "gu must be [T, 2I]");
   at::Tensor y = at::empty({T, I}, gu.options());
   const float* gp = gu.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+  parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float *gate = gp + t * 2 * I, *up = gate + I;
       float* out = yp + t * I;
@@ -96,8 +98,8 @@ inline void rotate(const float* x, const float* c, const float* s, int64_t half,
 }
 
 // qkv [T, (H + 2 Hkv) D] -> q [T, H, D] with RoPE; RoPE'd k and v written to the caches at slots [T]
-at::Tensor rope_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
-                   at::Tensor v_cache, const at::Tensor& slots, int64_t H, int64_t Hkv) {
+at::Tensor rope_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                        at::Tensor v_cache, const at::Tensor& slots, int64_t H, int64_t Hkv) {
   check_rows(qkv, "qkv");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(1) == Hkv && k_cache.scalar_type() == at::kFloat &&
               k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat &&
@@ -113,7 +115,7 @@ at::Tensor rope_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
   const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
   const int64_t width = (H + 2 * Hkv) * D;
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float *x = xp + t * width, *c = cp + t * half, *s = sp + t * half;
       for (int64_t h = 0; h < H; ++h) rotate(x + h * D, c, s, half, qp + (t * H + h) * D);
@@ -126,11 +128,20 @@ at::Tensor rope_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
 
 }  // namespace
 
+namespace SPIND_OPS {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) { return rms_norm_impl(x, w, eps); }
+at::Tensor silu_mul(const at::Tensor& gu) { return silu_mul_impl(gu); }
+at::Tensor rope_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                   at::Tensor v_cache, const at::Tensor& slots, int64_t H, int64_t Hkv) {
+  return rope_kv_impl(qkv, cos, sin, k_cache, v_cache, slots, H, Hkv);
+}
+}  // namespace SPIND_OPS
+
 TORCH_LIBRARY_FRAGMENT(SPIND_OPS, m) {
   m.def("rope_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int H, "
-        "int Hkv) -> Tensor", &rope_kv);
-  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
-  m.def("silu_mul(Tensor gu) -> Tensor", &silu_mul);
+        "int Hkv) -> Tensor", &SPIND_OPS::rope_kv);
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &SPIND_OPS::rms_norm);
+  m.def("silu_mul(Tensor gu) -> Tensor", &SPIND_OPS::silu_mul);
 }
 
 }  // namespace spind_cpu

@@ -27,8 +27,11 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <tuple>
 #include <vector>
 
+#include "ops.h"
+#include "pool.h"
 #include "simd.h"
 
 namespace spind_cpu {
@@ -53,11 +56,20 @@ struct Weights {
   int64_t code_rows() const { return format == Format::kQ4_1 ? 4 : 8; }  // 64-byte rows per tile
   const uint8_t* block(int64_t pair, int64_t g) const { return blocks + (pair * groups + g) * block_bytes(); }
   // prefetch the block kPrefetchBlocks ahead in the stream (the next pair's first ones near a pair's end)
-  void prefetch_ahead(int64_t pair, int64_t g) const {
-    const int64_t i = pair * groups + g + kPrefetchBlocks;
+  void prefetch_ahead(int64_t pair, int64_t g) const { prefetch(pair * groups + g + kPrefetchBlocks); }
+  void prefetch(int64_t i) const {
     if (i < num_blocks)
       for (int64_t off = 0; off < block_bytes(); off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(blocks + i * block_bytes() + off), _MM_HINT_T0);
+  }
+  // Pass `pass` of `passes` over a pair's blocks (row blocks of one unit): its share of the next pair's blocks, one
+  // per `passes` block iterations, so that fetching the weights keeps pace with the compute of many-row calls
+  // instead of idling through every pass but the first (without it a 16-row call costs the memory time plus the
+  // compute time, not their maximum).
+  void prefetch_next(int64_t pair, int64_t g, int pass, int passes) const {
+    if (g % passes) return;
+    const int64_t share = (groups + passes - 1) / passes, b = pass * share + g / passes;
+    if (b < groups) prefetch((pair + 1) * groups + b);
   }
   const uint16_t* d(const uint8_t* b) const { return reinterpret_cast<const uint16_t*>(b); }
   const uint16_t* m(const uint8_t* b) const { return reinterpret_cast<const uint16_t*>(b + 64); }
@@ -66,25 +78,25 @@ struct Weights {
   }
 };
 
-#ifdef SPIND_VNNI
-constexpr int kRows = 5;  // rows per register block: a k = 4 verify in one pass over the weights
-// int8 digits per activation. Two (16-bit activations) measured 8% faster per decode step and 22% per 5-row
-// verify, but move the default model's logits up to 1.3e-2 off the fp32 reference (three: 1.5e-4, as fp32's own
-// reorderings); the contract here is fp32 precision.
-constexpr int kDigits = 3;
-constexpr int32_t kLimit = (1 << 22) - 1;  // |x / scale| <= kLimit keeps the leading digit in [-64, 64]
+// ---- integer path: activations as int8 digits, exact int32 block dots, one fp32 epilogue on every ISA ----
 
-// The activations of one call as digits: prepared once, read by every unit.
-struct Activations {
+// A block of 32 activations as D int8 digits: x ~ scale * sum_e 256^(D-1-e) digit_e (balanced base 256).
+//   D = 1 (`gguf-q8`, llama.cpp's Q8_1 idea): |digit| <= 127, an 8-bit copy of the block (1 in 254 of its largest entry);
+//   D = 3 (`gguf` on AVX-512 VNNI): a 23-bit fixed-point copy, as fine as fp32's 24-bit significand for the block's
+//   largest entry. Two digits measured 8 % faster per decode step, but moved the logits up to 1.3e-2 off fp32.
+// Scalar code: every build quantizes identically.
+template <int D>
+struct Digits {
+  static constexpr int32_t kLimit = D == 1 ? 127 : (1 << 22) - 1;  // |x / scale| <= kLimit
   int64_t groups;
-  std::vector<int8_t> digits;  // [M][G][kDigits][32]; digit e of x[r, 32g + k] at ((r G + g) kDigits + e) 32 + k
-  std::vector<float> scale;    // [M][G]
-  std::vector<float> sum;      // [M][G] sum of the block's x (fp32, k increasing), for Q4_1's m term
-  std::vector<int32_t> digit_sum;  // [M][G][kDigits], for Q8_0's +128 offset
+  std::vector<int8_t> digits;      // [M][G][D][32]: digit e of x[r, 32g + k] at ((r G + g) D + e) 32 + k
+  std::vector<float> scale;        // [M][G]
+  std::vector<float> sum;          // [M][G] sum of the block's x (fp32, k increasing), for Q4_1's m term
+  std::vector<int32_t> digit_sum;  // [M][G][D], for Q8_0's +128 offset on VNNI
 
-  Activations(const float* x, int64_t M, int64_t K)
-      : groups(K / kBlock), digits(M * K * kDigits), scale(M * groups), sum(M * groups), digit_sum(M * groups * kDigits) {
-    at::parallel_for(0, M * groups, 64, [&](int64_t begin, int64_t end) {
+  Digits(const float* x, int64_t M, int64_t K)
+      : groups(K / kBlock), digits(M * K * D), scale(M * groups), sum(M * groups), digit_sum(M * groups * D) {
+    parallel_for(0, M * groups, 256, [&](int64_t begin, int64_t end) {
       for (int64_t rg = begin; rg < end; ++rg) quantize_block(x + rg * kBlock, rg);
     });
   }
@@ -98,63 +110,117 @@ struct Activations {
     sum[rg] = s;
     scale[rg] = amax / kLimit;
     const float inv = amax > 0.0f ? kLimit / amax : 0.0f;
-    int8_t* out = digits.data() + rg * kDigits * kBlock;
-    int32_t dsum[kDigits] = {};
+    int8_t* out = digits.data() + rg * D * kBlock;
+    int32_t dsum[D] = {};
     for (int k = 0; k < kBlock; ++k) {
       int32_t q = static_cast<int32_t>(std::lrintf(xb[k] * inv));
       q = std::min(std::max(q, -kLimit), kLimit);
-      for (int e = kDigits - 1; e >= 0; --e) {  // balanced base-256 digits, least significant last
+      for (int e = D - 1; e >= 0; --e) {  // least significant last; for D = 1 the digit is q itself
         const int32_t digit = ((q + 128) & 255) - 128;
         out[e * kBlock + k] = static_cast<int8_t>(digit);
         dsum[e] += digit;
         q = (q - digit) >> 8;
       }
     }
-    for (int e = 0; e < kDigits; ++e) digit_sum[rg * kDigits + e] = dsum[e];
+    for (int e = 0; e < D; ++e) digit_sum[rg * D + e] = dsum[e];
   }
 };
 
-// y[r0 + r, unit] for MR rows. Per output: for each block, three exact int32 dots, Horner in fp32, then
-// acc = fma(T, d * scale, acc) (and acc = fma(m, sum, acc) for Q4_1), blocks in increasing order.
-template <int MR>
-void row_block(const Weights& w, const Activations& a, int64_t unit, int64_t r0, float* y, int64_t ldy) {
+// One column (kLanes output rows) of one block's codes, unpacked once and dotted with every row's digits. dot(q)
+// is the exact int32 sum over the block's 32 k of code x digit per lane (Q8_0: the signed code; Q4_x: the 4-bit
+// code, its offset living in m), whatever the ISA: so are the fp32 results built from it.
+struct Column {
+  bool q4;
+#ifdef SPIND_VNNI
+  vi wq[8];  // u8 per byte: Q4 the nibble, Q8 the code + 128 (corrected by 128 x the digit sum)
+  void load(const uint8_t* codes, bool is_q4) {
+    q4 = is_q4;
+    const vi low4 = iset1(0x0F0F0F0F), flip = iset1(static_cast<int32_t>(0x80808080));
+    if (q4) {
+      for (int p = 0; p < 4; ++p) {
+        const vi v = iload(codes + p * 64);
+        wq[p] = iand(v, low4);
+        wq[p + 4] = iand(srl16(v, 4), low4);
+      }
+    } else {
+      for (int p = 0; p < 8; ++p) wq[p] = ixor(iload(codes + p * 64), flip);
+    }
+  }
+  // quads: the block's 32 digits as 8 int32 (4 consecutive k each)
+  vi dot(const int32_t* quads, int32_t digit_sum) const {
+    vi d0 = izero(), d1 = izero();  // two chains: integer sums are exact, so their order is free
+    for (int p = 0; p < 8; p += 2) {
+      d0 = dpbusd(d0, wq[p], iset1(quads[p]));
+      d1 = dpbusd(d1, wq[p + 1], iset1(quads[p + 1]));
+    }
+    const vi dot = iadd(d0, d1);
+    return q4 ? dot : isub(dot, iset1(128 * digit_sum));
+  }
+#else
+  vi wq[8];  // Q4: the nibbles (u8); Q8: |code| (u8)
+  vi ws[8];  // Q8: the signed codes (their signs move onto the digits)
+  void load(const uint8_t* codes, bool is_q4) {
+    q4 = is_q4;
+    const vi low4 = iset1(0x0F0F0F0F);
+    if (q4) {
+      for (int p = 0; p < 4; ++p) {
+        const vi v = iload(codes + p * 64);
+        wq[p] = iand(v, low4);
+        wq[p + 4] = iand(srl16(v, 4), low4);
+      }
+    } else {
+      for (int p = 0; p < 8; ++p) {
+        ws[p] = iload(codes + p * 64);
+        wq[p] = iabs8(ws[p]);
+      }
+    }
+  }
+  // Single digits only (|digit| <= 127): Q4 pairs are <= 2 x 15 x 127, so 8 of them add in int16 without
+  // saturating (30480); Q8 pairs are <= 2 x 128 x 127 = 32512, widened to int32 one at a time.
+  vi dot(const int32_t* quads, int32_t /* digit_sum */) const {
+    const vi ones = iset1_16(1);
+    if (q4) {
+      vi s0 = maddubs(wq[0], iset1(quads[0])), s1 = maddubs(wq[1], iset1(quads[1]));
+      for (int p = 2; p < 8; p += 2) {
+        s0 = iadd16(s0, maddubs(wq[p], iset1(quads[p])));
+        s1 = iadd16(s1, maddubs(wq[p + 1], iset1(quads[p + 1])));
+      }
+      return madd16(iadd16(s0, s1), ones);
+    }
+    vi d0 = izero(), d1 = izero();
+    for (int p = 0; p < 8; p += 2) {
+      d0 = iadd(d0, madd16(maddubs(wq[p], isign8(iset1(quads[p]), ws[p])), ones));
+      d1 = iadd(d1, madd16(maddubs(wq[p + 1], isign8(iset1(quads[p + 1]), ws[p + 1])), ones));
+    }
+    return iadd(d0, d1);
+  }
+#endif
+};
+
+// y[r0 + r, unit] for MR rows. Per output, blocks in increasing order: D exact int32 dots, Horner in fp32, then
+// acc = fma(T, d * scale, acc) (and acc = fma(m, sum, acc) for Q4_x).
+template <int MR, int D>
+void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r0, float* y, int64_t ldy, int pass,
+                   int passes) {
   vf acc[MR][kCols];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < kCols; ++c) acc[r][c] = vzero();
-  const vi low4 = iset1(0x0F0F0F0F), flip = iset1(static_cast<int32_t>(0x80808080));
   const bool q4 = w.format == Format::kQ4_1;
+  const int64_t pair = unit * kUnit / kPair, row0 = unit * kUnit % kPair;  // first output row of the unit in its pair
   for (int64_t g = 0; g < w.groups; ++g) {
-    const uint8_t* blk = w.block(unit, g);
-    w.prefetch_ahead(unit, g);
+    const uint8_t* blk = w.block(pair, g);
+    w.prefetch_next(pair, g, pass, passes);
     for (int c = 0; c < kCols; ++c) {
-      const uint8_t* codes = w.codes(blk, c);
-      vi wq[8];  // u8 codes, 16 lanes x 4 consecutive k each: wq[p] holds k = 32g + 4p .. 4p + 3
-      if (q4) {
-        for (int p = 0; p < 4; ++p) {
-          const vi v = iload(codes + p * 64);
-          wq[p] = iand(v, low4);
-          wq[p + 4] = iand(srl16(v, 4), low4);
-        }
-      } else {
-        for (int p = 0; p < 8; ++p) wq[p] = ixor(iload(codes + p * 64), flip);  // q + 128
-      }
-      const vf d = load_f16(w.d(blk) + c * kLanes);
-      const vf m = q4 ? load_f16(w.m(blk) + c * kLanes) : vzero();
+      const int64_t row = row0 + c * kLanes;  // 0..31 within the pair: tile row / 16, lane row % 16
+      Column col;
+      col.load(w.codes(blk, row / 16) + (row % 16) * 4, q4);
+      const vf d = load_f16(w.d(blk) + row);
+      const vf m = q4 ? load_f16(w.m(blk) + row) : vzero();
       for (int r = 0; r < MR; ++r) {
         const int64_t rg = (r0 + r) * w.groups + g;
-        const int32_t* quads = reinterpret_cast<const int32_t*>(a.digits.data() + rg * kDigits * kBlock);
-        vi dot[kDigits];
-        for (int e = 0; e < kDigits; ++e) {
-          vi d0 = izero(), d1 = izero();  // two chains: integer sums are exact, so their order is free
-          for (int p = 0; p < 8; p += 2) {
-            d0 = dpbusd(d0, wq[p], iset1(quads[e * 8 + p]));
-            d1 = dpbusd(d1, wq[p + 1], iset1(quads[e * 8 + p + 1]));
-          }
-          dot[e] = iadd(d0, d1);
-          if (!q4) dot[e] = isub(dot[e], iset1(128 * a.digit_sum[rg * kDigits + e]));
-        }
-        vf t = to_float(dot[0]);
-        for (int e = 1; e < kDigits; ++e) t = vfma(t, vset1(256.0f), to_float(dot[e]));
+        const int32_t* quads = reinterpret_cast<const int32_t*>(a.digits.data() + rg * D * kBlock);
+        vf t = to_float(col.dot(quads, a.digit_sum[rg * D]));
+        for (int e = 1; e < D; ++e) t = vfma(t, vset1(256.0f), to_float(col.dot(quads + 8 * e, a.digit_sum[rg * D + e])));
         acc[r][c] = vfma(t, vmul(d, vset1(a.scale[rg])), acc[r][c]);
         if (q4) acc[r][c] = vfma(m, vset1(a.sum[rg]), acc[r][c]);
       }
@@ -164,19 +230,32 @@ void row_block(const Weights& w, const Activations& a, int64_t unit, int64_t r0,
     for (int c = 0; c < kCols; ++c) vstore(y + r * ldy + c * kLanes, acc[r][c]);
 }
 
-using Inputs = Activations;
+template <int D>
+struct IntPath {
+  using Inputs = Digits<D>;
+#ifdef SPIND_VNNI
+  static constexpr int kRows = D == 1 ? 8 : 5;  // rows sharing each unpacked weight vector (registers: 2 kRows acc)
 #else
-constexpr int kRows = 2;
+  static constexpr int kRows = 4;
+#endif
+  template <int MR>
+  static void block(const Weights& w, const Inputs& in, int64_t unit, int64_t r0, float* y, int64_t ldy, int pass,
+                    int passes) {
+    int_row_block<MR, D>(w, in, unit, r0, y, ldy, pass, passes);
+  }
+};
 
-struct Inputs {  // the fp32 rows as they are
+// ---- avx2 fp32 path (`gguf` on AVX2): the weights dequantized in registers, fp32 FMAs ----
+#ifndef SPIND_VNNI
+struct Fp32Rows {  // the fp32 rows as they are
   const float* x;
   int64_t ldx;
-  Inputs(const float* x, int64_t /* M */, int64_t K) : x(x), ldx(K) {}
+  Fp32Rows(const float* x, int64_t /* M */, int64_t K) : x(x), ldx(K) {}
 };
 
 // y[r0 + r, unit] for MR rows: w dequantized in registers, two fp32 FMA chains per output.
 template <int MR>
-void row_block(const Weights& w, const Inputs& in, int64_t unit, int64_t r0, float* y, int64_t ldy) {
+void fp32_row_block(const Weights& w, const Fp32Rows& in, int64_t unit, int64_t r0, float* y, int64_t ldy) {
   const float* x = in.x + r0 * in.ldx;
   const int64_t ldx = in.ldx;
   vf lo[MR][kCols], hi[MR][kCols];
@@ -238,48 +317,110 @@ void row_block(const Weights& w, const Inputs& in, int64_t unit, int64_t r0, flo
     for (int c = 0; c < kCols; ++c) vstore(y + r * ldy + c * kLanes, vadd(lo[r][c], hi[r][c]));
 }
 
+
+struct Fp32Path {
+  using Inputs = Fp32Rows;
+  static constexpr int kRows = 2;
+  template <int MR>
+  static void block(const Weights& w, const Inputs& in, int64_t unit, int64_t r0, float* y, int64_t ldy, int /*pass*/,
+                    int /*passes*/) {
+    fp32_row_block<MR>(w, in, unit, r0, y, ldy);
+  }
+};
 #endif
 
 // y[r0 .. r0 + n) for one unit, in register blocks of at most MR rows
-template <int MR>
-void rows(const Weights& w, const Inputs& in, int64_t unit, int64_t r0, float* y, int64_t ldy, int64_t n) {
+template <class Path, int MR>
+void rows(const Weights& w, const typename Path::Inputs& in, int64_t unit, int64_t r0, float* y, int64_t ldy,
+          int64_t n, int pass, int passes) {
   if constexpr (MR > 1) {
-    if (n < MR) return rows<MR - 1>(w, in, unit, r0, y, ldy, n);
+    if (n < MR) return rows<Path, MR - 1>(w, in, unit, r0, y, ldy, n, pass, passes);
   }
-  row_block<MR>(w, in, unit, r0, y, ldy);
+  Path::template block<MR>(w, in, unit, r0, y, ldy, pass, passes);
 }
 
+// Rows per tile of a many-row call (prefill): a thread runs every unit of its share over one tile of rows before the
+// next, so the tile's activations stay in L1/L2 while the share's weights (<= ~0.5 MB per thread for the default
+// model's layers) stream from L2. Decode and verify calls are one tile.
+constexpr int64_t kRowTile = 64;
+
+template <class Path>
 at::Tensor gemm(const at::Tensor& x, const Weights& w, int64_t n_out) {
+  constexpr int kRows = Path::kRows;
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor y = at::empty({M, n_out}, x.options());
   if (M == 0) return y;
-  const Inputs in(x.data_ptr<float>(), M, K);  // avx512vnni: x as digits, once for every unit
+  const typename Path::Inputs in(x.data_ptr<float>(), M, K);  // integer paths: x as digits, once for every unit
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n_out / kUnit, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u)
-      for (int64_t r0 = 0; r0 < M; r0 += kRows)
-        rows<kRows>(w, in, u, r0, yp + r0 * n_out + u * kUnit, n_out, std::min<int64_t>(kRows, M - r0));
+  parallel_for(0, n_out / kUnit, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = 0; tile < M; tile += kRowTile) {
+      const int64_t tile_end = std::min(M, tile + kRowTile);
+      const int passes = static_cast<int>((tile_end - tile + kRows - 1) / kRows);
+      for (int64_t u = begin; u < end; ++u)
+        for (int64_t r0 = tile; r0 < tile_end; r0 += kRows)
+          rows<Path, kRows>(w, in, u, r0, yp + r0 * n_out + u * kUnit, n_out, std::min<int64_t>(kRows, tile_end - r0),
+                            static_cast<int>((r0 - tile) / kRows), passes);
+    }
   });
   return y;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, Format format) {
+// digits: 0 = the build's fp32-precision path (3 digits on AVX-512 VNNI, fp32 FMAs on AVX2); 1 = 8-bit activations,
+// bit-identical on every build
+at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, Format format, int digits) {
   const Weights w{format, nullptr, blocks.dim() == 3 ? blocks.size(1) : 0, 0};
   TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == w.block_bytes() && blocks.scalar_type() == at::kByte &&
               blocks.is_contiguous(), "blocks must be a contiguous uint8 [N/32, K/32, ", w.block_bytes(), "]");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous fp32 [M, K]");
   TORCH_CHECK(x.size(1) == w.groups * kBlock, "x has ", x.size(1), " columns, the weight ", w.groups * kBlock);
-  return gemm(x, Weights{format, blocks.data_ptr<uint8_t>(), w.groups, blocks.size(0) * w.groups}, blocks.size(0) * kPair);
+  const Weights ws{format, blocks.data_ptr<uint8_t>(), w.groups, blocks.size(0) * w.groups};
+  const int64_t n_out = blocks.size(0) * kPair;
+  if (digits == 1) return gemm<IntPath<1>>(x, ws, n_out);
+#ifdef SPIND_VNNI
+  return gemm<IntPath<3>>(x, ws, n_out);
+#else
+  return gemm<Fp32Path>(x, ws, n_out);
+#endif
 }
 
-at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& blocks) { return linear(x, blocks, Format::kQ4_1); }
-at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& blocks) { return linear(x, blocks, Format::kQ8_0); }
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& blocks) { return linear(x, blocks, Format::kQ4_1, 0); }
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& blocks) { return linear(x, blocks, Format::kQ8_0, 0); }
+at::Tensor q4_1_linear_q8(const at::Tensor& x, const at::Tensor& blocks) { return linear(x, blocks, Format::kQ4_1, 1); }
+at::Tensor q8_0_linear_q8(const at::Tensor& x, const at::Tensor& blocks) { return linear(x, blocks, Format::kQ8_0, 1); }
+
+// The digits the integer path computes with, for tests: (digits int8 [M, K/32, D, 32], scale [M, K/32], sum
+// [M, K/32]) of x
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t digits) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % kBlock == 0,
+              "x must be a contiguous fp32 [M, K] with K a multiple of 32");
+  TORCH_CHECK(digits == 1 || digits == 3, "digits must be 1 or 3");
+  const int64_t M = x.size(0), G = x.size(1) / kBlock;
+  auto copy_out = [&](const auto& a) {
+    at::Tensor d = at::empty({M, G, digits, kBlock}, x.options().dtype(at::kChar));
+    std::copy(a.digits.begin(), a.digits.end(), d.data_ptr<int8_t>());
+    at::Tensor s = at::empty({M, G}, x.options()), t = at::empty({M, G}, x.options());
+    std::copy(a.scale.begin(), a.scale.end(), s.data_ptr<float>());
+    std::copy(a.sum.begin(), a.sum.end(), t.data_ptr<float>());
+    return std::make_tuple(d, s, t);
+  };
+  if (digits == 1) return copy_out(Digits<1>(x.data_ptr<float>(), M, x.size(1)));
+  return copy_out(Digits<3>(x.data_ptr<float>(), M, x.size(1)));
+}
 
 }  // namespace
+
+namespace SPIND_OPS {
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, bool q8_0, bool int8_activations) {
+  return linear(x, blocks, q8_0 ? Format::kQ8_0 : Format::kQ4_1, int8_activations ? 1 : 0);
+}
+}  // namespace SPIND_OPS
 
 TORCH_LIBRARY_FRAGMENT(SPIND_OPS, m) {
   m.def("q4_1_linear(Tensor x, Tensor blocks) -> Tensor", &q4_1_linear);
   m.def("q8_0_linear(Tensor x, Tensor blocks) -> Tensor", &q8_0_linear);
+  m.def("q4_1_linear_q8(Tensor x, Tensor blocks) -> Tensor", &q4_1_linear_q8);
+  m.def("q8_0_linear_q8(Tensor x, Tensor blocks) -> Tensor", &q8_0_linear_q8);
+  m.def("quantize_rows(Tensor x, int digits) -> (Tensor, Tensor, Tensor)", &quantize_rows);
 }
 
 }  // namespace spind_cpu

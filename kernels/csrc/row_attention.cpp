@@ -3,34 +3,37 @@
 //
 // Tokens of all requests are packed: request b owns rows [cu_q[b], cu_q[b+1]) of q and its context is the
 // ctx_lens[b] cache slots slots[slot_start[b] ...]; row t of request b sits at position
-// ctx_lens[b] - (cu_q[b+1] - t) and sees the positions up to and including its own. For one (row, head):
-// scores over the visible positions in increasing order (a fixed-order dot product per position), max,
-// exp, a sequential sum, then the weighted sum of V rows in increasing position order. All heads of a row are
-// handled together, and up to kChunk rows of a request share each read: a cache slot (every KV head) is read
-// once per chunk, front to back, prefetched.
+// ctx_lens[b] - (cu_q[b+1] - t) and sees the positions up to and including its own.
+//
+// Work items are up to kChunk rows of a request and one KV head with the query heads that share it (GQA), run on
+// the kernels' thread pool (a single decode row still splits by KV head); the item's rows share every K/V row
+// read. For one (row, head), in a fixed sequence whatever else is in the call:
+//   scores: per position, q . k as a chain of vector FMAs over the head dim, its lanes summed by one fixed tree
+//           (`transpose_sum`: kLanes positions per reduction, no horizontal sum per dot), times the scale;
+//   softmax: the max, exp(score - max), their sum in kLanes strided partial sums, a fixed tree, the tail in order;
+//   output: sum over positions, in increasing order, of exp-score x V row in vector registers, times 1 / sum.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <utility>
 #include <vector>
 
+#include "ops.h"
+#include "pool.h"
 #include "simd.h"
 
 namespace spind_cpu {
 namespace {
 
-// dot(a, b) over D: vector lanes in a fixed chain, a fixed horizontal sum, then the tail in order.
-inline float dot(const float* a, const float* b, int64_t D) {
-  int64_t i = 0;
-  float s = 0.0f;
-  if (D >= kLanes) {
-    vf acc = vmul(vload(a), vload(b));
-    for (i = kLanes; i + kLanes <= D; i += kLanes) acc = vfma(vload(a + i), vload(b + i), acc);
-    s = hsum(acc);
-  }
-  for (; i < D; ++i) s += a[i] * b[i];
-  return s;
+constexpr int64_t kChunk = 8;   // rows of one request per work item (they share the K/V rows they read)
+constexpr int64_t kVTile = 64;  // positions per pass over V (their rows stay in L1 for all of the item's rows)
+constexpr int kMaxVecs = 16;    // head dim up to 16 vectors (256 on AVX-512, 128 on AVX2)
+
+inline void prefetch(const float* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
 }
 
 // p[0:n] = exp(p[0:n] - max): whole vectors from 0, the tail in a padded vector (lanes are independent).
@@ -47,21 +50,115 @@ inline void exp_shifted(float* p, int64_t n, float max) {
   }
 }
 
-constexpr int64_t kAhead = 8;  // cache slots to prefetch ahead: a request's slots are scattered over the pool
-constexpr int64_t kChunk = 8;  // rows of one request per work item (they share the K/V rows they read)
-
-inline void prefetch_row(const float* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
-}
-
-// out += w * v over D (vector lanes, then the tail)
-inline void axpy(float* out, float w, const float* v, int64_t D) {
+inline float max_of(const float* p, int64_t n) {
   int64_t i = 0;
-  const vf wv = vset1(w);
-  for (; i + kLanes <= D; i += kLanes) vstore(out + i, vfma(wv, vload(v + i), vload(out + i)));
-  for (; i < D; ++i) out[i] += w * v[i];
+  float m = -INFINITY;
+  if (n >= kLanes) {
+    vf acc = vload(p);
+    for (i = kLanes; i + kLanes <= n; i += kLanes) acc = vmax(acc, vload(p + i));
+    m = vmax_lanes(acc);
+  }
+  for (; i < n; ++i) m = std::max(m, p[i]);
+  return m;
 }
 
+// sum of p[0:n]: lane l accumulates positions l, l + kLanes, ... in order, then one fixed tree, then the tail in order
+inline float sum_of(const float* p, int64_t n) {
+  int64_t i = 0;
+  float s = 0.0f;
+  if (n >= kLanes) {
+    vf acc = vload(p);
+    for (i = kLanes; i + kLanes <= n; i += kLanes) acc = vadd(acc, vload(p + i));
+    s = hsum(acc);
+  }
+  for (; i < n; ++i) s += p[i];
+  return s;
+}
+
+struct Item {
+  const float* q;      // [n][H][D] from the item's first row, head h0 = kv head x group
+  float* out;          // same layout
+  const float* k;      // cache base, offset to the item's KV head
+  const float* v;
+  const int64_t* rs;   // the request's cache slots by position
+  int64_t row_stride;  // floats per cache slot (Hkv D)
+  int64_t H, group, n, first_visible;  // row j sees positions [0, first_visible + j)
+  float scale;
+  float* scores;  // [n group][ld]
+  int64_t ld;
+};
+
+template <int NV>
+void attend(const Item& it) {
+  constexpr int64_t D = NV * kLanes;
+  const int64_t all_visible = it.first_visible + it.n - 1, R = it.n * it.group;
+  auto qrow = [&](int64_t r) { return it.q + ((r / it.group) * it.H + r % it.group) * D; };
+  auto orow = [&](int64_t r) { return it.out + ((r / it.group) * it.H + r % it.group) * D; };
+  auto visible = [&](int64_t r) { return it.first_visible + r / it.group; };
+  // scores, kLanes positions at a time (lanes past a row's last visible position are computed and never read)
+  for (int64_t p0 = 0; p0 < all_visible; p0 += kLanes) {
+    const float* krow[kLanes];
+    for (int i = 0; i < kLanes; ++i) krow[i] = it.k + it.rs[std::min(p0 + i, all_visible - 1)] * it.row_stride;
+    for (int64_t i = p0 + kLanes; i < std::min(p0 + 2 * kLanes, all_visible); ++i)
+      prefetch(it.k + it.rs[i] * it.row_stride, D);
+    for (int64_t r = 0; r < R; ++r) {
+      if (p0 >= visible(r)) continue;
+      const float* qv = qrow(r);
+      vf q[NV];
+      for (int v = 0; v < NV; ++v) q[v] = vload(qv + v * kLanes);
+      vf part[kLanes];
+      for (int i = 0; i < kLanes; ++i) {
+        vf a = vmul(q[0], vload(krow[i]));
+        for (int v = 1; v < NV; ++v) a = vfma(q[v], vload(krow[i] + v * kLanes), a);
+        part[i] = a;
+      }
+      vstore(it.scores + r * it.ld + p0, vmul(transpose_sum(part), vset1(it.scale)));
+    }
+  }
+  // softmax numerators and 1 / denominators
+  float inv[kChunk * 64];
+  for (int64_t r = 0; r < R; ++r) {
+    float* s = it.scores + r * it.ld;
+    const int64_t n = visible(r);
+    exp_shifted(s, n, max_of(s, n));
+    inv[r] = 1.0f / sum_of(s, n);
+  }
+  // outputs, V in tiles of kVTile positions; each row's accumulators in registers within a tile
+  for (int64_t r = 0; r < R; ++r) std::fill_n(orow(r), D, 0.0f);
+  for (int64_t t0 = 0; t0 < all_visible; t0 += kVTile) {
+    const int64_t t1 = std::min(t0 + kVTile, all_visible);
+    for (int64_t i = t0; i < t1; ++i) prefetch(it.v + it.rs[i] * it.row_stride, D);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t end = std::min(t1, visible(r));
+      if (end <= t0) continue;
+      float* o = orow(r);
+      const float* s = it.scores + r * it.ld;
+      vf acc[NV];
+      for (int v = 0; v < NV; ++v) acc[v] = vload(o + v * kLanes);
+      for (int64_t p = t0; p < end; ++p) {
+        const float* vrow = it.v + it.rs[p] * it.row_stride;
+        const vf w = vset1(s[p]);
+        for (int v = 0; v < NV; ++v) acc[v] = vfma(w, vload(vrow + v * kLanes), acc[v]);
+      }
+      for (int v = 0; v < NV; ++v) vstore(o + v * kLanes, acc[v]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* o = orow(r);
+    const vf w = vset1(inv[r]);
+    for (int v = 0; v < NV; ++v) vstore(o + v * kLanes, vmul(vload(o + v * kLanes), w));
+  }
+}
+
+using AttendFn = void (*)(const Item&);
+template <std::size_t... I>
+constexpr std::array<AttendFn, sizeof...(I)> attend_table(std::index_sequence<I...>) {
+  return {&attend<static_cast<int>(I) + 1>...};
+}
+
+}  // namespace
+
+namespace SPIND_OPS {
 at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& slots, const at::Tensor& slot_start, const at::Tensor& cu_q,
                          const at::Tensor& ctx_lens, double scale) {
@@ -73,12 +170,14 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k_cache, const a
     TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(), "index tensors must be int64 1-D");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), B = ctx_lens.size(0);
   TORCH_CHECK(k_cache.size(2) == D && H % Hkv == 0, "head shapes do not match");
+  TORCH_CHECK(D % kLanes == 0 && D / kLanes <= kMaxVecs, "head dim ", D, " must be a multiple of ", kLanes, " up to ",
+              kLanes * kMaxVecs);
   TORCH_CHECK(cu_q.size(0) == B + 1 && slot_start.size(0) == B, "cu_q must be [B + 1] and slot_start [B]");
   const int64_t group = H / Hkv;
+  TORCH_CHECK(group <= 64, "more than 64 query heads per KV head");
   const int64_t *cu = cu_q.data_ptr<int64_t>(), *ctx = ctx_lens.data_ptr<int64_t>();
   const int64_t *sl = slots.data_ptr<int64_t>(), *start = slot_start.data_ptr<int64_t>();
   TORCH_CHECK(cu[0] == 0 && cu[B] == T, "cu_q must run from 0 to T");
-  // work items: up to kChunk consecutive rows of one request, which share every K/V row they read
   struct Chunk { int64_t b, first, last; };
   std::vector<Chunk> chunks;
   int64_t max_ctx = 0;
@@ -94,57 +193,29 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k_cache, const a
   at::Tensor out = at::empty_like(q);
   const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  const int64_t row = Hkv * D;  // floats per cache slot: read whole, all KV heads at once
-  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kChunk * H * max_ctx);  // [row in chunk][head][position]
-    std::vector<float> inv_denom(kChunk * H);
-    for (int64_t c = begin; c < end; ++c) {
-      const Chunk ch = chunks[c];
-      const int64_t n = ch.last - ch.first, b = ch.b;
-      const int64_t first_visible = ctx[b] - (cu[b + 1] - ch.first) + 1;  // positions row `first` sees
-      const int64_t all_visible = first_visible + n - 1;                   // ... and the chunk's last row
-      const int64_t* rs = sl + start[b];
-      for (int64_t p = 0; p < all_visible; ++p) {
-        if (p + kAhead < all_visible) prefetch_row(kp + rs[p + kAhead] * row, row);
-        const float* krow = kp + rs[p] * row;
-        for (int64_t j = std::max<int64_t>(0, p - first_visible + 1); j < n; ++j) {  // rows that see p
-          const float* qt = qp + (ch.first + j) * H * D;
-          float* sj = scores.data() + j * H * max_ctx;
-          for (int64_t h = 0; h < H; ++h) sj[h * max_ctx + p] = dot(qt + h * D, krow + (h / group) * D, D) * sc;
-        }
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t visible = first_visible + j;
-        for (int64_t h = 0; h < H; ++h) {
-          float* s = scores.data() + (j * H + h) * max_ctx;
-          exp_shifted(s, visible, *std::max_element(s, s + visible));
-          float denom = 0.0f;
-          for (int64_t p = 0; p < visible; ++p) denom += s[p];
-          inv_denom[j * H + h] = 1.0f / denom;
-        }
-      }
-      float* oc = op + ch.first * H * D;
-      std::fill(oc, oc + n * H * D, 0.0f);
-      for (int64_t p = 0; p < all_visible; ++p) {
-        if (p + kAhead < all_visible) prefetch_row(vp + rs[p + kAhead] * row, row);
-        const float* vrow = vp + rs[p] * row;
-        for (int64_t j = std::max<int64_t>(0, p - first_visible + 1); j < n; ++j)
-          for (int64_t h = 0; h < H; ++h)
-            axpy(oc + (j * H + h) * D, scores[(j * H + h) * max_ctx + p], vrow + (h / group) * D, D);
-      }
-      for (int64_t j = 0; j < n * H; ++j)
-        for (int64_t x = 0; x < D; ++x) oc[j * D + x] *= inv_denom[j];
+  static constexpr auto table = attend_table(std::make_index_sequence<kMaxVecs>{});
+  const AttendFn fn = table[D / kLanes - 1];
+  const int64_t ld = (max_ctx + kLanes - 1) / kLanes * kLanes;
+  const int64_t items = static_cast<int64_t>(chunks.size()) * Hkv;
+  parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scores;  // reused across calls, never zeroed: every score read is written first
+    if (static_cast<int64_t>(scores.size()) < kChunk * group * ld) scores.resize(kChunk * group * ld);
+    for (int64_t item = begin; item < end; ++item) {
+      const Chunk ch = chunks[item / Hkv];
+      const int64_t kvh = item % Hkv, n = ch.last - ch.first, b = ch.b;
+      const Item it{qp + (ch.first * H + kvh * group) * D, op + (ch.first * H + kvh * group) * D, kp + kvh * D,
+                    vp + kvh * D, sl + start[b], Hkv * D, H, group, n, ctx[b] - (cu[b + 1] - ch.first) + 1,
+                    static_cast<float>(scale), scores.data(), ld};
+      fn(it);
     }
   });
   return out;
 }
-
-}  // namespace
+}  // namespace SPIND_OPS
 
 TORCH_LIBRARY_FRAGMENT(SPIND_OPS, m) {
   m.def("row_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor slot_start, Tensor cu_q, "
-        "Tensor ctx_lens, float scale) -> Tensor", &row_attention);
+        "Tensor ctx_lens, float scale) -> Tensor", &SPIND_OPS::row_attention);
 }
 
 }  // namespace spind_cpu

@@ -1,6 +1,7 @@
 // The few vector operations spind's CPU kernels use, for one of two builds (kernels/cpu_ext.py picks per machine):
 //   avx512vnni: 16 fp32 lanes, and vpdpbusd (u8 x s8 -> int32 dot products of 4) for the integer GEMM path;
-//   avx2:       8 fp32 lanes with FMA and F16C.
+//   avx2:       8 fp32 lanes with FMA and F16C, and vpmaddubsw / vpmaddwd (u8 x s8 pairs -> int16 -> int32) for the
+//               single-digit integer GEMM path.
 // Every kernel is written once against these.
 //
 // Only exact-by-definition operations appear here (loads, integer ops, conversions of small integers and fp16,
@@ -52,6 +53,20 @@ inline vi isub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
 inline vi srl16(vi a, int n) { return _mm512_srli_epi16(a, n); }
 // acc + the sum of the 4 products of the u8 bytes of u with the s8 bytes of s, per int32 lane (exact)
 inline vi dpbusd(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
+// lane i = the sum of v[i]'s lanes, for 16 vectors, by one fixed tree for every i: 128-bit quarters (q0 + q2) +
+// (q1 + q3), then within the quarter (e0 + e2) + (e1 + e3)
+inline vf transpose_sum(const vf* v) {
+  vf a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // a[i]: [q0+q2, q1+q3] of v[i] | of v[i + 8]
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)  // b[i]: the quarter sums of v[i], v[i + 8], v[i + 4], v[i + 12]
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 4], 0x88), _mm512_shuffle_f32x4(a[i], a[i + 4], 0xDD));
+  const vf c0 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
+  const vf c1 = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
+  const vf d = _mm512_add_ps(_mm512_shuffle_ps(c0, c1, 0x44), _mm512_shuffle_ps(c0, c1, 0xEE));
+  return _mm512_shuffle_f32x4(d, d, 0xD8);  // quarters hold v[0..3], v[8..11], v[4..7], v[12..15]: reorder
+}
+inline float vmax_lanes(vf v) { return _mm512_reduce_max_ps(v); }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 constexpr int kLanes = 8;
 using vf = __m256;
@@ -83,10 +98,34 @@ inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _
 inline vi iload(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline vi iset1(int32_t x) { return _mm256_set1_epi32(x); }
 inline vi iand(vi a, vi b) { return _mm256_and_si256(a, b); }
+// lane i = the sum of v[i]'s lanes, for 8 vectors, by one fixed tree for every i: ((e0 + e1) + (e2 + e3)) +
+// ((e4 + e5) + (e6 + e7))
+inline vf transpose_sum(const vf* v) {
+  const vf u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const vf u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+inline float vmax_lanes(vf v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
 // byte `i` of every int32 lane, zero- or sign-extended
 inline vi byte_u(vi v, int i) { return _mm256_and_si256(_mm256_srli_epi32(v, 8 * i), _mm256_set1_epi32(255)); }
 inline vi byte_s(vi v, int i) { return _mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * i), 24); }
 inline vi srl32(vi a, int n) { return _mm256_srli_epi32(a, n); }
+inline vi izero() { return _mm256_setzero_si256(); }
+inline vi iadd(vi a, vi b) { return _mm256_add_epi32(a, b); }
+inline vi srl16(vi a, int n) { return _mm256_srli_epi16(a, n); }
+inline vi iset1_16(int16_t x) { return _mm256_set1_epi16(x); }
+inline vi iadd16(vi a, vi b) { return _mm256_add_epi16(a, b); }
+inline vi iabs8(vi a) { return _mm256_abs_epi8(a); }  // |-128| = 128 read as u8
+// a's bytes negated where b's are negative, zeroed where b's are zero
+inline vi isign8(vi a, vi b) { return _mm256_sign_epi8(a, b); }
+// u8 x s8 products summed in adjacent pairs into int16 (saturating: callers keep the pairs below 2^15)
+inline vi maddubs(vi u, vi s) { return _mm256_maddubs_epi16(u, s); }
+// int16 products summed in adjacent pairs into int32 (exact)
+inline vi madd16(vi a, vi b) { return _mm256_madd_epi16(a, b); }
 #else
 #error "spind's CPU kernels build for AVX-512 + VNNI or for AVX2 + FMA + F16C (without AVX-512 flags)"
 #endif
