@@ -43,8 +43,8 @@ def build_drafter(dc: DrafterConfig, cfg: SpindConfig, target_dir: Path, target_
             model = quantize_linears(load_llama(target_dir, "bfloat16", device), dc.variant)
         elif dc.variant == "int8-dynamic":
             model = quantize_linears(load_llama(target_dir, "float32", device), dc.variant)
-        elif dc.variant == "gguf":
-            model = load_llama(target_dir, "gguf", device, layers=dc.layers or None)
+        elif dc.variant in ("gguf", "gguf-q8"):
+            model = load_llama(target_dir, dc.variant, device, layers=dc.layers or None)
             if dc.vocab:
                 trim_vocab(model, dc.vocab)
         else:  # layers

@@ -59,6 +59,59 @@ class FusedAttention(nn.Module):
         return self.o_proj(attend(q, k_cache, v_cache, self.scale).reshape(x.shape[0], self.q_size))
 
 
+class FusedStack:
+    """Every decoder layer of a quantized target in one kernel call (kernels/csrc/stack.cpp): the same kernels as
+    the fused modules, in the same order, so bit-identical to them, without ~11 Python module calls per layer.
+
+    Built by `build` when every layer qualifies (GGUF linears with the kernels, no biases, fused modules); used by
+    the model's forward when the forward's attention is the kernels' row attention (`kernel_plan()`), else the
+    module loop runs.
+    """
+
+    def __init__(self, model: nn.Module, int8_activations: bool) -> None:
+        self.ops = cpu_ext.ops()
+        self.weights, self.q8_0, self.out_features, self.norms = [], [], [], []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                self.weights.append(linear.blocks)
+                self.q8_0.append(int(linear.qtype == "Q8_0"))
+                self.out_features.append(linear.out_features)
+            self.norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        first = model.layers[0]
+        self.eps = first.input_layernorm.eps
+        self.int8_activations = int8_activations
+        self.num_heads, self.num_kv_heads, self.scale = (first.self_attn.num_heads, first.self_attn.num_kv_heads,
+                                                         first.self_attn.scale)
+
+    @classmethod
+    def build(cls, model: nn.Module) -> "FusedStack | None":
+        """The stack of a model whose layers were fused by `fuse_modules`, or None when one does not qualify."""
+        from spind.models.gguf_linear import GGUFLinear
+
+        linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        fused = all(isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedMLP) and
+                    isinstance(layer.input_layernorm, FusedRMSNorm) and
+                    isinstance(layer.post_attention_layernorm, FusedRMSNorm) for layer in model.layers)
+        if not (fused and linears and all(isinstance(m, GGUFLinear) and m.has_kernel and m.bias is None
+                                          for m in linears)):
+            return None
+        modes = {m.int8_activations for m in linears}
+        if len(modes) != 1:
+            return None
+        eps = {n.eps for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
+        return cls(model, modes.pop()) if len(eps) == 1 else None
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_caches: list[torch.Tensor],
+                 v_caches: list[torch.Tensor], write_slots: torch.Tensor, plan: tuple) -> torch.Tensor:
+        slots, slot_start, cu_q, ctx_lens = plan
+        return self.ops.decoder_layers(h.contiguous(), self.weights, self.q8_0, self.out_features, self.norms,
+                                       self.eps, self.int8_activations, cos, sin, k_caches, v_caches, write_slots,
+                                       slots, slot_start, cu_q, ctx_lens, self.scale, self.num_heads,
+                                       self.num_kv_heads)
+
+
 def fuse_modules(model: nn.Module) -> nn.Module:
     """Swap every fp32 RMSNorm, MLP and attention of a LLaMA model for its fused twin, in place (needs the CPU
     kernels and an fp32 model: the quantized targets)."""

@@ -1,10 +1,15 @@
 """A linear layer that keeps the GGUF's own quantized blocks and runs spind's CPU kernel on them.
 
 `GGUFLinear` holds Q4_0 / Q4_1 / Q8_0 weights at the file's size (0.5625 / 0.625 / 1.0625 bytes per weight)
-regrouped in blocks of 32 output rows (the layout of kernels/csrc/quant_gemm.cpp), and computes y = x W^T
-with fp32 activations, at fp32 precision: integer dot products of the codes with a 23-bit fixed-point copy of
-each block of x (AVX-512 VNNI), or fp32 FMAs on the weights dequantized in registers (AVX2). Q4_0
-(w = d (q - 8)) rides on the Q4_1 kernel with m = -8 d, which is exact. The kernel is batch-invariant (a row's
+regrouped in blocks of 32 output rows (the layout of kernels/csrc/quant_gemm.cpp), and computes y = x W^T from
+fp32 activations in one of two precisions:
+- fp32 (`gguf`): integer dot products of the codes with a 23-bit fixed-point copy of each block of x (AVX-512
+  VNNI), or fp32 FMAs on the weights dequantized in registers (AVX2);
+- 8-bit activations (`gguf-q8`): each block of 32 activations as int8 digits and one fp32 scale, dotted with the
+  codes exactly in int32 (vpdpbusd on AVX-512 VNNI, vpmaddubsw / vpmaddwd on AVX2): the same integer sums and the
+  same fp32 epilogue on both, so the two builds give bit-identical outputs, at a third of the fp32 path's integer
+  work on VNNI and well under AVX2's fp32 FMAs: what lets extra rows (a verify, a prefill) cost little.
+Q4_0 (w = d (q - 8)) rides on the Q4_1 kernel with m = -8 d, which is exact. Both are batch-invariant (a row's
 output does not depend on the other rows), which keeps speculative decoding lossless against this target.
 
 Without the kernel (no compiler, no AVX2: see kernels/cpu_ext.py) the layer holds the dequantized fp32
@@ -74,38 +79,51 @@ def pack(blocks: GGUFBlocks) -> torch.Tensor:
     return torch.cat([*(s.contiguous().view(torch.uint8) for s in scales), codes], dim=-1).contiguous()
 
 
+def huge_pages(storage: torch.Tensor) -> torch.Tensor:
+    """A copy of the packed weights in memory Linux may back with 2 MB pages (kernels/csrc/stack.cpp): a decode step
+    streams every weight once, and on 4 KB pages the TLB misses cost a third of it (default model, measured)."""
+    return cpu_ext.ops().huge_page_copy(storage.contiguous())
+
+
 class GGUFLinear(nn.Module):
     """y = x W^T + b, W as GGUF blocks; fp32 activations in and out."""
 
     def __init__(self, qtype: str, out_features: int, in_features: int, storage: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, int8_activations: bool = False) -> None:
         """Use `from_blocks`; `storage` is `pack(blocks)` with the kernels, else the dequantized weight."""
         super().__init__()
         self.qtype, self.out_features, self.in_features = qtype, out_features, in_features
+        self.int8_activations = int8_activations
         self.has_kernel = storage.dtype == torch.uint8
         self.ops = cpu_ext.ops() if self.has_kernel else None
+        if self.has_kernel:
+            name = ("q8_0_linear" if qtype == "Q8_0" else "q4_1_linear") + ("_q8" if int8_activations else "")
+            self._op = getattr(self.ops, name)
         self.register_buffer("blocks" if self.has_kernel else "weight", storage)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     @classmethod
-    def from_blocks(cls, blocks: GGUFBlocks, bias: torch.Tensor | None = None) -> "GGUFLinear":
+    def from_blocks(cls, blocks: GGUFBlocks, bias: torch.Tensor | None = None,
+                    int8_activations: bool = False) -> "GGUFLinear":
         if blocks.qtype not in BLOCK_BYTES:
             raise ValueError(f"GGUF type {blocks.qtype} has no spind kernel; supported: {', '.join(BLOCK_BYTES)}")
-        storage = pack(blocks) if cpu_ext.available() else dequantize(blocks)
-        return cls(blocks.qtype, *blocks.shape, storage, bias)
+        if int8_activations and not cpu_ext.available():
+            raise RuntimeError(f"8-bit activations (gguf-q8) need spind's CPU kernels: {cpu_ext.unavailable_reason()}")
+        storage = huge_pages(pack(blocks)) if cpu_ext.available() else dequantize(blocks)
+        return cls(blocks.qtype, *blocks.shape, storage, bias, int8_activations)
 
     def first_rows(self, num_rows: int) -> "GGUFLinear":
         """A copy keeping output rows [0, num_rows) (packed storage is cut at a multiple of 32 rows)."""
-        storage = self.blocks[:-(-num_rows // PAIR)] if self.has_kernel else self.weight[:num_rows]
+        storage = huge_pages(self.blocks[:-(-num_rows // PAIR)]) if self.has_kernel else self.weight[:num_rows].clone()
         bias = None if self.bias is None else self.bias[:num_rows]
-        return GGUFLinear(self.qtype, num_rows, self.in_features, storage.clone(), bias)
+        return GGUFLinear(self.qtype, num_rows, self.in_features, storage, bias, self.int8_activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).contiguous()  # [M, K] fp32 (the kernels check)
         if not self.has_kernel:
             return F.linear(x2.float(), self.weight, self.bias).view(*shape[:-1], -1)
-        y = (self.ops.q8_0_linear if self.qtype == "Q8_0" else self.ops.q4_1_linear)(x2, self.blocks)
+        y = self._op(x2, self.blocks)
         if y.shape[1] != self.out_features:  # rows padded to a multiple of 32 in the packed storage
             y = y[:, :self.out_features].contiguous()
         if self.bias is not None:
@@ -114,4 +132,5 @@ class GGUFLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kernel = "spind kernel" if self.has_kernel else "dequantized fallback"
-        return f"{self.in_features}, {self.out_features}, {self.qtype}, {kernel}"
+        activations = "int8" if self.int8_activations else "fp32"
+        return f"{self.in_features}, {self.out_features}, {self.qtype}, {activations} activations, {kernel}"

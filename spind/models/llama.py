@@ -141,6 +141,7 @@ class LlamaModel(nn.Module):
         cos, sin = rope_tables(args, args.max_position)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.fused_stack = None  # all layers in one kernel call (quantized targets: spind/models/fused.py)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -167,9 +168,13 @@ class LlamaModel(nn.Module):
         sin = self.rope_sin[positions].unsqueeze(1).to(self.dtype)
         h = self.embed_tokens(tokens)
         slots = meta.slot_mapping
-        for i, layer in enumerate(self.layers):
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv.k[i], kv.v[i], slots, attend)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        plan = None if self.fused_stack is None else getattr(attend, "kernel_plan", lambda: None)()
+        if plan is not None:
+            h = self.fused_stack(h, cos, sin, kv.k, kv.v, slots, plan)
+        else:
+            for i, layer in enumerate(self.layers):
+                h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv.k[i], kv.v[i], slots, attend)
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
         if logits_rows is not None:
             h = h.index_select(0, logits_rows)
             if h.shape[0] == 0:

@@ -4,6 +4,8 @@ Target dtypes beyond float32 / bfloat16 / float16 (the model keeps fp32 activati
 only the linear layers change):
 - `gguf`: the GGUF's own blocks (Q4_1 layers and a Q8_0 lm_head for the default model) through spind's CPU
   kernel (`GGUFLinear`): fp32 activations, the exact dequantized weights, batch-invariant;
+- `gguf-q8`: the same blocks, each GEMM's activations quantized to 8 bits per block of 32 (llama.cpp's Q8_1 idea):
+  exact integer dot products on AVX2 and AVX-512 VNNI alike (bit-identical between them), batch-invariant;
 - `int4`: torch's `_weight_int4pack_mm_for_cpu` on the GGUF's 4-bit codes, Q4_1's w = d q + m rewritten as
   (q - 8) d + (m + 8 d) with bf16 scales and zeros; bf16 activations; lm_head as `int8`;
 - `int8`: torch's `_weight_int8pack_mm` with one bf16 scale per output channel, requantized from the dequantized
@@ -23,13 +25,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from spind.kernels import cpu_ext
-from spind.models.fused import fuse_modules
+from spind.models.fused import FusedStack, fuse_modules
 from spind.models.gguf_linear import GGUFLinear, block_fields, concat_blocks
 from spind.models.loader import GGUFBlocks, gguf_source, load_gguf_blocks
 
 log = logging.getLogger(__name__)
 
-QUANTIZED_DTYPES = ("gguf", "int4", "int8")
+QUANTIZED_DTYPES = ("gguf", "gguf-q8", "int4", "int8")
+GGUF_DTYPES = ("gguf", "gguf-q8")  # GGUFLinear targets: fp32-precision activations, or 8-bit ones
 INT4_GROUP = 32  # GGUF's block: torch's int4 groups map one to one onto Q4_0 / Q4_1 blocks
 
 
@@ -136,21 +139,22 @@ def quantize_target(model: nn.Module, model_dir: Path, dtype: str, layers: list[
             names = [f"model.layers.{old}.{p}.weight" for p in parts]
             kept.append(_swap(owner, attr, [blocks.get(n) for n in names], dtype, names[0]))
     head = "lm_head.weight" if "lm_head.weight" in blocks else "model.embed_tokens.weight"
-    if dtype == "gguf":
+    if dtype in GGUF_DTYPES:
         kept.append(_swap(model, "lm_head", [blocks.get(head)], dtype, head))
     else:  # no int4 kernel for Q8_0: the int4 target's lm_head is weight-only int8
         model.lm_head = Int8WeightOnlyLinear(model.lm_head)
     if not all(kept):
         log.info("%s target: %d of %d linear layers kept fp32 (their GGUF type has no %s kernel)",
                  dtype, kept.count(False), len(kept), dtype)
-    if dtype == "gguf" and cpu_ext.available():
+    if dtype in GGUF_DTYPES and cpu_ext.available():
         fuse_modules(model)
+        model.fused_stack = FusedStack.build(model)
     return model
 
 
 def _swap(owner: nn.Module, attr: str, parts: list[GGUFBlocks | None], dtype: str, name: str) -> bool:
     """Replace owner.attr by a quantized linear over the fused `parts`; False when it stays fp32."""
-    ok = {"gguf": ("Q4_0", "Q4_1", "Q8_0"), "int4": ("Q4_0", "Q4_1")}[dtype]
+    ok = ("Q4_0", "Q4_1") if dtype == "int4" else ("Q4_0", "Q4_1", "Q8_0")
     if any(p is None or p.qtype not in ok for p in parts) or len({p.qtype for p in parts}) != 1:
         log.debug("%s stays fp32 for dtype %s", name, dtype)
         return False
@@ -158,7 +162,8 @@ def _swap(owner: nn.Module, attr: str, parts: list[GGUFBlocks | None], dtype: st
     blocks = concat_blocks(parts)
     if blocks.shape != tuple(linear.weight.shape):
         raise ValueError(f"{name}: GGUF blocks of shape {blocks.shape}, the model expects {tuple(linear.weight.shape)}")
-    quantized = GGUFLinear.from_blocks(blocks, linear.bias) if dtype == "gguf" else Int4Linear(blocks, linear.bias)
+    quantized = (GGUFLinear.from_blocks(blocks, linear.bias, int8_activations=dtype == "gguf-q8")
+                 if dtype in GGUF_DTYPES else Int4Linear(blocks, linear.bias))
     setattr(owner, attr, quantized)
     return True
 
