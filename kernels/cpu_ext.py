@@ -2,16 +2,25 @@
 
 The C++ sources are built with torch's extension builder (a C++ compiler and ninja; about a minute, once per
 machine, torch version and source change, cached under torch's extensions directory) in one of two builds:
-- `avx512vnni`: AVX-512 with VNNI (Intel Ice Lake and later, AMD Zen 4 and later): integer dot products;
-- `avx2`: AVX2 + FMA + F16C (x86-64 since ~2013): fp32 FMAs.
-The build's name carries its ISA, so a cache shared between machines never hands one to a CPU without it, and
-each registers its ops under its own namespace (`torch.ops.spind_cpu_<isa>`), so both can be loaded side by side
-(tests compare them). Callers use `ops()`, or fall back to torch when `available()` is False.
+- `avx512vnni`: AVX-512 with VNNI (Intel Ice Lake and later, AMD Zen 4 and later): integer dot products by
+  vpdpbusd (fp32-precision activations as three int8 digits per block, or one for 8-bit activations);
+- `avx2`: AVX2 + FMA + F16C (x86-64 since ~2013): fp32 FMAs for fp32-precision activations, vpmaddubsw /
+  vpmaddwd integer dots for 8-bit ones (the same integer sums and fp32 epilogue as avx512vnni: bit-identical).
+`SPIND_CPU_ISA=avx2` forces a build (to run or time the AVX2 path on an AVX-512 machine). The build's name carries
+its ISA, so a cache shared between machines never hands one to a CPU without it, and each registers its ops under
+its own namespace (`torch.ops.spind_cpu_<isa>`), so both can be loaded side by side (tests compare them). Callers
+use `ops()`, or fall back to torch when `available()` is False. Every op runs on the kernels' own thread pool
+(csrc/pool.h) at torch's thread count.
 
 Ops (all batch-invariant: a row's result does not depend on the other rows of the call):
-- `q4_1_linear(x, qs, d, m)`, `q8_0_linear(x, qs, d)`: y = x W^T from GGUF blocks (csrc/quant_gemm.cpp);
+- `q4_1_linear(x, blocks)`, `q8_0_linear(x, blocks)` (fp32-precision activations), `q4_1_linear_q8`,
+  `q8_0_linear_q8` (8-bit activations): y = x W^T from packed GGUF blocks (csrc/quant_gemm.cpp);
+  `quantize_rows(x, digits)`: the activation digits those compute with (tests);
 - `row_attention(q, k_cache, v_cache, slots, slot_start, cu_q, ctx_lens, scale)` (csrc/row_attention.cpp);
-- `rms_norm(x, w, eps)`, `silu_mul(gate_up)`: fused row-wise ops of the quantized forward (csrc/fused_ops.cpp).
+- `rms_norm(x, w, eps)`, `silu_mul(gate_up)`, `rope_kv(...)`: fused row-wise ops of the quantized forward
+  (csrc/fused_ops.cpp);
+- `decoder_layers(...)`: a whole LLaMA decoder stack through the ops above in one call, and
+  `huge_page_copy(t)`: a tensor copy on transparent-huge-page memory (csrc/stack.cpp).
 """
 
 from __future__ import annotations
@@ -41,9 +50,16 @@ _builds: dict[str, str | None] = {}  # isa -> None when loaded, else why it is n
 _logged: set[str] = set()
 
 
+ISA_ENV = "SPIND_CPU_ISA"  # force a build (e.g. avx2 on an AVX-512 machine, to run or time that path)
+
+
 def best_isa() -> str | None:
-    """The fastest build this CPU runs, None when it has neither (not x86, or older than AVX2)."""
+    """The build spind runs: `SPIND_CPU_ISA` when set (and this CPU runs it), else the fastest this CPU runs; None
+    when there is none (not x86, older than AVX2, or a forced build this CPU lacks)."""
     isas = supported_isas()
+    forced = os.environ.get(ISA_ENV)
+    if forced:
+        return forced if forced in isas else None
     return isas[0] if isas else None
 
 
@@ -69,7 +85,11 @@ def load(isa: str) -> str | None:
 def unavailable_reason() -> str | None:
     """None when the best build for this CPU is loaded (building it on first call), else why not (logged once)."""
     isa = best_isa()
-    if isa is None:
+    forced = os.environ.get(ISA_ENV)
+    if isa is None and forced:
+        reason = (f"{ISA_ENV}={forced}: not a build this CPU runs (it runs: {', '.join(supported_isas()) or 'none'}; "
+                  f"builds: {', '.join(ISA_FLAGS)})")
+    elif isa is None:
         reason = f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has neither AVX-512 VNNI nor AVX2"
     else:
         reason = load(isa)

@@ -14,17 +14,24 @@ import time
 from spind.config import DTYPES, ConfigError, SpindConfig, load_config
 
 
-def add_config_args(p: argparse.ArgumentParser) -> None:
+def add_config_args(p: argparse.ArgumentParser, thread_counts: bool = False) -> None:
+    """--config, --model, --dtype and --threads; `thread_counts`: --threads is a comma-separated list of counts (a
+    bench pass at each), not a config override."""
     p.add_argument("--config", default=None, help="config.toml (default: the embedded one)")
     p.add_argument("--model", default=None, help="override [model].target: 'default', an HF dir or a .gguf")
     p.add_argument("--dtype", default=None, choices=DTYPES, help="override [model].dtype")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per worker (default: [runtime].threads, else cores / workers)")
+    if thread_counts:
+        p.add_argument("--threads", default=None, help="comma-separated torch thread counts, a pass at each "
+                                                       "(default: every core)")
+    else:
+        p.add_argument("--threads", type=int, default=None,
+                       help="torch threads per worker (default: [runtime].threads, else cores / workers)")
 
 
 def config_from_args(args: argparse.Namespace, **server: object) -> SpindConfig:
+    threads = args.threads if isinstance(args.threads, int) else None  # a list of counts is the bench's own
     return load_config(args.config, {"model": {"target": args.model, "dtype": args.dtype},
-                                     "runtime": {"threads": args.threads}, "server": dict(server)})
+                                     "runtime": {"threads": threads}, "server": dict(server)})
 
 
 def check_prompt_fits(num_tokens: int, max_model_len: int) -> None:

@@ -15,11 +15,12 @@ DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
 TARGET_WORKER = "target"  # the worker that hosts the target model (and verifies)
 
 DRAFTER_KINDS = ("ngram", "self", "model")
-SELF_DRAFT_VARIANTS = ("bf16", "int8-weight-only", "int8-dynamic", "layers", "gguf", "gguf-q8")
+SELF_DRAFT_VARIANTS = ("bf16", "int8-weight-only", "int8-dynamic", "layers", "gguf", "gguf-q16", "gguf-q8")
 # float dtypes, then quantized targets (spind/models/quant.py): "gguf" runs the GGUF's own blocks (Q4_0, Q4_1, Q8_0)
-# with spind's batch-invariant CPU kernel at fp32 precision, "gguf-q8" the same blocks with 8-bit activations
-# (integer dot products on every x86 path); "int4" / "int8" use torch's weight-only kernels (bf16 activations).
-DTYPES = ("float32", "bfloat16", "float16", "gguf", "gguf-q8", "int4", "int8")
+# with spind's batch-invariant CPU kernel at fp32 precision, "gguf-q16" / "gguf-q8" the same blocks with 15- / 8-bit
+# activations (integer dot products, bit-identical on every x86 path); "int4" / "int8" use torch's weight-only
+# kernels (bf16 activations).
+DTYPES = ("float32", "bfloat16", "float16", "gguf", "gguf-q16", "gguf-q8", "int4", "int8")
 # kernels/attention.py BACKENDS
 ATTENTION_BACKENDS = ("packed", "padded", "decomposed", "triton-packed", "triton-decomposed", "invariant")
 POLICY_NAMES = ("lbss", "fixed:NAME[@K]", "greedy-length", "epsilon-greedy", "random", "none", "oracle")
@@ -58,7 +59,7 @@ class RuntimeConfig:
 class DrafterConfig:
     name: str
     kind: str  # ngram | self | model
-    variant: str = ""  # for kind=self: bf16 | int8-weight-only | int8-dynamic | layers | gguf | gguf-q8
+    variant: str = ""  # for kind=self: bf16 | int8-weight-only | int8-dynamic | layers | gguf | gguf-q16 | gguf-q8
     path: str = ""  # for kind=model: HF directory or .gguf
     layers: tuple[int, ...] = ()  # for variant=layers (and optionally gguf): which target layers to keep
     vocab: int = 0  # for variant=gguf: keep token ids [0, vocab) in the draft's lm_head (BPE merge order); 0 = all
@@ -233,9 +234,8 @@ def validate(cfg: SpindConfig) -> SpindConfig:
             raise ConfigError(f"[[drafters]] {d.name}: variant must be one of {SELF_DRAFT_VARIANTS}")
         if d.kind == "self" and d.variant == "layers" and not d.layers:
             raise ConfigError(f"[[drafters]] {d.name}: variant 'layers' needs layers = [...]")
-        if d.vocab < 0 or (d.vocab and d.variant not in ("gguf", "gguf-q8")):
-            raise ConfigError(f"[[drafters]] {d.name}: vocab must be >= 0, and only a 'gguf' or 'gguf-q8' self-draft "
-                              "trims it")
+        if d.vocab < 0 or (d.vocab and not d.variant.startswith("gguf")):
+            raise ConfigError(f"[[drafters]] {d.name}: vocab must be >= 0, and only a 'gguf*' self-draft trims it")
         if any(i < 0 for i in d.layers):
             raise ConfigError(f"[[drafters]] {d.name}: layers must be layer indices >= 0, got {list(d.layers)}")
         if d.kind == "model" and not d.path:

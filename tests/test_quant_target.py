@@ -80,11 +80,11 @@ def prefill_logits(model: LlamaModel, ids: list[int], attention: str) -> torch.T
 
 
 def test_config_accepts_the_quantized_dtypes() -> None:
-    for dtype in ("gguf", "gguf-q8", "int4", "int8"):
+    for dtype in ("gguf", "gguf-q16", "gguf-q8", "int4", "int8"):
         assert load_config(overrides={"model": {"dtype": dtype}}).model.dtype == dtype
     with pytest.raises(ConfigError, match="dtype must be one of"):
         load_config(overrides={"model": {"dtype": "int3"}})
-    with pytest.raises(ConfigError, match="only a 'gguf' or 'gguf-q8' self-draft trims it"):
+    with pytest.raises(ConfigError, match="only a 'gguf\\*' self-draft trims it"):
         from_dict({"drafters": [{"name": "x", "kind": "self", "variant": "bf16", "vocab": 100}]})
 
 

@@ -7,9 +7,9 @@
 namespace spind_cpu {
 namespace SPIND_OPS {
 
-// y = x W^T from packed GGUF blocks (csrc/quant_gemm.cpp): Q8_0 or Q4_1 (Q4_0 packed as Q4_1), fp32-precision or
-// 8-bit activations
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, bool q8_0, bool int8_activations);
+// y = x W^T from packed GGUF blocks (csrc/quant_gemm.cpp): Q8_0 or Q4_1 (Q4_0 packed as Q4_1); digits: 0 for
+// fp32-precision activations, 1 or 2 for 8- or 15-bit ones
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, bool q8_0, int64_t digits);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& gu);
 at::Tensor rope_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,

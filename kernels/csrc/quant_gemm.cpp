@@ -80,22 +80,27 @@ struct Weights {
 
 // ---- integer path: activations as int8 digits, exact int32 block dots, one fp32 epilogue on every ISA ----
 
-// A block of 32 activations as D int8 digits: x ~ scale * sum_e 256^(D-1-e) digit_e (balanced base 256).
-//   D = 1 (`gguf-q8`, llama.cpp's Q8_1 idea): |digit| <= 127, an 8-bit copy of the block (1 in 254 of its largest entry);
-//   D = 3 (`gguf` on AVX-512 VNNI): a 23-bit fixed-point copy, as fine as fp32's 24-bit significand for the block's
-//   largest entry. Two digits measured 8 % faster per decode step, but moved the logits up to 1.3e-2 off fp32.
+// A block of 32 activations as D int8 digits: x ~ scale * sum_e kBase^(D-1-e) digit_e (balanced digits).
+//   D = 1 (`gguf-q8`, llama.cpp's Q8_1 idea): |digit| <= 127, an 8-bit copy of the block (1 in 254 of its largest
+//         entry); on the default model its top-1 agrees with fp32 activations at ~93 % of positions;
+//   D = 2 (`gguf-q16`): base 255, |digits| <= 127 (what AVX2's maddubs bounds need), a 15-bit copy (1 in 65024);
+//   D = 3 (`gguf` on AVX-512 VNNI): base 256, a 23-bit fixed-point copy, as fine as fp32's 24-bit significand for
+//         the block's largest entry.
 // Scalar code: every build quantizes identically.
 template <int D>
 struct Digits {
-  static constexpr int32_t kLimit = D == 1 ? 127 : (1 << 22) - 1;  // |x / scale| <= kLimit
+  static constexpr int32_t kBase = D == 3 ? 256 : 255;
+  static constexpr int32_t kLimit = D == 1 ? 127 : D == 2 ? 127 * 255 + 127 : (1 << 22) - 1;  // |x / scale| <= kLimit
   int64_t groups;
   std::vector<int8_t> digits;      // [M][G][D][32]: digit e of x[r, 32g + k] at ((r G + g) D + e) 32 + k
   std::vector<float> scale;        // [M][G]
   std::vector<float> sum;          // [M][G] sum of the block's x (fp32, k increasing), for Q4_1's m term
   std::vector<int32_t> digit_sum;  // [M][G][D], for Q8_0's +128 offset on VNNI
+  std::vector<int16_t> q16;        // D = 2: [M][G][32] the value kBase a + b itself (AVX2 dots it in one vpmaddwd)
 
   Digits(const float* x, int64_t M, int64_t K)
-      : groups(K / kBlock), digits(M * K * D), scale(M * groups), sum(M * groups), digit_sum(M * groups * D) {
+      : groups(K / kBlock), digits(M * K * D), scale(M * groups), sum(M * groups), digit_sum(M * groups * D),
+        q16(D == 2 ? M * K : 0) {
     parallel_for(0, M * groups, 256, [&](int64_t begin, int64_t end) {
       for (int64_t rg = begin; rg < end; ++rg) quantize_block(x + rg * kBlock, rg);
     });
@@ -115,11 +120,18 @@ struct Digits {
     for (int k = 0; k < kBlock; ++k) {
       int32_t q = static_cast<int32_t>(std::lrintf(xb[k] * inv));
       q = std::min(std::max(q, -kLimit), kLimit);
+      if constexpr (D == 2) q16[rg * kBlock + k] = static_cast<int16_t>(q);
       for (int e = D - 1; e >= 0; --e) {  // least significant last; for D = 1 the digit is q itself
-        const int32_t digit = ((q + 128) & 255) - 128;
+        int32_t digit;
+        if constexpr (kBase == 256) {
+          digit = ((q + 128) & 255) - 128;
+        } else {
+          digit = q % 255;  // in (-255, 255), then balanced into [-127, 127]
+          digit += digit > 127 ? -255 : digit < -127 ? 255 : 0;
+        }
         out[e * kBlock + k] = static_cast<int8_t>(digit);
         dsum[e] += digit;
-        q = (q - digit) >> 8;
+        q = (q - digit) / kBase;
       }
     }
     for (int e = 0; e < D; ++e) digit_sum[rg * D + e] = dsum[e];
@@ -175,6 +187,28 @@ struct Column {
       }
     }
   }
+  // The codes widened to int16, for 16-bit activations: w16[2p] holds lanes 0, 1 | 4, 5 and w16[2p + 1] lanes
+  // 2, 3 | 6, 7 of wq[p] (vpunpck*bw order), each lane's 4 consecutive k as 4 int16.
+  vi w16[16];
+  void widen() {
+    for (int p = 0; p < 8; ++p) {
+      const vi hi = q4 ? izero() : _mm256_cmpgt_epi8(izero(), ws[p]);  // Q8: sign-extend the signed codes
+      const vi w = q4 ? wq[p] : ws[p];
+      w16[2 * p] = _mm256_unpacklo_epi8(w, hi);
+      w16[2 * p + 1] = _mm256_unpackhi_epi8(w, hi);
+    }
+  }
+  // The exact int32 sum over the block of code x q for 16-bit q (|q| <= 32512: a pair <= 8.3e6, the block
+  // <= 1.4e8, no overflow), lanes in order: the same value a two-digit dot reaches as 255 dot(a) + dot(b).
+  vi dot16(const int16_t* q) const {
+    vi lo = izero(), hi = izero();
+    for (int p = 0; p < 8; ++p) {
+      const vi qp = _mm256_set1_epi64x(*reinterpret_cast<const int64_t*>(q + 4 * p));  // k 4p .. 4p + 3, repeated
+      lo = iadd(lo, madd16(w16[2 * p], qp));      // lanes 0, 1 | 4, 5: (k0 + k1, k2 + k3) each
+      hi = iadd(hi, madd16(w16[2 * p + 1], qp));  // lanes 2, 3 | 6, 7
+    }
+    return _mm256_hadd_epi32(lo, hi);  // lanes 0..7 in order
+  }
   // Single digits only (|digit| <= 127): Q4 pairs are <= 2 x 15 x 127, so 8 of them add in int16 without
   // saturating (30480); Q8 pairs are <= 2 x 128 x 127 = 32512, widened to int32 one at a time.
   vi dot(const int32_t* quads, int32_t /* digit_sum */) const {
@@ -214,13 +248,28 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
       const int64_t row = row0 + c * kLanes;  // 0..31 within the pair: tile row / 16, lane row % 16
       Column col;
       col.load(w.codes(blk, row / 16) + (row % 16) * 4, q4);
+#ifndef SPIND_VNNI
+      if constexpr (D == 2) col.widen();
+#endif
       const vf d = load_f16(w.d(blk) + row);
       const vf m = q4 ? load_f16(w.m(blk) + row) : vzero();
       for (int r = 0; r < MR; ++r) {
         const int64_t rg = (r0 + r) * w.groups + g;
-        const int32_t* quads = reinterpret_cast<const int32_t*>(a.digits.data() + rg * D * kBlock);
-        vf t = to_float(col.dot(quads, a.digit_sum[rg * D]));
-        for (int e = 1; e < D; ++e) t = vfma(t, vset1(256.0f), to_float(col.dot(quads + 8 * e, a.digit_sum[rg * D + e])));
+        vf t;
+#ifndef SPIND_VNNI
+        if constexpr (D == 2) {
+          t = to_float(col.dot16(a.q16.data() + rg * kBlock));  // round(exact sum), as the Horner fma below
+        } else
+#endif
+        {
+          // D exact int32 dots (each < 2^20 in magnitude, exact in fp32) combined by fma: for D = 2 one rounding of
+          // the exact 255 hi + lo, the very value AVX2's single 16-bit dot converts
+          const int32_t* quads = reinterpret_cast<const int32_t*>(a.digits.data() + rg * D * kBlock);
+          t = to_float(col.dot(quads, a.digit_sum[rg * D]));
+          for (int e = 1; e < D; ++e)
+            t = vfma(t, vset1(static_cast<float>(Digits<D>::kBase)),
+                     to_float(col.dot(quads + 8 * e, a.digit_sum[rg * D + e])));
+        }
         acc[r][c] = vfma(t, vmul(d, vset1(a.scale[rg])), acc[r][c]);
         if (q4) acc[r][c] = vfma(m, vset1(a.sum[rg]), acc[r][c]);
       }
@@ -234,7 +283,7 @@ template <int D>
 struct IntPath {
   using Inputs = Digits<D>;
 #ifdef SPIND_VNNI
-  static constexpr int kRows = D == 1 ? 8 : 5;  // rows sharing each unpacked weight vector (registers: 2 kRows acc)
+  static constexpr int kRows = D == 3 ? 5 : 8;  // rows sharing each unpacked weight vector (registers: 2 kRows acc)
 #else
   static constexpr int kRows = 4;
 #endif
@@ -365,8 +414,8 @@ at::Tensor gemm(const at::Tensor& x, const Weights& w, int64_t n_out) {
   return y;
 }
 
-// digits: 0 = the build's fp32-precision path (3 digits on AVX-512 VNNI, fp32 FMAs on AVX2); 1 = 8-bit activations,
-// bit-identical on every build
+// digits: 0 = the build's fp32-precision path (3 digits on AVX-512 VNNI, fp32 FMAs on AVX2); 1 or 2 = 8- or 15-bit
+// activations, bit-identical on every build
 at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, Format format, int digits) {
   const Weights w{format, nullptr, blocks.dim() == 3 ? blocks.size(1) : 0, 0};
   TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == w.block_bytes() && blocks.scalar_type() == at::kByte &&
@@ -376,6 +425,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, Format format, 
   const Weights ws{format, blocks.data_ptr<uint8_t>(), w.groups, blocks.size(0) * w.groups};
   const int64_t n_out = blocks.size(0) * kPair;
   if (digits == 1) return gemm<IntPath<1>>(x, ws, n_out);
+  if (digits == 2) return gemm<IntPath<2>>(x, ws, n_out);
 #ifdef SPIND_VNNI
   return gemm<IntPath<3>>(x, ws, n_out);
 #else
@@ -387,13 +437,15 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& blocks) { return l
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& blocks) { return linear(x, blocks, Format::kQ8_0, 0); }
 at::Tensor q4_1_linear_q8(const at::Tensor& x, const at::Tensor& blocks) { return linear(x, blocks, Format::kQ4_1, 1); }
 at::Tensor q8_0_linear_q8(const at::Tensor& x, const at::Tensor& blocks) { return linear(x, blocks, Format::kQ8_0, 1); }
+at::Tensor q4_1_linear_q16(const at::Tensor& x, const at::Tensor& blocks) { return linear(x, blocks, Format::kQ4_1, 2); }
+at::Tensor q8_0_linear_q16(const at::Tensor& x, const at::Tensor& blocks) { return linear(x, blocks, Format::kQ8_0, 2); }
 
 // The digits the integer path computes with, for tests: (digits int8 [M, K/32, D, 32], scale [M, K/32], sum
 // [M, K/32]) of x
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t digits) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % kBlock == 0,
               "x must be a contiguous fp32 [M, K] with K a multiple of 32");
-  TORCH_CHECK(digits == 1 || digits == 3, "digits must be 1 or 3");
+  TORCH_CHECK(digits >= 1 && digits <= 3, "digits must be 1, 2 or 3");
   const int64_t M = x.size(0), G = x.size(1) / kBlock;
   auto copy_out = [&](const auto& a) {
     at::Tensor d = at::empty({M, G, digits, kBlock}, x.options().dtype(at::kChar));
@@ -404,14 +456,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
     return std::make_tuple(d, s, t);
   };
   if (digits == 1) return copy_out(Digits<1>(x.data_ptr<float>(), M, x.size(1)));
+  if (digits == 2) return copy_out(Digits<2>(x.data_ptr<float>(), M, x.size(1)));
   return copy_out(Digits<3>(x.data_ptr<float>(), M, x.size(1)));
 }
 
 }  // namespace
 
 namespace SPIND_OPS {
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, bool q8_0, bool int8_activations) {
-  return linear(x, blocks, q8_0 ? Format::kQ8_0 : Format::kQ4_1, int8_activations ? 1 : 0);
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, bool q8_0, int64_t digits) {
+  return linear(x, blocks, q8_0 ? Format::kQ8_0 : Format::kQ4_1, static_cast<int>(digits));
 }
 }  // namespace SPIND_OPS
 
@@ -420,6 +473,8 @@ TORCH_LIBRARY_FRAGMENT(SPIND_OPS, m) {
   m.def("q8_0_linear(Tensor x, Tensor blocks) -> Tensor", &q8_0_linear);
   m.def("q4_1_linear_q8(Tensor x, Tensor blocks) -> Tensor", &q4_1_linear_q8);
   m.def("q8_0_linear_q8(Tensor x, Tensor blocks) -> Tensor", &q8_0_linear_q8);
+  m.def("q4_1_linear_q16(Tensor x, Tensor blocks) -> Tensor", &q4_1_linear_q16);
+  m.def("q8_0_linear_q16(Tensor x, Tensor blocks) -> Tensor", &q8_0_linear_q16);
   m.def("quantize_rows(Tensor x, int digits) -> (Tensor, Tensor, Tensor)", &quantize_rows);
 }
 

@@ -35,10 +35,10 @@ at::Tensor huge_page_copy(const at::Tensor& t) {
 }
 
 // weights: 4 per layer (qkv, o, gate_up, down) as packed blocks; q8_0 / out_features: per weight; norms: 2 per
-// layer (input, post-attention)
+// layer (input, post-attention); digits: the activations' (0: fp32 precision; 1, 2: 8 or 15 bits)
 at::Tensor decoder_layers(const at::Tensor& h, at::TensorList weights, c10::ArrayRef<int64_t> q8_0,
                           c10::ArrayRef<int64_t> out_features, at::TensorList norms, double eps,
-                          bool int8_activations, const at::Tensor& cos, const at::Tensor& sin,
+                          int64_t digits, const at::Tensor& cos, const at::Tensor& sin,
                           at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& write_slots,
                           const at::Tensor& slots, const at::Tensor& slot_start, const at::Tensor& cu_q,
                           const at::Tensor& ctx_lens, double scale, int64_t H, int64_t Hkv) {
@@ -49,7 +49,7 @@ at::Tensor decoder_layers(const at::Tensor& h, at::TensorList weights, c10::Arra
               static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(v_caches.size()) == layers,
               "decoder_layers: 4 weights, 2 norms and one K and V cache per layer");
   auto linear = [&](const at::Tensor& x, int64_t i) {
-    at::Tensor y = SPIND_OPS::gguf_linear(x, weights[i], q8_0[i] != 0, int8_activations);
+    at::Tensor y = SPIND_OPS::gguf_linear(x, weights[i], q8_0[i] != 0, digits);
     return y.size(1) == out_features[i] ? y : y.narrow(1, 0, out_features[i]).contiguous();
   };
   const int64_t T = h.size(0);
@@ -70,7 +70,7 @@ at::Tensor decoder_layers(const at::Tensor& h, at::TensorList weights, c10::Arra
 TORCH_LIBRARY_FRAGMENT(SPIND_OPS, m) {
   m.def("huge_page_copy(Tensor t) -> Tensor", &huge_page_copy);
   m.def("decoder_layers(Tensor h, Tensor[] weights, int[] q8_0, int[] out_features, Tensor[] norms, float eps, "
-        "bool int8_activations, Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, Tensor write_slots, "
+        "int digits, Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, Tensor write_slots, "
         "Tensor slots, Tensor slot_start, Tensor cu_q, Tensor ctx_lens, float scale, int H, int Hkv) -> Tensor",
         &decoder_layers);
 }

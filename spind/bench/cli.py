@@ -75,8 +75,8 @@ def add_parsers(sub: argparse._SubParsersAction,
 
     c = bench_sub.add_parser("decode", help="ms per decode step, verify and generated token per target dtype, "
                                              "with drafters and against llama.cpp, side by side")
-    add_config_args(c)
-    c.add_argument("--dtypes", default="float32,bfloat16,int8,int4,gguf",
+    add_config_args(c, thread_counts=True)
+    c.add_argument("--dtypes", default="float32,bfloat16,int8,int4,gguf,gguf-q16,gguf-q8",
                    help=f"comma-separated target dtypes timed side by side, from: {', '.join(DTYPES)}")
     c.add_argument("--datasets", default="alpaca,mt_bench,humaneval,gsm8k",
                    help=f"comma-separated prompt kinds from: {', '.join(WORKLOADS)}")
@@ -88,6 +88,11 @@ def add_parsers(sub: argparse._SubParsersAction,
     c.add_argument("--steps", type=int, default=32, help="interleaved rounds timed per forward kind")
     c.add_argument("--llama-cpp", action="store_true",
                    help="also time llama.cpp's plain decoding of the same GGUF (needs the bench-llamacpp extra)")
+    c.add_argument("--verify-rows", default="9", help="comma-separated verify widths timed beside k + 1")
+    c.add_argument("--ttft-tokens", type=int, default=1000,
+                   help="prompt tokens of the time-to-first-token measure (0: skip)")
+    c.add_argument("--quality-positions", type=int, default=2048,
+                   help="positions of AlpacaEval's outputs scored for top-1 agreement and perplexity (0: skip)")
     c.add_argument("--out", type=Path, default=Path("bench-results/decode.json"))
     c.set_defaults(func=cmd_bench_decode)
 
@@ -220,21 +225,26 @@ def decode_settings(args: argparse.Namespace, cfg: SpindConfig) -> DecodeBenchSe
     datasets, drafters = _workloads(args.datasets), _drafters(args.drafters, cfg)
     k = cfg.speculation.k if args.k is None else args.k
     _check_positive(num_prompts=args.num_prompts, max_tokens=args.max_tokens, k=k, steps=args.steps)
+    threads = _ints("--threads", args.threads) if args.threads else (os.cpu_count() or 1,)
+    verify_rows = _ints("--verify-rows", args.verify_rows) if args.verify_rows else ()
+    if args.ttft_tokens < 0 or args.quality_positions < 0:
+        raise ValueError("--ttft-tokens and --quality-positions must be >= 0")
+    if args.ttft_tokens >= cfg.model.max_model_len:
+        raise ValueError(f"--ttft-tokens {args.ttft_tokens} must be below max_model_len {cfg.model.max_model_len}")
     return DecodeBenchSettings(dtypes=dtypes, drafters=drafters, datasets=datasets, num_prompts=args.num_prompts,
                                max_tokens=args.max_tokens, k=k, steps=args.steps, llama_cpp=args.llama_cpp,
-                               datasets_dir=check_datasets_dir(args.datasets_dir))
+                               datasets_dir=check_datasets_dir(args.datasets_dir), threads=threads,
+                               verify_rows=verify_rows, ttft_tokens=args.ttft_tokens,
+                               quality_positions=args.quality_positions)
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
-    import torch
-
     from spind.bench.decode import render_tables, run_decode_bench
     from spind.bench.report import write_json
     from spind.cli import config_from_args
 
     cfg = config_from_args(args)
     settings = decode_settings(args, cfg)
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
     results = run_decode_bench(cfg, settings)
     print(f"wrote {write_json(args.out, results)}", file=sys.stderr)
     print(render_tables(results))

@@ -53,12 +53,15 @@ def measure_draft_costs(cfg: SpindConfig, k: int = 4, rounds: int = 5) -> dict[s
 
 
 def time_target_steps(models: dict[str, LlamaModel], prompt: list[int], steps: int, k: int,
-                      block_size: int, attention: str = "packed") -> dict[str, dict[str, float]]:
-    """Median ms of a 1-token decode forward and a (k+1)-token verify forward (rolled back), batch 1."""
-    num_blocks = -(-(len(prompt) + steps + k + 1) // block_size)
+                      block_size: int, attention: str = "packed",
+                      verify_rows: tuple[int, ...] = ()) -> dict[str, dict[str, float]]:
+    """Median ms of a 1-token decode forward and a (k+1)-token verify forward (rolled back), batch 1, interleaved;
+    `verify_rows`: more verify widths, timed the same way (`verify_ms_by_rows`, with k + 1 among them)."""
+    widths = list(dict.fromkeys([k + 1, *verify_rows]))
+    num_blocks = -(-(len(prompt) + steps + max(widths)) // block_size)
     runners = {label: ModelRunner(m, num_blocks, block_size, attention) for label, m in models.items()}
     decode: dict[str, list[float]] = defaultdict(list)
-    verify: dict[str, list[float]] = defaultdict(list)
+    verify: dict[tuple[str, int], list[float]] = defaultdict(list)
     for runner in runners.values():
         runner.add_request(PROBE)
         runner.forward([ForwardItem(PROBE, prompt)])
@@ -67,9 +70,12 @@ def time_target_steps(models: dict[str, LlamaModel], prompt: list[int], steps: i
         for label, runner in runners.items():
             decode[label].append(timed(lambda: runner.forward([ForwardItem(PROBE, [token])])))
             length = runner.length(PROBE)
-            verify[label].append(timed(lambda: runner.forward([ForwardItem(PROBE, [token] * (k + 1), k + 1)])))
-            runner.truncate(PROBE, length)
-    return {label: {"decode_ms": statistics.median(decode[label]), "verify_ms": statistics.median(verify[label])}
+            for n in widths:
+                verify[(label, n)].append(timed(lambda: runner.forward([ForwardItem(PROBE, [token] * n, n)])))
+                runner.truncate(PROBE, length)
+    return {label: {"decode_ms": statistics.median(decode[label]),
+                    "verify_ms": statistics.median(verify[(label, k + 1)]),
+                    "verify_ms_by_rows": {n: statistics.median(verify[(label, n)]) for n in widths}}
             for label in runners}
 
 

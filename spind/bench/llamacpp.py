@@ -24,6 +24,7 @@ class LlamaCppDecoder:
         """Exactly `max_tokens` greedy tokens (EOS ignored, as spind's side runs with ignore_eos) and the seconds
         from the prompt to the last token, prefill included."""
         tokens: list[int] = []
+        self.llm.reset()  # else llama-cpp-python reuses the KV of a shared prompt prefix from the last call
         start = time.perf_counter()
         for tok in self.llm.generate(prompt_ids, top_k=1, temp=0.0, reset=True):
             tokens.append(tok)

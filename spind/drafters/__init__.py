@@ -43,7 +43,7 @@ def build_drafter(dc: DrafterConfig, cfg: SpindConfig, target_dir: Path, target_
             model = quantize_linears(load_llama(target_dir, "bfloat16", device), dc.variant)
         elif dc.variant == "int8-dynamic":
             model = quantize_linears(load_llama(target_dir, "float32", device), dc.variant)
-        elif dc.variant in ("gguf", "gguf-q8"):
+        elif dc.variant in ("gguf", "gguf-q16", "gguf-q8"):
             model = load_llama(target_dir, dc.variant, device, layers=dc.layers or None)
             if dc.vocab:
                 trim_vocab(model, dc.vocab)

@@ -68,7 +68,9 @@ class FusedStack:
     module loop runs.
     """
 
-    def __init__(self, model: nn.Module, int8_activations: bool) -> None:
+    def __init__(self, model: nn.Module, activations: str) -> None:
+        from spind.models.gguf_linear import ACTIVATION_DIGITS
+
         self.ops = cpu_ext.ops()
         self.weights, self.q8_0, self.out_features, self.norms = [], [], [], []
         for layer in model.layers:
@@ -80,7 +82,7 @@ class FusedStack:
             self.norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         first = model.layers[0]
         self.eps = first.input_layernorm.eps
-        self.int8_activations = int8_activations
+        self.digits = ACTIVATION_DIGITS[activations]
         self.num_heads, self.num_kv_heads, self.scale = (first.self_attn.num_heads, first.self_attn.num_kv_heads,
                                                          first.self_attn.scale)
 
@@ -97,7 +99,7 @@ class FusedStack:
         if not (fused and linears and all(isinstance(m, GGUFLinear) and m.has_kernel and m.bias is None
                                           for m in linears)):
             return None
-        modes = {m.int8_activations for m in linears}
+        modes = {m.activations for m in linears}
         if len(modes) != 1:
             return None
         eps = {n.eps for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
@@ -107,7 +109,7 @@ class FusedStack:
                  v_caches: list[torch.Tensor], write_slots: torch.Tensor, plan: tuple) -> torch.Tensor:
         slots, slot_start, cu_q, ctx_lens = plan
         return self.ops.decoder_layers(h.contiguous(), self.weights, self.q8_0, self.out_features, self.norms,
-                                       self.eps, self.int8_activations, cos, sin, k_caches, v_caches, write_slots,
+                                       self.eps, self.digits, cos, sin, k_caches, v_caches, write_slots,
                                        slots, slot_start, cu_q, ctx_lens, self.scale, self.num_heads,
                                        self.num_kv_heads)
 

@@ -5,10 +5,11 @@ regrouped in blocks of 32 output rows (the layout of kernels/csrc/quant_gemm.cpp
 fp32 activations in one of two precisions:
 - fp32 (`gguf`): integer dot products of the codes with a 23-bit fixed-point copy of each block of x (AVX-512
   VNNI), or fp32 FMAs on the weights dequantized in registers (AVX2);
-- 8-bit activations (`gguf-q8`): each block of 32 activations as int8 digits and one fp32 scale, dotted with the
-  codes exactly in int32 (vpdpbusd on AVX-512 VNNI, vpmaddubsw / vpmaddwd on AVX2): the same integer sums and the
-  same fp32 epilogue on both, so the two builds give bit-identical outputs, at a third of the fp32 path's integer
-  work on VNNI and well under AVX2's fp32 FMAs: what lets extra rows (a verify, a prefill) cost little.
+- 15-bit (`gguf-q16`) or 8-bit (`gguf-q8`) activations: each block of 32 activations as two or one int8 digits
+  and one fp32 scale, dotted with the codes exactly in int32 (vpdpbusd on AVX-512 VNNI, vpmaddubsw / vpmaddwd on
+  AVX2): the same integer sums and the same fp32 epilogue on both, so the two builds give bit-identical outputs, at
+  2/3 or 1/3 of the fp32 path's integer work on VNNI and well under AVX2's fp32 FMAs: what lets extra rows (a
+  verify, a prefill) cost little.
 Q4_0 (w = d (q - 8)) rides on the Q4_1 kernel with m = -8 d, which is exact. Both are batch-invariant (a row's
 output does not depend on the other rows), which keeps speculative decoding lossless against this target.
 
@@ -26,6 +27,8 @@ from spind.kernels import cpu_ext
 from spind.models.loader import BLOCK_BYTES, GGUFBlocks
 
 PAIR = 32  # output rows per packed block: two 16-row tiles, the kernels' widest unit of work
+# activation precisions -> int8 digits per activation in the kernels (0: the build's fp32-precision path)
+ACTIVATION_DIGITS = {"fp32": 0, "q8": 1, "q16": 2}
 
 
 def concat_blocks(parts: list[GGUFBlocks]) -> GGUFBlocks:
@@ -89,34 +92,37 @@ class GGUFLinear(nn.Module):
     """y = x W^T + b, W as GGUF blocks; fp32 activations in and out."""
 
     def __init__(self, qtype: str, out_features: int, in_features: int, storage: torch.Tensor,
-                 bias: torch.Tensor | None = None, int8_activations: bool = False) -> None:
+                 bias: torch.Tensor | None = None, activations: str = "fp32") -> None:
         """Use `from_blocks`; `storage` is `pack(blocks)` with the kernels, else the dequantized weight."""
         super().__init__()
         self.qtype, self.out_features, self.in_features = qtype, out_features, in_features
-        self.int8_activations = int8_activations
+        if activations not in ACTIVATION_DIGITS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATION_DIGITS)}, got {activations!r}")
+        self.activations = activations
         self.has_kernel = storage.dtype == torch.uint8
         self.ops = cpu_ext.ops() if self.has_kernel else None
         if self.has_kernel:
-            name = ("q8_0_linear" if qtype == "Q8_0" else "q4_1_linear") + ("_q8" if int8_activations else "")
+            name = ("q8_0_linear" if qtype == "Q8_0" else "q4_1_linear") + ("" if activations == "fp32" else
+                                                                            f"_{activations}")
             self._op = getattr(self.ops, name)
         self.register_buffer("blocks" if self.has_kernel else "weight", storage)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     @classmethod
     def from_blocks(cls, blocks: GGUFBlocks, bias: torch.Tensor | None = None,
-                    int8_activations: bool = False) -> "GGUFLinear":
+                    activations: str = "fp32") -> "GGUFLinear":
         if blocks.qtype not in BLOCK_BYTES:
             raise ValueError(f"GGUF type {blocks.qtype} has no spind kernel; supported: {', '.join(BLOCK_BYTES)}")
-        if int8_activations and not cpu_ext.available():
-            raise RuntimeError(f"8-bit activations (gguf-q8) need spind's CPU kernels: {cpu_ext.unavailable_reason()}")
+        if activations != "fp32" and not cpu_ext.available():
+            raise RuntimeError(f"{activations} activations need spind's CPU kernels: {cpu_ext.unavailable_reason()}")
         storage = huge_pages(pack(blocks)) if cpu_ext.available() else dequantize(blocks)
-        return cls(blocks.qtype, *blocks.shape, storage, bias, int8_activations)
+        return cls(blocks.qtype, *blocks.shape, storage, bias, activations)
 
     def first_rows(self, num_rows: int) -> "GGUFLinear":
         """A copy keeping output rows [0, num_rows) (packed storage is cut at a multiple of 32 rows)."""
         storage = huge_pages(self.blocks[:-(-num_rows // PAIR)]) if self.has_kernel else self.weight[:num_rows].clone()
         bias = None if self.bias is None else self.bias[:num_rows]
-        return GGUFLinear(self.qtype, num_rows, self.in_features, storage, bias, self.int8_activations)
+        return GGUFLinear(self.qtype, num_rows, self.in_features, storage, bias, self.activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -132,5 +138,4 @@ class GGUFLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kernel = "spind kernel" if self.has_kernel else "dequantized fallback"
-        activations = "int8" if self.int8_activations else "fp32"
-        return f"{self.in_features}, {self.out_features}, {self.qtype}, {activations} activations, {kernel}"
+        return f"{self.in_features}, {self.out_features}, {self.qtype}, {self.activations} activations, {kernel}"

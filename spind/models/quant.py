@@ -4,8 +4,9 @@ Target dtypes beyond float32 / bfloat16 / float16 (the model keeps fp32 activati
 only the linear layers change):
 - `gguf`: the GGUF's own blocks (Q4_1 layers and a Q8_0 lm_head for the default model) through spind's CPU
   kernel (`GGUFLinear`): fp32 activations, the exact dequantized weights, batch-invariant;
-- `gguf-q8`: the same blocks, each GEMM's activations quantized to 8 bits per block of 32 (llama.cpp's Q8_1 idea):
-  exact integer dot products on AVX2 and AVX-512 VNNI alike (bit-identical between them), batch-invariant;
+- `gguf-q16` / `gguf-q8`: the same blocks, each GEMM's activations quantized to 15 / 8 bits per block of 32
+  (llama.cpp's Q8_1 idea, and a two-digit refinement of it): exact integer dot products on AVX2 and AVX-512 VNNI
+  alike (bit-identical between them), batch-invariant;
 - `int4`: torch's `_weight_int4pack_mm_for_cpu` on the GGUF's 4-bit codes, Q4_1's w = d q + m rewritten as
   (q - 8) d + (m + 8 d) with bf16 scales and zeros; bf16 activations; lm_head as `int8`;
 - `int8`: torch's `_weight_int8pack_mm` with one bf16 scale per output channel, requantized from the dequantized
@@ -31,8 +32,8 @@ from spind.models.loader import GGUFBlocks, gguf_source, load_gguf_blocks
 
 log = logging.getLogger(__name__)
 
-QUANTIZED_DTYPES = ("gguf", "gguf-q8", "int4", "int8")
-GGUF_DTYPES = ("gguf", "gguf-q8")  # GGUFLinear targets: fp32-precision activations, or 8-bit ones
+QUANTIZED_DTYPES = ("gguf", "gguf-q16", "gguf-q8", "int4", "int8")
+GGUF_DTYPES = {"gguf": "fp32", "gguf-q16": "q16", "gguf-q8": "q8"}  # GGUFLinear targets -> their activations
 INT4_GROUP = 32  # GGUF's block: torch's int4 groups map one to one onto Q4_0 / Q4_1 blocks
 
 
@@ -162,7 +163,7 @@ def _swap(owner: nn.Module, attr: str, parts: list[GGUFBlocks | None], dtype: st
     blocks = concat_blocks(parts)
     if blocks.shape != tuple(linear.weight.shape):
         raise ValueError(f"{name}: GGUF blocks of shape {blocks.shape}, the model expects {tuple(linear.weight.shape)}")
-    quantized = (GGUFLinear.from_blocks(blocks, linear.bias, int8_activations=dtype == "gguf-q8")
+    quantized = (GGUFLinear.from_blocks(blocks, linear.bias, activations=GGUF_DTYPES[dtype])
                  if dtype in GGUF_DTYPES else Int4Linear(blocks, linear.bias))
     setattr(owner, attr, quantized)
     return True
