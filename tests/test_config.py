@@ -14,7 +14,7 @@ NGRAM = {"name": "ng", "kind": "ngram"}
 def test_embedded_default_loads() -> None:
     cfg = load_config()
     assert [d.name for d in cfg.drafters] == ["ngram", "int8", "dyn8", "bf16"]
-    assert cfg.model.dtype == "gguf" and cfg.runtime.attention == "invariant"
+    assert cfg.model.dtype == "gguf-q16" and cfg.runtime.attention == "invariant"
     assert cfg.selection.policy == "lbss" and cfg.selection.k_set == (2, 4, 8)
     assert cfg.drafter("int8").variant == "int8-weight-only"
     assert cfg.worker("target").device == "cpu" and cfg.worker("unlisted").name == "unlisted"

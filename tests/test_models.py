@@ -11,24 +11,33 @@ import torch
 
 from spind.kernels.attention import TORCH_BACKENDS
 from spind.config import SpindConfig
-from spind.coordinator.local import LocalEngine
 from spind.models.loader import default_gguf_path
 from spind.models.runner import ForwardItem, ModelRunner
 from spind.tokenizer import Tokenizer
 from conftest import new_req_id
 
 FP32_LOGITS_ATOL = 1e-3  # observed ~1e-4 on logits of magnitude ~40
+
+
+@pytest.fixture(scope="module")
+def gguf_model(model_dir: Path):
+    """The GGUF's blocks with fp32-precision activations (`gguf`): our forward at fp32 precision, the one to hold
+    against transformers' fp32 forward. The default `gguf-q16` rounds every GEMM's activations to 15 bits (its
+    closeness to this one: tests/test_int_gemm.py and `spind bench decode`'s quality table)."""
+    from spind.models.llama import load_llama
+
+    return load_llama(model_dir, "gguf")
 DECODE_STEPS = 4
 MODES = (*TORCH_BACKENDS, "invariant")  # every mode that runs on this CPU without Triton
 
 
-def test_logits_match_transformers(engine: LocalEngine, model_dir: Path, tokenizer: Tokenizer) -> None:
+def test_logits_match_transformers(gguf_model, cfg: SpindConfig, model_dir: Path, tokenizer: Tokenizer) -> None:
     """Prefill, then greedy decode steps through our paged KV cache vs HF's DynamicCache, both fp32."""
     from transformers import LlamaForCausalLM
 
     hf = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True).eval()
     prompt = tokenizer.apply_chat([{"role": "user", "content": "Explain how a hash map works, briefly."}])
-    runner = engine.target.runner
+    runner = ModelRunner(gguf_model, 64, cfg.runtime.kv_block_size, cfg.runtime.attention)
     rid = new_req_id("parity")
     runner.add_request(rid)
     try:
@@ -67,9 +76,9 @@ def test_gguf_dequantization_matches_transformers(model_dir: Path) -> None:
     assert torch.equal(theirs["lm_head.weight"], ours["model.embed_tokens.weight"])
 
 
-def test_attention_modes_agree_at_model_level(engine: LocalEngine, cfg: SpindConfig, prompt_ids: list[list[int]]) -> None:
+def test_attention_modes_agree_at_model_level(gguf_model, cfg: SpindConfig, prompt_ids: list[list[int]]) -> None:
     """Model level: one prefill of prompts from 4 to ~290 tokens, then a step mixing decode and verify rows."""
-    model = engine.target.runner.model
+    model = gguf_model
     runners = {name: ModelRunner(model, 128, cfg.runtime.kv_block_size, name) for name in MODES}
     prefill_logits: dict[str, list[torch.Tensor]] = {}
     step_logits: dict[str, list[torch.Tensor]] = {}

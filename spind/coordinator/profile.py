@@ -7,9 +7,12 @@ cache, else measure), "measure" (always), "off" (never: what needs it falls back
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import importlib.util
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -71,8 +74,21 @@ def probe_context(max_model_len: int, k: int) -> int:
     return max(1, min(CONTEXT, max_model_len - (k + 1)))
 
 
+@functools.cache
+def kernels_digest() -> str:
+    """A digest of spind's CPU kernel sources (new kernels, new costs), read without importing them (no torch
+    here), and the build `SPIND_CPU_ISA` forces, if any."""
+    spec = importlib.util.find_spec("spind.kernels")
+    digest = hashlib.sha256(os.environ.get("SPIND_CPU_ISA", "").encode())
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        for path in sorted((Path(folder) / "csrc").glob("*")):
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def profile_key(cfg: SpindConfig, workers: list[dict]) -> str:
-    what = {"version": PROFILE_VERSION, "model": cfg.model.target, "dtype": cfg.model.dtype, "k": cfg.speculation.k,
+    what = {"version": PROFILE_VERSION, "kernels": kernels_digest(), "model": cfg.model.target,
+            "dtype": cfg.model.dtype, "k": cfg.speculation.k,
             "context": probe_context(cfg.model.max_model_len, cfg.speculation.k),
             "attention": cfg.runtime.attention, "batch": batch_sizes(cfg.runtime.max_batch_size),
             "drafters": [asdict(d) for d in cfg.drafters],

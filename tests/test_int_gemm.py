@@ -1,0 +1,181 @@
+"""The integer GEMM paths (8- and 15-bit activations: `gguf-q8`, `gguf-q16`) of every build this CPU runs.
+
+- exact integer sums: with unit scales (fp16 d = 1, integer activations whose block maximum makes the activation
+  scale exactly 1) every output is the exact integer x . codes, checked against an int64 reference, for Q4_0, Q4_1
+  and Q8_0, with the codes' extremes (0 and 15, -128 and 127) and the activations' (+-127, +-32512);
+- with random scales, the result is the digits' exact dot product scaled, within fp32 rounding of a float64
+  reference built from the kernel's own digits (`quantize_rows`);
+- batch invariance, bit for bit: every row of an M-row call (M = 1..16, a 130-row call crossing row tiles, mixed
+  magnitudes) equals the row alone, at 1 and 2 threads;
+- the AVX2 and AVX-512 VNNI builds give bit-identical outputs (where this CPU runs both);
+- the whole decoder stack in one call equals the module-by-module forward bit for bit, and the packed weights
+  copied onto huge pages are unchanged.
+Each path skips with the reason where this CPU lacks its ISA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spind.kernels import cpu_ext
+from spind.models.gguf_linear import block_fields, pack
+from spind.models.loader import BLOCK_BYTES, GGUFBlocks
+
+ISAS = ("avx512vnni", "avx2")
+SUPPORTED = cpu_ext.supported_isas()
+MODES = {"q8": 1, "q16": 2}  # op suffix -> activation digits
+LIMIT = {1: 127, 2: 127 * 255 + 127}  # |activation / scale| bound of each mode
+
+
+def ops_for(isa: str):
+    if isa not in SUPPORTED:
+        pytest.skip(f"this CPU does not run the {isa} build (it runs: {', '.join(SUPPORTED) or 'none'})")
+    reason = cpu_ext.load(isa)
+    assert reason is None, reason  # a machine that runs the ISA must build it
+    return cpu_ext.ops(isa)
+
+
+def linear(ops, qtype: str, mode: str):
+    return getattr(ops, ("q8_0_linear" if qtype == "Q8_0" else "q4_1_linear") + f"_{mode}")
+
+
+def random_blocks(qtype: str, rows: int, cols: int, seed: int, unit_scales: bool = False) -> GGUFBlocks:
+    """GGUF blocks with random codes; scales random (or d = 1, m = 0 with `unit_scales`)."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (rows, cols // 32, BLOCK_BYTES[qtype]), dtype=torch.uint8, generator=g)
+    if unit_scales:
+        d = torch.ones(rows, cols // 32, dtype=torch.float16)
+        m = torch.zeros(rows, cols // 32, dtype=torch.float16)
+    else:
+        d = (torch.rand(rows, cols // 32, generator=g) * 0.02 + 1e-3).half()
+        m = (-torch.rand(rows, cols // 32, generator=g) * 0.1).half()
+    raw[..., 0:2] = d.view(torch.uint8).view(rows, cols // 32, 2)
+    if qtype == "Q4_1":
+        raw[..., 2:4] = m.view(torch.uint8).view(rows, cols // 32, 2)
+    if qtype == "Q8_0":  # the extremes of the signed codes in every block
+        raw[:, :, 2], raw[:, :, 3] = 128, 127  # -128, 127
+    else:
+        raw[:, :, -1] = 0xF0  # codes 0 and 15
+    return GGUFBlocks(qtype, raw.reshape(rows, -1))
+
+
+def signed_codes(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(codes int64 [N, G, 32] as the kernel multiplies them, d fp32 [N, G], m fp32 [N, G] or None): Q4_x codes are
+    0..15 with the offset in m (Q4_0: m = -8 d), Q8_0 codes signed."""
+    d, q, m = block_fields(b)
+    if b.qtype == "Q8_0":
+        return q.view(torch.int8).long(), d.float(), None
+    codes = torch.cat([q & 15, q >> 4], dim=-1).long()
+    return codes, d.float(), (d.float() * -8 if b.qtype == "Q4_0" else m.float())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_integer_sums_are_exact(isa: str, mode: str, qtype: str) -> None:
+    ops = ops_for(isa)
+    digits = MODES[mode]
+    # 15-bit activations: one block, and small entries beside its extremes, keep every total below 2^24
+    n, k, bound = (64, 256, LIMIT[1]) if digits == 1 else (64, 32, 300)
+    b = random_blocks(qtype, n, k, seed=1, unit_scales=True)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(-bound, bound + 1, (9, k), generator=g)
+    x.view(9, k // 32, 32)[:, :, 0] = LIMIT[digits]  # every block's maximum: activation scale exactly 1
+    x[0, 1::32], x[1, 2::32] = -LIMIT[digits], -LIMIT[digits]
+    codes, _, m = signed_codes(b)
+    exact = torch.einsum("mgk,ngk->mn", x.view(9, k // 32, 32), codes)  # int64
+    if m is not None:  # Q4_0: + m sum(x) with m = -8 (exact too); Q4_1: m = 0
+        exact = exact + torch.einsum("mg,ng->mn", x.view(9, k // 32, 32).sum(-1), m.long())
+    y = linear(ops, qtype, mode)(x.float(), pack(b))
+    assert exact.abs().max() < 2**24  # so that the fp32 outputs can be exact
+    assert torch.equal(y.double(), exact.double())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_scaled_sums_match_the_digits_reference(isa: str, mode: str, qtype: str) -> None:
+    ops = ops_for(isa)
+    n, k, digits = 96, 320, MODES[mode]
+    b = random_blocks(qtype, n, k, seed=3)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(4)) * torch.logspace(-3, 2, 7)[:, None]
+    dig, scale, sums = ops.quantize_rows(x, digits)
+    assert dig.shape == (7, k // 32, digits, 32) and dig.abs().max() <= 127
+    q = dig[:, :, 0].double()
+    for e in range(1, digits):
+        q = q * 255 + dig[:, :, e].double()
+    assert q.abs().max() <= LIMIT[digits]
+    assert ((q * scale.double()[..., None] - x.double().view(7, k // 32, 32)).abs()
+            <= scale.double()[..., None] * 0.51).all()  # half a step, and x / scale rounded in fp32
+    codes, d, m = signed_codes(b)
+    ref = torch.einsum("mgk,ngk->mng", q, codes.double()) * (d.double()[None] * scale.double()[:, None, :])
+    ref = ref.sum(-1)
+    if m is not None:
+        ref = ref + torch.einsum("mg,ng->mn", sums.double(), m.double())
+    y = linear(ops, qtype, mode)(x, pack(b))[:, :n].double()
+    assert ((y - ref).abs() <= 2e-6 * ref.abs().amax(dim=1, keepdim=True)).all()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_rows_are_batch_invariant_at_every_width_and_thread_count(isa: str, mode: str, qtype: str) -> None:
+    ops = ops_for(isa)
+    b = pack(random_blocks(qtype, 160, 192, seed=5))
+    f = linear(ops, qtype, mode)
+    x = torch.randn(130, 192, generator=torch.Generator().manual_seed(6)) * torch.logspace(-2, 2, 130)[:, None]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [f(x[i:i + 1].contiguous(), b) for i in range(len(x))]
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for m in (*range(1, 17), 130):  # 130 rows cross the 64-row tiles of a prefill
+                assert torch.equal(f(x[:m].contiguous(), b), torch.cat(alone[:m])), (t, m)
+            mixed = torch.stack([x[129], x[0], x[64], x[3]])  # rows of very different magnitudes, reordered
+            assert torch.equal(f(mixed, b), torch.cat([alone[129], alone[0], alone[64], alone[3]]))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(len(SUPPORTED) < 2, reason="this CPU runs one build only: nothing to compare across ISAs")
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_builds_are_bit_identical(mode: str, qtype: str) -> None:
+    b = pack(random_blocks(qtype, 128, 576, seed=7))
+    x = torch.randn(23, 576, generator=torch.Generator().manual_seed(8)) * 3
+    outs = [linear(ops_for(isa), qtype, mode)(x, b) for isa in ISAS]
+    assert torch.equal(*outs)
+
+
+def test_huge_page_copy_is_a_copy() -> None:
+    if not SUPPORTED:
+        pytest.skip("spind's CPU kernels need AVX2 or AVX-512 VNNI")
+    t = torch.randint(0, 256, (3, 5, 640), dtype=torch.uint8)
+    c = cpu_ext.ops().huge_page_copy(t)
+    assert torch.equal(c, t) and c.data_ptr() != t.data_ptr() and c.data_ptr() % (2 << 20) == 0
+    t.zero_()
+    assert c.sum() > 0  # its own memory
+
+
+@pytest.mark.parametrize("dtype", ["gguf", "gguf-q16", "gguf-q8"])
+def test_decoder_stack_equals_the_module_forward(model_dir, dtype: str) -> None:
+    if not cpu_ext.available():
+        pytest.skip("spind's CPU kernels need AVX2 or AVX-512 VNNI")
+    from spind.models.llama import load_llama
+    from spind.models.runner import ForwardItem, ModelRunner
+
+    model = load_llama(model_dir, dtype)
+    assert model.fused_stack is not None
+    outs = []
+    for stack in (model.fused_stack, None):
+        model.fused_stack = stack
+        runner = ModelRunner(model, 32, 16, "invariant")
+        runner.add_request("a")
+        runner.add_request("b")
+        prompt = list(range(200, 270))
+        first = runner.forward([ForwardItem("a", prompt, 3)])[0]  # a prefill
+        mixed = runner.forward([ForwardItem("a", [5, 6, 7, 8, 9], 5), ForwardItem("b", prompt[:40], 2)])  # verify + prefill
+        outs.append(torch.cat([first, *mixed]))
+    assert torch.equal(outs[0], outs[1])
