@@ -106,6 +106,11 @@ struct Digits {
     });
   }
 
+  // Exact integer steps after one fp32 multiply, in AVX2 vectors on both builds (AVX-512 implies AVX2), so every
+  // build gets the same digits: q = round-to-nearest-even(x inv) (vcvtps2dq, as lrintf), clamped; then per digit,
+  // least significant last, base 256: ((q + 128) & 255) - 128; base 255: q - 255 round(q / 255), the division in
+  // fp32 exact here (|q| <= 32512, and q / 255 is never within 0.002 of a half-integer). The block's sum stays a
+  // sequential scalar fp32 sum (its order is part of the result).
   void quantize_block(const float* xb, int64_t rg) {
     float amax = 0.0f, s = 0.0f;
     for (int k = 0; k < kBlock; ++k) {
@@ -114,27 +119,40 @@ struct Digits {
     }
     sum[rg] = s;
     scale[rg] = amax / kLimit;
-    const float inv = amax > 0.0f ? kLimit / amax : 0.0f;
-    int8_t* out = digits.data() + rg * D * kBlock;
-    int32_t dsum[D] = {};
-    for (int k = 0; k < kBlock; ++k) {
-      int32_t q = static_cast<int32_t>(std::lrintf(xb[k] * inv));
-      q = std::min(std::max(q, -kLimit), kLimit);
-      if constexpr (D == 2) q16[rg * kBlock + k] = static_cast<int16_t>(q);
-      for (int e = D - 1; e >= 0; --e) {  // least significant last; for D = 1 the digit is q itself
-        int32_t digit;
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? kLimit / amax : 0.0f);
+    const __m256i hi = _mm256_set1_epi32(kLimit), lo = _mm256_set1_epi32(-kLimit);
+    alignas(32) int32_t digit[D][kBlock];
+    for (int k = 0; k < kBlock; k += 8) {
+      __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + k), inv));
+      q = _mm256_min_epi32(_mm256_max_epi32(q, lo), hi);
+      if constexpr (D == 2) {
+        alignas(32) int32_t v[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(v), q);
+        for (int i = 0; i < 8; ++i) q16[rg * kBlock + k + i] = static_cast<int16_t>(v[i]);
+      }
+      for (int e = D - 1; e >= 0; --e) {
+        __m256i d;
         if constexpr (kBase == 256) {
-          digit = ((q + 128) & 255) - 128;
+          d = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(q, _mm256_set1_epi32(128)), _mm256_set1_epi32(255)),
+                               _mm256_set1_epi32(128));
+          q = _mm256_srai_epi32(_mm256_sub_epi32(q, d), 8);
         } else {
-          digit = q % 255;  // in (-255, 255), then balanced into [-127, 127]
-          digit += digit > 127 ? -255 : digit < -127 ? 255 : 0;
+          const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(1.0f / 255.0f)));
+          d = _mm256_sub_epi32(q, _mm256_mullo_epi32(a, _mm256_set1_epi32(255)));
+          q = a;
         }
-        out[e * kBlock + k] = static_cast<int8_t>(digit);
-        dsum[e] += digit;
-        q = (q - digit) / kBase;
+        _mm256_store_si256(reinterpret_cast<__m256i*>(digit[e] + k), d);
       }
     }
-    for (int e = 0; e < D; ++e) digit_sum[rg * D + e] = dsum[e];
+    int8_t* out = digits.data() + rg * D * kBlock;
+    for (int e = 0; e < D; ++e) {
+      int32_t dsum = 0;
+      for (int k = 0; k < kBlock; ++k) {
+        out[e * kBlock + k] = static_cast<int8_t>(digit[e][k]);
+        dsum += digit[e][k];
+      }
+      digit_sum[rg * D + e] = dsum;
+    }
   }
 };
 
