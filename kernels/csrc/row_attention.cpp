@@ -31,6 +31,9 @@ namespace {
 constexpr int64_t kChunk = 8;   // rows of one request per work item (they share the K/V rows they read)
 constexpr int64_t kVTile = 64;  // positions per pass over V (their rows stay in L1 for all of the item's rows)
 constexpr int kMaxVecs = 16;    // head dim up to 16 vectors (256 on AVX-512, 128 on AVX2)
+// K rows are prefetched this many positions ahead of the scores' tile: a decode row computes little per position,
+// so one tile ahead (16) left the scattered K/V reads latency-bound (~4 GB/s at 1000 tokens of context)
+constexpr int64_t kAheadK = 64;
 
 inline void prefetch(const float* p, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
@@ -97,10 +100,11 @@ void attend(const Item& it) {
   auto orow = [&](int64_t r) { return it.out + ((r / it.group) * it.H + r % it.group) * D; };
   auto visible = [&](int64_t r) { return it.first_visible + r / it.group; };
   // scores, kLanes positions at a time (lanes past a row's last visible position are computed and never read)
+  for (int64_t i = 0; i < std::min(kAheadK, all_visible); ++i) prefetch(it.k + it.rs[i] * it.row_stride, D);
   for (int64_t p0 = 0; p0 < all_visible; p0 += kLanes) {
     const float* krow[kLanes];
     for (int i = 0; i < kLanes; ++i) krow[i] = it.k + it.rs[std::min(p0 + i, all_visible - 1)] * it.row_stride;
-    for (int64_t i = p0 + kLanes; i < std::min(p0 + 2 * kLanes, all_visible); ++i)
+    for (int64_t i = p0 + kAheadK; i < std::min(p0 + kAheadK + kLanes, all_visible); ++i)
       prefetch(it.k + it.rs[i] * it.row_stride, D);
     for (int64_t r = 0; r < R; ++r) {
       if (p0 >= visible(r)) continue;
@@ -126,9 +130,11 @@ void attend(const Item& it) {
   }
   // outputs, V in tiles of kVTile positions; each row's accumulators in registers within a tile
   for (int64_t r = 0; r < R; ++r) std::fill_n(orow(r), D, 0.0f);
+  for (int64_t i = 0; i < std::min(kVTile, all_visible); ++i) prefetch(it.v + it.rs[i] * it.row_stride, D);
   for (int64_t t0 = 0; t0 < all_visible; t0 += kVTile) {
     const int64_t t1 = std::min(t0 + kVTile, all_visible);
-    for (int64_t i = t0; i < t1; ++i) prefetch(it.v + it.rs[i] * it.row_stride, D);
+    for (int64_t i = t1; i < std::min(t1 + kVTile, all_visible); ++i)  // the next tile's rows, while this one runs
+      prefetch(it.v + it.rs[i] * it.row_stride, D);
     for (int64_t r = 0; r < R; ++r) {
       const int64_t end = std::min(t1, visible(r));
       if (end <= t0) continue;
