@@ -159,19 +159,25 @@ struct Digits {
 // One column (kLanes output rows) of one block's codes, unpacked once and dotted with every row's digits. dot(q)
 // is the exact int32 sum over the block's 32 k of code x digit per lane (Q8_0: the signed code; Q4_x: the 4-bit
 // code, its offset living in m), whatever the ISA: so are the fp32 results built from it.
+// A column's Q4 codes as u8 nibbles: wq[p] holds k = 4p .. 4p + 3 (low nibbles) and wq[p + 4] k = 16 + 4p ..
+inline void unpack_nibbles(const uint8_t* codes, vi* wq) {
+  const vi low4 = iset1(0x0F0F0F0F);
+  for (int p = 0; p < 4; ++p) {
+    const vi v = iload(codes + p * 64);
+    wq[p] = iand(v, low4);
+    wq[p + 4] = iand(srl16(v, 4), low4);
+  }
+}
+
 struct Column {
   bool q4;
 #ifdef SPIND_VNNI
   vi wq[8];  // u8 per byte: Q4 the nibble, Q8 the code + 128 (corrected by 128 x the digit sum)
   void load(const uint8_t* codes, bool is_q4) {
     q4 = is_q4;
-    const vi low4 = iset1(0x0F0F0F0F), flip = iset1(static_cast<int32_t>(0x80808080));
+    const vi flip = iset1(static_cast<int32_t>(0x80808080));
     if (q4) {
-      for (int p = 0; p < 4; ++p) {
-        const vi v = iload(codes + p * 64);
-        wq[p] = iand(v, low4);
-        wq[p + 4] = iand(srl16(v, 4), low4);
-      }
+      unpack_nibbles(codes, wq);
     } else {
       for (int p = 0; p < 8; ++p) wq[p] = ixor(iload(codes + p * 64), flip);
     }
@@ -191,13 +197,8 @@ struct Column {
   vi ws[8];  // Q8: the signed codes (their signs move onto the digits)
   void load(const uint8_t* codes, bool is_q4) {
     q4 = is_q4;
-    const vi low4 = iset1(0x0F0F0F0F);
     if (q4) {
-      for (int p = 0; p < 4; ++p) {
-        const vi v = iload(codes + p * 64);
-        wq[p] = iand(v, low4);
-        wq[p + 4] = iand(srl16(v, 4), low4);
-      }
+      unpack_nibbles(codes, wq);
     } else {
       for (int p = 0; p < 8; ++p) {
         ws[p] = iload(codes + p * 64);
