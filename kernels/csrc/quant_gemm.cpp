@@ -156,9 +156,6 @@ struct Digits {
   }
 };
 
-// One column (kLanes output rows) of one block's codes, unpacked once and dotted with every row's digits. dot(q)
-// is the exact int32 sum over the block's 32 k of code x digit per lane (Q8_0: the signed code; Q4_x: the 4-bit
-// code, its offset living in m), whatever the ISA: so are the fp32 results built from it.
 // A column's Q4 codes as u8 nibbles: wq[p] holds k = 4p .. 4p + 3 (low nibbles) and wq[p + 4] k = 16 + 4p ..
 inline void unpack_nibbles(const uint8_t* codes, vi* wq) {
   const vi low4 = iset1(0x0F0F0F0F);
@@ -169,6 +166,9 @@ inline void unpack_nibbles(const uint8_t* codes, vi* wq) {
   }
 }
 
+// One column (kLanes output rows) of one block's codes, unpacked once and dotted with every row's digits. dot(q)
+// is the exact int32 sum over the block's 32 k of code x digit per lane (Q8_0: the signed code; Q4_x: the 4-bit
+// code, its offset living in m), whatever the ISA: so are the fp32 results built from it.
 struct Column {
   bool q4;
 #ifdef SPIND_VNNI
@@ -384,7 +384,6 @@ void fp32_row_block(const Weights& w, const Fp32Rows& in, int64_t unit, int64_t 
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < kCols; ++c) vstore(y + r * ldy + c * kLanes, vadd(lo[r][c], hi[r][c]));
 }
-
 
 struct Fp32Path {
   using Inputs = Fp32Rows;
