@@ -354,3 +354,38 @@ def test_shutdown_without_drain_aborts_at_once(tmp_path):
         assert took < 10
     finally:
         h.close()
+
+
+def test_a_call_to_a_worker_whose_process_is_gone_fails_at_once(tmp_path) -> None:
+    """No peer on the worker's socket (its process died): the asyncio socket's send holds zmq.Again in a future
+    instead of raising it. The call must fail with WorkerDied right away, and nothing may be left for asyncio to
+    log as an unretrieved exception (a daemon test found such a traceback after SIGKILLing both workers)."""
+    import zmq.asyncio
+
+    from spind.coordinator.pool import WorkerDied
+    from spind.coordinator.process_pool import WorkerProcess
+
+    async def run() -> list[dict]:
+        loop = asyncio.get_running_loop()
+        unretrieved: list[dict] = []
+        loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
+        ctx = zmq.asyncio.Context()
+        worker = WorkerProcess(ctx, "target", load_config(), tmp_path, "ipc://unused", 1.0)
+        worker.sock = ctx.socket(zmq.DEALER)
+        worker.sock.setsockopt(zmq.LINGER, 0)
+        worker.sock.bind(f"ipc://{tmp_path}/w.sock")  # bound, never connected: as after the worker's death
+        worker.is_alive = True
+        try:
+            with pytest.raises(WorkerDied, match="not connected"):
+                await worker.call(P.Ping(0), timeout_s=5.0)
+            assert not worker._pending
+        finally:
+            worker.sock.close(linger=0)
+            ctx.term()
+        import gc
+
+        gc.collect()  # an unretrieved future's exception is reported when it is collected
+        await asyncio.sleep(0)
+        return unretrieved
+
+    assert asyncio.run(run()) == []

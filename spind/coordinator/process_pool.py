@@ -162,10 +162,14 @@ class WorkerProcess:
             fut.set_exception(WorkerDied(self.name, "not running"))
             return fut
         seq = next(self._seq)
-        try:
-            self.sock.send(P.encode(P.with_seq(msg, seq)), flags=zmq.NOBLOCK)  # DEALER with a peer: queues
-        except zmq.Again:  # no peer: the worker process is gone
-            fut.set_exception(WorkerDied(self.name, "not connected"))
+        # DEALER with a peer: queues. An asyncio socket does not raise zmq.Again (no peer: the worker process is
+        # gone) but returns a future that holds it, already done for a NOBLOCK send; left unread, asyncio logged it
+        # as a traceback and the call waited for a reply that could not come.
+        sent = self.sock.send(P.encode(P.with_seq(msg, seq)), flags=zmq.NOBLOCK)
+        if not sent.done():  # not expected for NOBLOCK; still, never leave an exception unread
+            sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+        elif not sent.cancelled() and sent.exception() is not None:
+            fut.set_exception(WorkerDied(self.name, f"not connected ({sent.exception()})"))
             return fut
         self._pending[seq] = fut
         return fut
