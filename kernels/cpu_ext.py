@@ -3,9 +3,10 @@
 The C++ sources are built with torch's extension builder (a C++ compiler and ninja; about a minute, once per
 machine, torch version and source change, cached under torch's extensions directory) in one of two builds:
 - `avx512vnni`: AVX-512 with VNNI (Intel Ice Lake and later, AMD Zen 4 and later): integer dot products by
-  vpdpbusd (fp32-precision activations as three int8 digits per block, or one for 8-bit activations);
-- `avx2`: AVX2 + FMA + F16C (x86-64 since ~2013): fp32 FMAs for fp32-precision activations, vpmaddubsw /
-  vpmaddwd integer dots for 8-bit ones (the same integer sums and fp32 epilogue as avx512vnni: bit-identical).
+  vpdpbusd (fp32-precision activations as three int8 digits per block, 15- or 8-bit ones as two or one);
+- `avx2`: AVX2 + FMA + F16C (x86-64 since ~2013): fp32 FMAs for fp32-precision activations, vpmaddwd /
+  vpmaddubsw integer dots for 15- / 8-bit ones (the same integer sums and fp32 epilogue as avx512vnni:
+  bit-identical).
 `SPIND_CPU_ISA=avx2` forces a build (to run or time the AVX2 path on an AVX-512 machine). The build's name carries
 its ISA, so a cache shared between machines never hands one to a CPU without it, and each registers its ops under
 its own namespace (`torch.ops.spind_cpu_<isa>`), so both can be loaded side by side (tests compare them). Callers
@@ -13,10 +14,11 @@ use `ops()`, or fall back to torch when `available()` is False. Every op runs on
 (csrc/pool.h) at torch's thread count.
 
 Ops (all batch-invariant: a row's result does not depend on the other rows of the call):
-- `q4_1_linear(x, blocks)`, `q8_0_linear(x, blocks)` (fp32-precision activations), `q4_1_linear_q8`,
-  `q8_0_linear_q8` (8-bit activations): y = x W^T from packed GGUF blocks (csrc/quant_gemm.cpp);
+- `q4_1_linear(x, blocks)`, `q8_0_linear(x, blocks)` (fp32-precision activations), `*_q16` and `*_q8` (15- and
+  8-bit activations): y = x W^T from packed GGUF blocks (csrc/quant_gemm.cpp);
   `quantize_rows(x, digits)`: the activation digits those compute with (tests);
-- `row_attention(q, k_cache, v_cache, slots, slot_start, cu_q, ctx_lens, scale)` (csrc/row_attention.cpp);
+- `row_attention(q, k_cache, v_cache, slots, slot_start, cu_q, ctx_lens, scale)` (csrc/row_attention.cpp), for
+  head dims `row_attention_supports`;
 - `rms_norm(x, w, eps)`, `silu_mul(gate_up)`, `rope_kv(...)`: fused row-wise ops of the quantized forward
   (csrc/fused_ops.cpp);
 - `decoder_layers(...)`: a whole LLaMA decoder stack through the ops above in one call, and
@@ -97,6 +99,13 @@ def unavailable_reason() -> str | None:
         _logged.add(reason)
         log.warning("spind CPU kernels unavailable, falling back to torch: %s", reason)
     return reason
+
+
+def row_attention_supports(head_dim: int) -> bool:
+    """Whether the row-attention kernel of the build in use takes this head dim: whole vectors of 16 (AVX-512) or 8
+    (AVX2) lanes, at most 16 of them (csrc/row_attention.cpp)."""
+    lanes = 16 if best_isa() == "avx512vnni" else 8
+    return head_dim % lanes == 0 and head_dim // lanes <= 16
 
 
 def available() -> bool:

@@ -9,6 +9,8 @@ tensors only; anything else, or a machine without the kernels (kernels/cpu_ext.p
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from spind.kernels import cpu_ext
@@ -16,6 +18,8 @@ from spind.kernels.base import Backend
 from spind.kernels.metadata import AttentionMetadata
 from spind.kernels.ops import paged_slots
 from spind.kernels.packed import PackedAttention
+
+log = logging.getLogger(__name__)
 
 
 def context_slots(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,6 +42,11 @@ class RowInvariantAttention(Backend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, device)
         self.ops = cpu_ext.ops() if self.device.type == "cpu" and cpu_ext.available() else None
+        if self.ops is not None and not cpu_ext.row_attention_supports(head_dim):
+            log.warning("invariant attention: the %s kernel takes no head dim %d; this model attends with `packed` "
+                        "(not batch-invariant: speculative output may differ from plain decoding)",
+                        cpu_ext.best_isa(), head_dim)
+            self.ops = None
         self.fallback = PackedAttention(num_heads, num_kv_heads, head_dim, device)
         self._meta: AttentionMetadata | None = None
 

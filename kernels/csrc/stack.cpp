@@ -1,4 +1,4 @@
-// A LLaMA decoder stack of the quantized (`gguf`, `gguf-q8`) target in one call: per layer RMSNorm, the fused q/k/v
+// A LLaMA decoder stack of the quantized (`gguf`, `gguf-q16`, `gguf-q8`) targets in one call: per layer RMSNorm, the fused q/k/v
 // GEMM, RoPE and the KV-cache writes, row attention, the output GEMM and residual add, RMSNorm, the fused gate/up
 // GEMM, SiLU x up, the down GEMM and residual add. The kernels are the very ones the per-module forward calls
 // (csrc/ops.h), in the same order on the same tensors, so the results are bit-identical to it; what goes is the

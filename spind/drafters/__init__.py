@@ -10,7 +10,7 @@ from spind.drafters.model import ModelDrafter
 from spind.drafters.ngram import NgramDrafter
 from spind.models.llama import load_llama
 from spind.models.loader import resolve_model_dir
-from spind.models.quant import float_dtype_for, quantize_linears, trim_vocab
+from spind.models.quant import GGUF_DTYPES, float_dtype_for, quantize_linears, trim_vocab
 from spind.tokenizer import Tokenizer
 
 __all__ = ["Draft", "DraftInput", "Drafter", "build_drafter", "TokenizerMismatchError"]
@@ -43,7 +43,7 @@ def build_drafter(dc: DrafterConfig, cfg: SpindConfig, target_dir: Path, target_
             model = quantize_linears(load_llama(target_dir, "bfloat16", device), dc.variant)
         elif dc.variant == "int8-dynamic":
             model = quantize_linears(load_llama(target_dir, "float32", device), dc.variant)
-        elif dc.variant in ("gguf", "gguf-q16", "gguf-q8"):
+        elif dc.variant in GGUF_DTYPES:
             model = load_llama(target_dir, dc.variant, device, layers=dc.layers or None)
             if dc.vocab:
                 trim_vocab(model, dc.vocab)

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from spind.kernels import cpu_ext
+from spind.models.gguf_linear import ACTIVATION_DIGITS, GGUFLinear
 
 
 class FusedRMSNorm(nn.Module):
@@ -69,8 +70,6 @@ class FusedStack:
     """
 
     def __init__(self, model: nn.Module, activations: str) -> None:
-        from spind.models.gguf_linear import ACTIVATION_DIGITS
-
         self.ops = cpu_ext.ops()
         self.weights, self.q8_0, self.out_features, self.norms = [], [], [], []
         for layer in model.layers:
@@ -89,8 +88,6 @@ class FusedStack:
     @classmethod
     def build(cls, model: nn.Module) -> "FusedStack | None":
         """The stack of a model whose layers were fused by `fuse_modules`, or None when one does not qualify."""
-        from spind.models.gguf_linear import GGUFLinear
-
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         fused = all(isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedMLP) and
@@ -108,7 +105,7 @@ class FusedStack:
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_caches: list[torch.Tensor],
                  v_caches: list[torch.Tensor], write_slots: torch.Tensor, plan: tuple) -> torch.Tensor:
         slots, slot_start, cu_q, ctx_lens = plan
-        return self.ops.decoder_layers(h.contiguous(), self.weights, self.q8_0, self.out_features, self.norms,
+        return self.ops.decoder_layers(h, self.weights, self.q8_0, self.out_features, self.norms,
                                        self.eps, self.digits, cos, sin, k_caches, v_caches, write_slots,
                                        slots, slot_start, cu_q, ctx_lens, self.scale, self.num_heads,
                                        self.num_kv_heads)
