@@ -1,12 +1,24 @@
-"""`spind bench serve`: the pure aggregation of per-request records into summary rows (no daemon)."""
+"""`spind bench serve`: the pure aggregation of per-request records into summary rows, the prompt slices, the
+peers' arguments, and the real client code against a fake OpenAI-compatible peer (in process, no daemon)."""
 
 from __future__ import annotations
 
-import pytest
+import argparse
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict, replace
+from pathlib import Path
 
-from spind.bench.cli import daemon_urls
-from spind.bench.serve import (Level, RequestRecord, ServeSettings, add_ratios, compare_table, percentile,
-                               summarize)
+import pytest
+from aiohttp import web
+
+from spind.bench.cli import daemon_urls, peer_urls, serve_settings
+from spind.bench.datasets import Prompt
+from spind.bench.serve import (PEER, Level, RequestRecord, ServeSettings, add_identity, add_ratios, check_prompts,
+                               compare_table, free_port, load_serve_prompts, percentile, prompt_slices,
+                               prompts_needed, render_table, run_serve_bench, summarize, versus_peers)
 
 
 def record(ttft_s: float | None, latency_s: float, tokens: int, slots: int = 0, accepted_len: float = 0.0,
@@ -81,3 +93,276 @@ def test_daemon_urls_take_labels() -> None:
 def test_requests_per_level() -> None:
     assert [ServeSettings((1, 4, 16), ("none",)).requests_at(c) for c in (1, 4, 16)] == [4, 8, 32]
     assert ServeSettings((16,), ("none",), num_requests=6).requests_at(16) == 6
+
+
+# ---- arguments -------------------------------------------------------------------------------------------
+def test_peer_urls_take_names() -> None:
+    assert peer_urls(None, ["spind"]) == {}
+    assert peer_urls(["vllm=http://127.0.0.1:8011/", " sglang = https://h:30000"], ["spind"]) == {
+        "vllm": "http://127.0.0.1:8011", "sglang": "https://h:30000"}
+    with pytest.raises(ValueError, match="twice"):
+        peer_urls(["vllm=http://h:1", "vllm=http://h:2"], ["spind"])
+    with pytest.raises(ValueError, match="spind daemon's label"):
+        peer_urls(["spind=http://h:1"], ["spind"])
+    with pytest.raises(ValueError, match="spind daemon's label"):
+        peer_urls(["old=http://h:1"], daemon_urls(["old=http://h:2", "new=http://h:3"]))
+    for bad in ("http://127.0.0.1:8011", "=http://h:1", "vllm=", "vllm"):
+        with pytest.raises(ValueError, match="NAME=URL"):
+            peer_urls([bad], ["spind"])
+    with pytest.raises(ValueError, match="http:// or https://"):
+        peer_urls(["vllm=127.0.0.1:8011"], ["spind"])
+
+
+def serve_args(**overrides: object) -> argparse.Namespace:
+    args = {"concurrency": "1,4", "drafters": "none,int8", "dataset": "mt_bench", "max_tokens": "64",
+            "num_requests": None, "ignore_eos": True, "temperature": 0.0, "seed": 0}
+    return argparse.Namespace(**(args | overrides))
+
+
+def test_serve_settings_take_mix_and_reject_repeats() -> None:
+    settings = serve_settings(serve_args(dataset="mix", seed=3))
+    assert (settings.dataset, settings.seed, settings.concurrency) == ("mix", 3, (1, 4))
+    with pytest.raises(ValueError, match="unknown dataset"):
+        serve_settings(serve_args(dataset="mixed"))
+    with pytest.raises(ValueError, match="--concurrency lists a value twice"):
+        serve_settings(serve_args(concurrency="4,4"))
+    with pytest.raises(ValueError, match="--max-tokens lists a value twice"):
+        serve_settings(serve_args(max_tokens="64,64"))
+    with pytest.raises(ValueError, match="--peer"):
+        serve_settings(serve_args(drafters=f"none,{PEER}"))
+
+
+# ---- prompts ---------------------------------------------------------------------------------------------
+def test_every_level_takes_its_own_prompts() -> None:
+    settings = ServeSettings((1, 4), ("none", "int8"), max_tokens=(32, 64))
+    slices = prompt_slices(settings)
+    assert list(slices) == [(32, 1), (32, 4), (64, 1), (64, 4)]  # run order
+    assert [len(r) for r in slices.values()] == [4, 8, 4, 8]
+    taken = [i for r in slices.values() for i in r]
+    assert sorted(taken) == list(range(1, 25))  # disjoint, consecutive, prompt 0 left to the warm-up
+    assert prompts_needed(settings) == 25
+    check_prompts(settings, [Prompt("t", str(i), True) for i in range(25)])
+    with pytest.raises(ValueError, match="needs 25 prompts and --dataset mt_bench has 24"):
+        check_prompts(settings, [Prompt("t", str(i), True) for i in range(24)])
+
+
+def write_datasets(root: Path, num: int) -> Path:
+    """Tiny stand-ins for the shared datasets files that mt_bench and mix read."""
+    (root / "mt_bench").mkdir(parents=True)
+    (root / "mt_bench" / "question.jsonl").write_text(
+        "".join(json.dumps({"question_id": i, "category": "writing", "turns": [f"mt {i}"]}) + "\n"
+                for i in range(num)))
+    (root / "alpaca").mkdir()
+    (root / "alpaca" / "alpaca_5000.json").write_text(json.dumps([{"instruction": f"al {i}", "input": ""}
+                                                                   for i in range(num)]))
+    (root / "chatgpt_prompts").mkdir()
+    (root / "chatgpt_prompts" / "prompts.csv").write_text(
+        "act,prompt,type\n" + "".join(f"role {i},cp {i},TEXT\n" for i in range(num)))
+    (root / "alpaca_eval").mkdir()
+    (root / "alpaca_eval" / "text_davinci_003_model_outputs.json").write_text(
+        json.dumps([{"output": f"passage {i} " + "x" * 700} for i in range(num)]))
+    return root
+
+
+def test_load_serve_prompts_mix_and_named(tmp_path: Path) -> None:
+    root = write_datasets(tmp_path, 10)
+    settings = ServeSettings((1, 4), ("none",), dataset="mix", max_tokens=(16,))  # 4 + 8 + 1 = 13 prompts
+    prompts = load_serve_prompts(settings, root)
+    assert len(prompts) == 13 and len({p.text for p in prompts}) == 13
+    assert {p.dataset for p in prompts} == {"alpaca", "cp", "passage"}
+    assert load_serve_prompts(settings, root) == prompts  # the seed decides
+    assert load_serve_prompts(replace(settings, seed=1), root) != prompts
+    with pytest.raises(ValueError, match="needs 13 prompts and --dataset mt_bench has 10"):
+        load_serve_prompts(replace(settings, dataset="mt_bench"), root)
+    named = load_serve_prompts(replace(settings, dataset="mt_bench", concurrency=(1,)), root)
+    assert [p.text for p in named] == [f"mt {i}" for i in (0, 2, 4, 6, 8)]  # evenly spread, as before
+    with pytest.raises(ValueError, match="needs 31 prompts and --dataset mix has 30"):
+        load_serve_prompts(replace(settings, concurrency=(1, 4, 9)), root)
+
+
+# ---- peers' rows, identity, spind vs peers ---------------------------------------------------------------
+def test_summarize_a_peer_level() -> None:
+    records = [RequestRecord("vllm", 64, PEER, 2, i, 0.1 * (i + 1), 1.0 + i, 64) for i in range(4)]
+    row = summarize(Level("vllm", 64, 2, PEER), records, 4.0, {}, {})
+    assert (row["daemon"], row["drafter"], row["num_errors"], row["completion_tokens"]) == ("vllm", PEER, 0, 256)
+    assert row["tokens_per_s"] == pytest.approx(64.0)
+    assert row["ttft_p50_ms"] == pytest.approx(250.0) and row["ttft_p90_ms"] == pytest.approx(370.0)
+    assert row["latency_p50_s"] == pytest.approx(2.5) and row["latency_p90_s"] == pytest.approx(3.7)
+    assert row["mean_accepted_length"] is row["slot_ms"] is row["overhead_ms_per_slot"] is None
+    assert row["num_slots"] == 0
+    assert add_ratios([row])[0]["speedup_vs_none"] is None
+
+
+def test_identity_against_none_per_prompt_and_level() -> None:
+    def rec(daemon: str, drafter: str, conc: int, index: int, output: str, error: str | None = None) -> RequestRecord:
+        return RequestRecord(daemon, 64, drafter, conc, index, 0.1, 1.0, 8, error=error, output=output)
+
+    records = [rec("spind", "none", 4, 0, "a"), rec("spind", "none", 4, 1, "b"), rec("spind", "none", 4, 2, "", "x"),
+               rec("spind", "int8", 4, 0, "a"), rec("spind", "int8", 4, 1, "B"), rec("spind", "int8", 4, 2, "c"),
+               rec("spind", "auto", 4, 0, "a"), rec("spind", "auto", 4, 1, "", "HTTP 503"),
+               rec("spind", "auto", 4, 2, "c"),
+               rec("spind", "none", 1, 0, "z"), rec("spind", "int8", 1, 0, "z"),  # index 0 of another level
+               rec("vllm", PEER, 4, 0, "a"), rec("other", "int8", 4, 0, "a")]
+    cells = [("spind", "none", 4), ("spind", "int8", 4), ("spind", "auto", 4), ("spind", "none", 1),
+             ("spind", "int8", 1), ("vllm", PEER, 4), ("other", "int8", 4)]
+
+    def rows() -> list[dict]:
+        return [{"daemon": d, "max_tokens": 64, "drafter": dr, "concurrency": c} for d, dr, c in cells]
+
+    same = [r["same_as_none"] for r in add_identity(rows(), records, 0.0)]
+    # int8 differs on prompt 1, prompt 2 is not compared (none failed); auto failed prompt 1; "other" has no none
+    assert same == [None, "1/2", "1/1", None, "1/1", None, None]
+    assert all(r["same_as_none"] is None for r in add_identity(rows(), records, 0.7))  # samples differ by design
+
+
+def spind_vs_peers_rows() -> list[dict]:
+    def row(daemon: str, drafter: str, conc: int, tps: float) -> dict:
+        return {"daemon": daemon, "max_tokens": 64, "drafter": drafter, "concurrency": conc, "tokens_per_s": tps}
+
+    return [row("spind", "none", 1, 10.0), row("spind", "int8", 1, 15.0), row("spind", "ngram", 1, 12.0),
+            row("vllm", PEER, 1, 20.0), row("sglang", PEER, 1, 5.0),
+            row("spind", "none", 4, 30.0), row("spind", "int8", 4, 25.0), row("vllm", PEER, 4, 0.0)]
+
+
+def test_versus_peers_ratios() -> None:
+    out = versus_peers(spind_vs_peers_rows())
+    assert [(e["concurrency"], e["peer"], e["best_drafter"]) for e in out] == [
+        (1, "vllm", "int8"), (1, "sglang", "int8"), (4, "vllm", "none"), (4, "sglang", "none")]
+    assert (out[0]["none_over_peer"], out[0]["best_over_peer"]) == (pytest.approx(0.5), pytest.approx(0.75))
+    assert (out[1]["none_over_peer"], out[1]["best_over_peer"]) == (pytest.approx(2.0), pytest.approx(3.0))
+    assert out[2]["peer_tokens_per_s"] == 0.0 and out[2]["none_over_peer"] is out[2]["best_over_peer"] is None
+    assert out[3]["peer_tokens_per_s"] is None and out[3]["best_tokens_per_s"] == 30.0  # sglang missed c=4
+    assert versus_peers([r for r in spind_vs_peers_rows() if r["drafter"] != PEER]) == []
+
+
+def test_render_table_adds_spind_vs_peers() -> None:
+    rows = [{**summarize(Level(r["daemon"], 64, r["concurrency"], r["drafter"]), [], 1.0, {}, {}), **r}
+            for r in spind_vs_peers_rows()]
+    rows = add_identity(add_ratios(rows), [], 0.0)
+    results = {"settings": asdict(ServeSettings((1, 4), ("none", "int8", "ngram"), dataset="mix", seed=2)),
+               "daemons": {"spind": "http://h:1"}, "rows": rows, "versus_peers": versus_peers(rows)}
+    text = render_table(results)
+    main, versus = text.split("\n\n")
+    assert main.startswith("Serving: mix (seed 2) prompts")
+    assert "lat p90 s" in main.splitlines()[1] and main.splitlines()[1].endswith("= none")
+    lines = versus.splitlines()
+    assert lines[0].startswith("spind vs peers")
+    assert lines[1].split() == ["spind", "max", "tok", "conc", "none", "tok/s", "best", "best", "tok/s", "vllm",
+                                "tok/s", "none/vllm", "best/vllm", "sglang", "tok/s", "none/sglang", "best/sglang"]
+    assert lines[3].split() == ["spind", "64", "1", "10.0", "int8", "15.0", "20.0", "0.50", "0.75", "5.0", "2.00",
+                                "3.00"]
+    assert lines[4].split() == ["spind", "64", "4", "30.0", "none", "30.0", "0.0", "-", "-", "-", "-", "-"]
+
+
+# ---- the real clients against a fake peer ----------------------------------------------------------------
+class FakePeer:
+    """An OpenAI-compatible streaming server that is not spind: /v1/models and the completion routes only, vLLM's
+    habits (an empty first chat delta, a usage chunk with no choices, HTTP 400 for a model it does not serve)."""
+
+    def __init__(self, models: list[str]) -> None:
+        self.models = models
+        self.paths: list[str] = []
+        self.bodies: list[dict] = []
+
+    def app(self) -> web.Application:
+        @web.middleware
+        async def log(request: web.Request, handler):  # type: ignore[no-untyped-def]
+            self.paths.append(request.path)
+            return await handler(request)
+
+        app = web.Application(middlewares=[log])
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_post("/v1/chat/completions", self.complete)
+        app.router.add_post("/v1/completions", self.complete)
+        return app
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if body.get("model") not in self.models or "spind" in body:
+            return web.json_response({"error": {"message": f"The model `{body.get('model')}` does not exist."}},
+                                     status=400)
+        chat = "messages" in body
+        prompt = body["messages"][0]["content"] if chat else body["prompt"]
+        if "REJECT" in prompt:
+            return web.json_response({"error": {"message": "prompt too long"}}, status=400)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        async def send(chunk: dict) -> None:
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        if chat:
+            await send({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}], "usage": None})
+        for i in range(body["max_tokens"]):
+            await send({"choices": [{"index": 0, "delta": {"content": f"w{i} "}} if chat else
+                                    {"index": 0, "text": f"w{i} "}], "usage": None})
+        if "NOUSAGE" not in prompt and body["stream_options"]["include_usage"]:
+            await send({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": body["max_tokens"]}})
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+@asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        host, port = runner.addresses[0][:2]
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def test_a_peer_end_to_end_through_the_real_clients() -> None:
+    settings = ServeSettings((1, 2), ("none", "int8"), num_requests=3, max_tokens=(5,))  # levels: prompts 1-3, 4-6
+    prompts = [Prompt("t", f"prompt {i}" + (" REJECT" if i == 2 else " NOUSAGE" if i == 5 else ""), i % 2 == 0)
+               for i in range(prompts_needed(settings))]
+    fake = FakePeer(["smol", "other"])
+
+    async def main() -> dict:
+        async with serving(fake.app()) as url:
+            return await run_serve_bench({}, prompts, settings, peers={"fake": url})
+
+    results = asyncio.run(asyncio.wait_for(main(), 60))
+    assert results["models"] == {"fake": "smol"} and results["peers"]["fake"].startswith("http://127.0.0.1:")
+    assert "/v1/spind/state" not in fake.paths and fake.paths[0] == "/v1/models"
+    assert all(b["model"] == "smol" and "spind" not in b and b["stream"] and b["ignore_eos"]
+               and b["stream_options"] == {"include_usage": True} for b in fake.bodies)
+    # every prompt once in the run: the warm-up's (4 tokens), then each level its own, once per peer
+    sent = [b["messages"][0]["content"] if "messages" in b else b["prompt"] for b in fake.bodies]
+    assert sorted(sent) == sorted(p.text for p in prompts) and fake.bodies[0]["max_tokens"] == 4
+    assert [(r["daemon"], r["drafter"], r["concurrency"], r["num_requests"], r["num_errors"], r["completion_tokens"])
+            for r in results["rows"]] == [("fake", PEER, 1, 3, 1, 10), ("fake", PEER, 2, 3, 1, 10)]
+    assert all(r["same_as_none"] is None and r["slot_ms"] is None for r in results["rows"])
+    assert results["versus_peers"] == []
+    by_prompt = {prompts[1 + 3 * (r["concurrency"] == 2) + r["index"]].text: r for r in results["requests"]}
+    assert by_prompt["prompt 2 REJECT"]["error"].startswith("HTTP 400: ") and "too long" in by_prompt[
+        "prompt 2 REJECT"]["error"]
+    assert by_prompt["prompt 5 NOUSAGE"]["error"] == "the stream ended without a usage chunk"
+    ok = [r for r in results["requests"] if r["error"] is None]
+    assert len(ok) == 4 and all(r["output"] == "w0 w1 w2 w3 w4 " and r["completion_tokens"] == 5
+                                and 0 < r["ttft_s"] <= r["latency_s"] for r in ok)
+    assert "fake" in render_table(results)
+
+
+@pytest.mark.parametrize("models", [[], None])
+def test_a_peer_that_serves_no_model_or_is_not_there(models: list[str] | None) -> None:
+    settings = ServeSettings((1,), ("none",), num_requests=1)
+    prompts = [Prompt("t", "hi", True)] * prompts_needed(settings)
+
+    async def main() -> dict:
+        if models is None:
+            return await run_serve_bench({}, prompts, settings, peers={"gone": f"http://127.0.0.1:{free_port()}"})
+        async with serving(FakePeer(models).app()) as url:
+            return await run_serve_bench({}, prompts, settings, peers={"empty": url})
+
+    with pytest.raises(ValueError, match="peer gone: nothing answers" if models is None else
+                       "peer empty lists no model"):
+        asyncio.run(asyncio.wait_for(main(), 60))

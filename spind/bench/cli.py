@@ -6,9 +6,10 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Callable
 
-from spind.bench.datasets import DEFAULT_DATASETS_DIR, WORKLOADS, check_datasets_dir
+from spind.bench.datasets import DEFAULT_DATASETS_DIR, MIX, WORKLOADS, check_datasets_dir
 from spind.config import DTYPES, SpindConfig
 
 if TYPE_CHECKING:
@@ -96,11 +97,16 @@ def add_parsers(sub: argparse._SubParsersAction,
     c.add_argument("--out", type=Path, default=Path("bench-results/decode.json"))
     c.set_defaults(func=cmd_bench_decode)
 
-    s = bench_sub.add_parser("serve", help="TTFT and tokens/s of the daemon per drafter and concurrency, side by side")
+    s = bench_sub.add_parser("serve", help="TTFT and tokens/s of the daemon per drafter and concurrency, side by side "
+                                            "with other OpenAI-compatible servers (--peer)")
     add_config_args(s)
     s.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of closed-loop clients")
     s.add_argument("--drafters", default="int8,none", help="comma-separated drafters ('none', 'auto' or configured)")
-    s.add_argument("--dataset", default="mt_bench", help=f"prompt workload, one of: {', '.join(WORKLOADS)}")
+    s.add_argument("--dataset", default="mt_bench",
+                   help=f"prompt workload, one of: {', '.join(WORKLOADS)}, or mix (a seeded draw over "
+                        f"{', '.join(MIX)}); every level takes its own prompts, never one seen before in the run")
+    s.add_argument("--seed", type=int, default=0, help="the draw of --dataset mix (a named dataset takes evenly "
+                                                       "spaced records)")
     s.add_argument("--datasets-dir", type=Path, default=DEFAULT_DATASETS_DIR)
     s.add_argument("--num-requests", type=int, default=None, help="requests per level (default: 2 x concurrency, >= 4)")
     s.add_argument("--max-tokens", default="64", help="comma-separated output lengths (each a level)")
@@ -110,6 +116,10 @@ def add_parsers(sub: argparse._SubParsersAction,
     s.add_argument("--url", action="append", default=None, metavar="[LABEL=]URL",
                    help="a running daemon's HTTP base URL; repeat to compare daemons side by side "
                         "(default: start one, stop it after)")
+    s.add_argument("--peer", action="append", default=None, metavar="NAME=URL",
+                   help="another OpenAI-compatible server (vLLM, llama.cpp server, SGLang) run on the same prompts "
+                        "after spind's drafters at each level, its model name from URL/v1/models; repeatable. "
+                        "Restart a peer that caches across requests between runs: the next run sends the same prompts")
     s.add_argument("--out", type=Path, default=Path("bench-results/serve.json"))
     s.set_defaults(func=cmd_bench_serve)
 
@@ -253,15 +263,15 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
 
 def serve_settings(args: argparse.Namespace) -> ServeSettings:
     """Validate the arguments before the daemon starts; bad ones raise ValueError."""
-    from spind.bench.serve import ServeSettings
+    from spind.bench.serve import MIX_DATASET, PEER, ServeSettings
 
     try:
         concurrency = tuple(int(c) for c in _names(args.concurrency))
     except ValueError:
         raise ValueError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
     drafters = _names(args.drafters)
-    if args.dataset not in WORKLOADS:
-        raise ValueError(f"unknown dataset {args.dataset!r}; known: {', '.join(WORKLOADS)}")
+    if args.dataset not in WORKLOADS and args.dataset != MIX_DATASET:
+        raise ValueError(f"unknown dataset {args.dataset!r}; known: {', '.join(WORKLOADS)}, {MIX_DATASET}")
     try:
         max_tokens = tuple(int(n) for n in _names(args.max_tokens))
     except ValueError:
@@ -270,8 +280,13 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
         raise ValueError("need at least one drafter and concurrency levels >= 1")
     if not max_tokens or min(max_tokens) < 1 or (args.num_requests is not None and args.num_requests < 1):
         raise ValueError("--max-tokens and --num-requests must be >= 1")
+    for flag, values in (("--concurrency", concurrency), ("--max-tokens", max_tokens), ("--drafters", drafters)):
+        if len(set(values)) < len(values):
+            raise ValueError(f"{flag} lists a value twice: {','.join(map(str, values))}")
+    if PEER in drafters:
+        raise ValueError(f"{PEER!r} names the rows of --peer servers, not a drafter")
     return ServeSettings(concurrency, drafters, args.dataset, args.num_requests, max_tokens, args.ignore_eos,
-                         args.temperature)
+                         args.temperature, args.seed)
 
 
 def daemon_urls(urls: list[str] | None) -> dict[str, str]:
@@ -286,33 +301,53 @@ def daemon_urls(urls: list[str] | None) -> dict[str, str]:
     return out
 
 
+def peer_urls(specs: list[str] | None, daemon_labels: Iterable[str]) -> dict[str, str]:
+    """--peer NAME=URL ... -> {name: base URL}; a name must be new (nor a spind daemon's label: rows and the JSON
+    tell servers apart by it), a URL http(s)."""
+    taken, out = set(daemon_labels), {}
+    for spec in specs or []:
+        name, sep, url = (part.strip() for part in spec.partition("="))
+        if not sep or not name or not url:
+            raise ValueError(f"--peer takes NAME=URL (e.g. vllm=http://127.0.0.1:8011), got {spec!r}")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--peer {name}: the URL must start with http:// or https://, got {url!r}")
+        if name in out:
+            raise ValueError(f"--peer name {name!r} given twice")
+        if name in taken:
+            raise ValueError(f"--peer name {name!r} is a spind daemon's label; name the peer otherwise")
+        out[name] = url.rstrip("/")
+    return out
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     import asyncio
     import contextlib
 
-    from spind.bench.datasets import load_prompts
     from spind.bench.report import write_json
-    from spind.bench.serve import local_daemon, render_table, run_serve_bench
+    from spind.bench.serve import load_serve_prompts, local_daemon, render_table, run_serve_bench
     from spind.cli import config_from_args
     from spind.client import http_json
 
     cfg = config_from_args(args)
     settings = serve_settings(args)
     daemons = daemon_urls(args.url)
+    peers = peer_urls(args.peer, daemons or ["spind"])
     for name in settings.drafters:
         if name not in ("auto", "none") and not daemons:
             cfg.drafter(name)  # unknown name -> ConfigError before the daemon starts
-    num_prompts = max(settings.requests_at(c) for c in settings.concurrency)
-    prompts = load_prompts(settings.dataset, num_prompts, check_datasets_dir(args.datasets_dir))
+    prompts = load_serve_prompts(settings, check_datasets_dir(args.datasets_dir))
     headers = {"Authorization": f"Bearer {cfg.server.api_key}"} if cfg.server.api_key else None
     options = [arg for flag, value in (("--config", args.config), ("--model", args.model), ("--dtype", args.dtype),
                                        ("--threads", args.threads)) if value is not None for arg in (flag, str(value))]
     for label, url in daemons.items():
         if http_json(url + "/health")[0] != 200:
             raise ValueError(f"no healthy spind daemon answers at {url}/health ({label})")
+    for name, url in peers.items():  # before a daemon of our own takes minutes to start
+        if http_json(url + "/v1/models")[0] != 200:
+            raise ValueError(f"peer {name} does not answer GET {url}/v1/models with 200")
     with contextlib.nullcontext(daemons) if daemons else local_daemon(options) as url:
         targets = url if daemons else {"spind": url}
-        results = asyncio.run(run_serve_bench(targets, prompts, settings, headers))
+        results = asyncio.run(run_serve_bench(targets, prompts, settings, headers, peers))
     print(render_table(results))
     print(f"wrote {write_json(args.out, results)}", file=sys.stderr)
     return 0

@@ -1,11 +1,25 @@
-"""`spind bench serve`: time to first token and tokens/s of the real daemon, per drafter and concurrency.
+"""`spind bench serve`: time to first token and tokens/s of the real daemon per drafter and concurrency, beside
+any OpenAI-compatible server (vLLM, llama.cpp server, SGLang) in the same run.
 
-Closed loop over the OpenAI-compatible streaming API: at concurrency C, C clients each send their next
-request as soon as their previous one finishes. Levels run in order, and at each level every drafter runs
-in turn (the request's `"spind": {"drafter": ...}`) on the same prompts, so drafters are compared side by
-side on one daemon. Per request: TTFT (first non-empty content chunk), end-to-end latency, completion
-tokens (the usage chunk) and spind's mean accepted length. The coordinator's overhead per time slot comes
-from the `slots` counters of /v1/spind/state, read before and after each level.
+Closed loop over the OpenAI-compatible streaming API: at concurrency C, C clients each send their next request
+as soon as their previous one finishes. A level is an (output length, concurrency); levels run in order, and at
+each level every drafter runs in turn on every spind daemon (the request's `"spind": {"drafter": ...}`), then
+every peer once (it has one mode; its rows' drafter is `peer`), with the same client code, so that all servers
+see the same machine state. Per request: TTFT (first non-empty content chunk), end-to-end latency, completion
+tokens (the usage chunk), the output text and spind's mean accepted length. The coordinator's overhead per time
+slot comes from the `slots` counters of /v1/spind/state, read before and after each spind level; a peer is only
+asked for /v1/models (its model name, sent as "model": vLLM rejects another).
+
+Prompts, fair to servers that cache across requests (vLLM's prefix cache; its suffix decoding drafts a response
+it has seen before almost perfectly): every level takes its own disjoint slice of the prompt list, and prompt 0
+serves only the warm-up requests, so no server sees a prompt twice in a run. Within a level every spind drafter
+and every peer get the same slice (spind keeps nothing across requests, so its drafters repeating a slice is
+fair). A dataset with fewer prompts than the run needs (the sum of requests per level, + 1) is an error, never a
+silent repeat. A run's prompts depend only on the settings, so restart a caching peer between runs (or change
+--seed of --dataset mix).
+
+Greedy decoding does not depend on the drafter: at temperature 0 each spind drafter's outputs are compared with
+the `none` drafter's on the same prompts (`same_as_none`, "equal/compared").
 """
 
 from __future__ import annotations
@@ -23,15 +37,18 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import aiohttp
 
-from spind.bench.datasets import Prompt
+from spind.bench.datasets import Prompt, load_prompts, sample_workload
 from spind.bench.report import Progress, fmt, format_table
 from spind.client import http_json
 from spind.state import SpindState, decode_state
 
 PLAIN = "none"
+PEER = "peer"  # the drafter of a peer's rows: a peer runs in its one mode
+MIX_DATASET = "mix"  # --dataset mix: a seeded draw over datasets.MIX
 START_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 120.0
 
@@ -45,6 +62,7 @@ class ServeSettings:
     max_tokens: tuple[int, ...] = (64,)
     ignore_eos: bool = True
     temperature: float = 0.0
+    seed: int = 0  # of the mix's draw; a named dataset takes evenly spaced records
 
     def requests_at(self, concurrency: int) -> int:
         return self.num_requests or max(4, 2 * concurrency)
@@ -52,12 +70,16 @@ class ServeSettings:
 
 @dataclass(frozen=True)
 class Level:
-    """One row of the bench: a daemon, an output length, a number of clients, a drafter."""
+    """One row of the bench: a server (spind daemon or peer), an output length, a number of clients, a drafter."""
 
     daemon: str
     max_tokens: int
     concurrency: int
     drafter: str
+
+    @property
+    def is_peer(self) -> bool:
+        return self.drafter == PEER
 
 
 @dataclass
@@ -66,13 +88,49 @@ class RequestRecord:
     max_tokens: int
     drafter: str
     concurrency: int
-    index: int
+    index: int  # into the level's prompts: the same index is the same prompt for every drafter and peer
     ttft_s: float | None = None
     latency_s: float = 0.0
     completion_tokens: int = 0
     time_slots: int = 0
     mean_accepted_length: float = 0.0
     error: str | None = None
+    output: str = ""  # the streamed text, for the identity check against `none`
+
+
+# ---- prompts (pure) ---------------------------------------------------------------------------------------
+def prompt_slices(settings: ServeSettings) -> dict[tuple[int, int], range]:
+    """{(max_tokens, concurrency): indices into the prompt list}: consecutive, disjoint, in run order, after
+    prompt 0 (the warm-up's)."""
+    out, start = {}, 1
+    for n in settings.max_tokens:
+        for c in settings.concurrency:
+            out[(n, c)] = range(start, start + settings.requests_at(c))
+            start += settings.requests_at(c)
+    return out
+
+
+def prompts_needed(settings: ServeSettings) -> int:
+    return 1 + sum(len(r) for r in prompt_slices(settings).values())
+
+
+def check_prompts(settings: ServeSettings, prompts: list[Prompt]) -> None:
+    need = prompts_needed(settings)
+    if len(prompts) < need:
+        raise ValueError(
+            f"the run needs {need} prompts and --dataset {settings.dataset} has {len(prompts)}: every level "
+            f"(max tokens x concurrency) takes its own, so that servers caching earlier prompts or responses never "
+            f"see one twice, + 1 for the warm-up; lower --num-requests, run fewer levels or take a larger dataset "
+            f"(alpaca has 5000)")
+
+
+def load_serve_prompts(settings: ServeSettings, datasets_dir: Path) -> list[Prompt]:
+    """The run's prompts: `mix` drawn by seed, a named dataset evenly spread; too few raise ValueError."""
+    need = prompts_needed(settings)
+    prompts = (sample_workload(MIX_DATASET, need, settings.seed, datasets_dir) if settings.dataset == MIX_DATASET
+               else load_prompts(settings.dataset, need, datasets_dir))
+    check_prompts(settings, prompts)
+    return prompts
 
 
 # ---- aggregation (pure) -----------------------------------------------------------------------------
@@ -95,11 +153,13 @@ def _slot_totals(slots: dict) -> tuple[float, float, float]:
 
 def summarize(level: Level, records: list[RequestRecord], wall_s: float, slots_before: dict,
               slots_after: dict) -> dict:
-    """One summary row of a level; failed requests are counted, not measured."""
+    """One summary row of a level; failed requests are counted, not measured. A peer has no slot counters (pass
+    {}) and no accepted lengths: those fields are None."""
     ok = [r for r in records if r.error is None]
     tokens = sum(r.completion_tokens for r in ok)
     steps = sum(r.time_slots for r in ok)
     ttfts_ms = [r.ttft_s * 1e3 for r in ok if r.ttft_s is not None]
+    latencies = [r.latency_s for r in ok]
     (n0, slot0, over0), (n1, slot1, over1) = _slot_totals(slots_before), _slot_totals(slots_after)
     num_slots = n1 - n0
     return {
@@ -107,7 +167,7 @@ def summarize(level: Level, records: list[RequestRecord], wall_s: float, slots_b
         "concurrency": level.concurrency, "num_requests": len(records),
         "num_errors": len(records) - len(ok), "completion_tokens": tokens, "wall_s": wall_s,
         "ttft_p50_ms": percentile(ttfts_ms, 0.5), "ttft_p90_ms": percentile(ttfts_ms, 0.9),
-        "latency_p50_s": percentile([r.latency_s for r in ok], 0.5),
+        "latency_p50_s": percentile(latencies, 0.5), "latency_p90_s": percentile(latencies, 0.9),
         "tokens_per_s": tokens / wall_s if wall_s > 0 else None,
         "request_tokens_per_s_p50": percentile([r.completion_tokens / r.latency_s for r in ok if r.latency_s > 0],
                                                0.5),
@@ -117,6 +177,7 @@ def summarize(level: Level, records: list[RequestRecord], wall_s: float, slots_b
         "slot_ms": (slot1 - slot0) / num_slots if num_slots else None,
         "overhead_ms_per_slot": (over1 - over0) / num_slots if num_slots else None,
         "speedup_vs_none": None,
+        "same_as_none": None,
     }
 
 
@@ -124,23 +185,74 @@ def _cell(r: dict) -> tuple:
     return r.get("daemon", ""), r.get("max_tokens", 0), r["concurrency"]
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
 def add_ratios(rows: list[dict]) -> list[dict]:
     """Fill `speedup_vs_none`: aggregate tokens/s over the `none` drafter's on the same daemon, output length and
     concurrency."""
     plain = {_cell(r): r["tokens_per_s"] for r in rows if r["drafter"] == PLAIN}
     for r in rows:
-        base = plain.get(_cell(r))
-        r["speedup_vs_none"] = r["tokens_per_s"] / base if base and r["tokens_per_s"] is not None else None
+        r["speedup_vs_none"] = _ratio(r["tokens_per_s"], plain.get(_cell(r)))
     return rows
 
 
+def add_identity(rows: list[dict], records: list[RequestRecord], temperature: float) -> list[dict]:
+    """Fill `same_as_none` of each spind drafter's row but `none`'s: "equal/compared", its outputs equal to the
+    `none` drafter's on the same prompt (same daemon and level), over the prompts both answered. Speculative
+    decoding must not change a greedy output; at temperature > 0 the outputs are samples (None there)."""
+    plain = {(r.daemon, r.max_tokens, r.concurrency, r.index): r.output
+             for r in records if r.drafter == PLAIN and r.error is None}
+    counts: dict[tuple, list[int]] = {}
+    for r in records:
+        key = (r.daemon, r.max_tokens, r.concurrency, r.index)
+        if r.drafter not in (PLAIN, PEER) and r.error is None and key in plain:
+            equal_compared = counts.setdefault((r.daemon, r.max_tokens, r.concurrency, r.drafter), [0, 0])
+            equal_compared[0] += r.output == plain[key]
+            equal_compared[1] += 1
+    cells_with_none = {_cell(r) for r in rows if r["drafter"] == PLAIN}
+    for row in rows:
+        applicable = temperature == 0 and row["drafter"] not in (PLAIN, PEER) and _cell(row) in cells_with_none
+        equal, compared = counts.get((*_cell(row), row["drafter"]), (0, 0))
+        row["same_as_none"] = f"{equal}/{compared}" if applicable else None
+    return rows
+
+
+def versus_peers(rows: list[dict]) -> list[dict]:
+    """Per spind daemon, level and peer: spind's plain decoding and its fastest drafter (`none` included) against
+    the peer's tokens/s; ratios > 1: spind is faster."""
+    peers = list(dict.fromkeys(r["daemon"] for r in rows if r["drafter"] == PEER))
+    peer_tps = {_cell(r): r["tokens_per_s"] for r in rows if r["drafter"] == PEER}
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["drafter"] != PEER:
+            cells.setdefault(_cell(r), []).append(r)
+    out = []
+    for (daemon, n, c), at in cells.items():
+        none_tps = next((r["tokens_per_s"] for r in at if r["drafter"] == PLAIN), None)
+        best = max((r for r in at if r["tokens_per_s"] is not None), key=lambda r: r["tokens_per_s"], default=None)
+        best_tps = best["tokens_per_s"] if best else None
+        for peer in peers:
+            tps = peer_tps.get((peer, n, c))
+            out.append({"daemon": daemon, "max_tokens": n, "concurrency": c, "peer": peer,
+                        "none_tokens_per_s": none_tps, "best_drafter": best["drafter"] if best else None,
+                        "best_tokens_per_s": best_tps, "peer_tokens_per_s": tps,
+                        "none_over_peer": _ratio(none_tps, tps), "best_over_peer": _ratio(best_tps, tps)})
+    return out
+
+
 # ---- the clients --------------------------------------------------------------------------------------
-async def send_request(session: aiohttp.ClientSession, url: str, prompt: Prompt, drafter: str,
-                       settings: ServeSettings, rec: RequestRecord) -> RequestRecord:
-    """One streamed request; fills `rec` (its `error` on failure, never raises for a failed request)."""
+async def send_request(session: aiohttp.ClientSession, url: str, prompt: Prompt, drafter: str | None,
+                       settings: ServeSettings, rec: RequestRecord, model: str | None = None) -> RequestRecord:
+    """One streamed request; fills `rec` (its `error` on failure, never raises for a failed request). `drafter`
+    None: a peer's request (no "spind" field), which names its `model`."""
     body: dict = {"max_tokens": rec.max_tokens, "temperature": settings.temperature,
-                  "ignore_eos": settings.ignore_eos, "stream": True, "stream_options": {"include_usage": True},
-                  "spind": {"drafter": drafter}}
+                  "ignore_eos": settings.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+    if drafter is not None:
+        body["spind"] = {"drafter": drafter}
+    if model is not None:
+        body["model"] = model
     if prompt.is_chat:
         path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt.text}]
     else:
@@ -161,25 +273,30 @@ async def send_request(session: aiohttp.ClientSession, url: str, prompt: Prompt,
 async def _read_stream(resp: aiohttp.ClientResponse, is_chat: bool, start: float, rec: RequestRecord) -> None:
     """Server-sent events: TTFT at the first non-empty text; latency, counts and spind's usage at the usage
     chunk (the last before [DONE]; the stream is still read to its end); in-band errors."""
+    parts: list[str] = []
     async for raw in resp.content:
         line = raw.decode().strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         chunk = json.loads(line[len("data: "):])
         if "error" in chunk:
-            rec.error = str(chunk["error"].get("message"))
-            return
-        choice = chunk["choices"][0] if chunk["choices"] else {}
-        text = choice.get("delta", {}).get("content") if is_chat else choice.get("text")
-        if text and rec.ttft_s is None:
-            rec.ttft_s = time.perf_counter() - start
+            err = chunk["error"]
+            rec.error = str(err.get("message") if isinstance(err, dict) else err)
+            break
+        choices = chunk.get("choices") or [{}]  # servers differ on the usage chunk: no choices, or []
+        text = (choices[0].get("delta") or {}).get("content") if is_chat else choices[0].get("text")
+        if text:
+            parts.append(text)
+            if rec.ttft_s is None:
+                rec.ttft_s = time.perf_counter() - start
         if chunk.get("usage"):
             spind = chunk.get("spind") or {}
             rec.completion_tokens = chunk["usage"]["completion_tokens"]
             rec.time_slots = spind.get("time_slots", 0)
             rec.mean_accepted_length = spind.get("mean_accepted_length", 0.0)
             rec.latency_s = time.perf_counter() - start
-    if not rec.latency_s:
+    rec.output = "".join(parts)
+    if not rec.latency_s and rec.error is None:
         rec.error = "the stream ended without a usage chunk"
 
 
@@ -190,24 +307,28 @@ async def _state(session: aiohttp.ClientSession, url: str) -> SpindState:
 
 
 async def run_level(session: aiohttp.ClientSession, url: str, prompts: list[Prompt], level: Level,
-                    settings: ServeSettings, progress: Progress) -> tuple[dict, list[RequestRecord]]:
+                    settings: ServeSettings, progress: Progress, model: str | None = None
+                    ) -> tuple[dict, list[RequestRecord]]:
+    """The level's requests over its own `prompts` (request i sends prompts[i]); a peer's level (`model` its
+    name) reads no slot counters."""
     todo = iter(range(settings.requests_at(level.concurrency)))  # shared by the clients: each takes the next index
     records: list[RequestRecord] = []
 
     async def client() -> None:
         for i in todo:
-            rec = await send_request(session, url, prompts[i % len(prompts)], level.drafter, settings,
-                                     RequestRecord(level.daemon, level.max_tokens, level.drafter, level.concurrency, i))
+            rec = await send_request(session, url, prompts[i], None if level.is_peer else level.drafter, settings,
+                                     RequestRecord(level.daemon, level.max_tokens, level.drafter, level.concurrency, i),
+                                     model)
             records.append(rec)
             progress.step(f"{level.daemon} {level.drafter} c={level.concurrency} n={level.max_tokens} #{i}: " +
                           (f"error {rec.error}" if rec.error else
                            f"{rec.completion_tokens} tokens, ttft {fmt(rec.ttft_s)}s, {rec.latency_s:.2f}s"))
 
-    before = (await _state(session, url)).slots
+    before = {} if level.is_peer else (await _state(session, url)).slots
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(level.concurrency)))
     wall_s = time.perf_counter() - start
-    after = (await _state(session, url)).slots
+    after = {} if level.is_peer else (await _state(session, url)).slots
     return summarize(level, records, wall_s, before, after), records
 
 
@@ -225,44 +346,92 @@ async def _check_daemon(session: aiohttp.ClientSession, label: str, url: str, pr
     return state.model
 
 
+def first_model(name: str, url: str, body: object) -> str:
+    """The served model's name from a GET /v1/models body: the first `data[].id`."""
+    data = body.get("data") if isinstance(body, dict) else None
+    model = data[0].get("id") if isinstance(data, list) and data and isinstance(data[0], dict) else None
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"peer {name} lists no model at {url}/v1/models (got {json.dumps(body)[:200]})")
+    return model
+
+
+async def _check_peer(session: aiohttp.ClientSession, name: str, url: str, prompt: Prompt,
+                      settings: ServeSettings) -> str:
+    """The peer's model name, after one untimed request (its first forwards, a compile on vLLM's first call)."""
+    try:
+        async with session.get(url + "/v1/models") as resp:
+            status, text = resp.status, await resp.text()
+    except (TimeoutError, aiohttp.ClientError) as e:
+        raise ValueError(f"peer {name}: nothing answers at {url}/v1/models ({type(e).__name__}: {e})") from None
+    if status != 200:
+        raise ValueError(f"peer {name}: GET {url}/v1/models answered HTTP {status}: {text[:200]}")
+    try:
+        body: object = json.loads(text)
+    except ValueError:
+        body = text
+    model = first_model(name, url, body)
+    rec = await send_request(session, url, prompt, None, settings, RequestRecord(name, 4, PEER, 0, -1), model)
+    if rec.error:
+        raise ValueError(f"warm-up request to peer {name} (model {model!r}) failed: {rec.error}")
+    return model
+
+
 async def run_serve_bench(daemons: dict[str, str], prompts: list[Prompt], settings: ServeSettings,
-                          headers: dict[str, str] | None = None) -> dict:
-    """Every level on every daemon ({label: base URL}), interleaved so that all daemons see the same machine
-    load; returns the JSON-ready results."""
-    levels = [Level(label, n, c, d) for n in settings.max_tokens for c in settings.concurrency
-              for d in settings.drafters for label in daemons]
+                          headers: dict[str, str] | None = None, peers: dict[str, str] | None = None) -> dict:
+    """Every level on every spind daemon and peer ({label: base URL}), interleaved so that all see the same
+    machine load; `prompts` as `prompt_slices` lays them out. Returns the JSON-ready results."""
+    peers = peers or {}
+    check_prompts(settings, prompts)
+    slices = prompt_slices(settings)
+    levels = [lv for n in settings.max_tokens for c in settings.concurrency
+              for lv in [*(Level(label, n, c, d) for d in settings.drafters for label in daemons),
+                         *(Level(name, n, c, PEER) for name in peers)]]
     progress = Progress(total=sum(settings.requests_at(lv.concurrency) for lv in levels))
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
-        models = {label: await _check_daemon(session, label, url, prompts[0], settings)
+    # spind's API key goes to spind only: a peer gets a session without it
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as spind_session, \
+            aiohttp.ClientSession(timeout=timeout) as peer_session:
+        models = {label: await _check_daemon(spind_session, label, url, prompts[0], settings)
                   for label, url in daemons.items()}
+        models |= {name: await _check_peer(peer_session, name, url, prompts[0], settings)
+                   for name, url in peers.items()}
         rows, records = [], []
         for level in levels:
-            row, recs = await run_level(session, daemons[level.daemon], prompts, level, settings, progress)
+            session, url = (peer_session, peers[level.daemon]) if level.is_peer else \
+                (spind_session, daemons[level.daemon])
+            level_prompts = [prompts[i] for i in slices[(level.max_tokens, level.concurrency)]]
+            row, recs = await run_level(session, url, level_prompts, level, settings, progress,
+                                        models[level.daemon] if level.is_peer else None)
             rows.append(row)
             records += recs
             progress.note(f"{level.daemon} {level.drafter} c={level.concurrency} n={level.max_tokens}: "
                           f"{fmt(row['tokens_per_s'], 1)} tokens/s, ttft p50 {fmt(row['ttft_p50_ms'], 0)} ms, "
                           f"slot {fmt(row['slot_ms'], 1)} ms, {row['num_errors']} errors")
-    return {"settings": asdict(settings), "daemons": daemons, "models": models, "cpu_count": os.cpu_count(),
-            "rows": add_ratios(rows), "requests": [asdict(r) for r in records]}
+    rows = add_identity(add_ratios(rows), records, settings.temperature)
+    return {"settings": asdict(settings), "daemons": daemons, "peers": peers, "models": models,
+            "cpu_count": os.cpu_count(), "rows": rows, "versus_peers": versus_peers(rows),
+            "requests": [asdict(r) for r in records]}
 
 
 def render_table(results: dict) -> str:
     s = results["settings"]
-    title = (f"Serving: {s['dataset']} prompts{' (ignore_eos)' if s['ignore_eos'] else ''}, temperature "
+    dataset = f"{s['dataset']} (seed {s['seed']})" if s["dataset"] == MIX_DATASET else s["dataset"]
+    title = (f"Serving: {dataset} prompts{' (ignore_eos)' if s['ignore_eos'] else ''}, temperature "
              f"{s['temperature']}, closed-loop clients")
     header = ["daemon", "max tok", "drafter", "conc", "reqs", "err", "TTFT p50 ms", "TTFT p90 ms", "lat p50 s",
-              "tok/s", "tok/s/req p50", "acc len", "slot ms", "overhead ms/slot", "x none"]
+              "lat p90 s", "tok/s", "tok/s/req p50", "acc len", "slot ms", "overhead ms/slot", "x none", "= none"]
     rows = [[r["daemon"], str(r["max_tokens"]), r["drafter"], str(r["concurrency"]), str(r["num_requests"]),
              str(r["num_errors"]), fmt(r["ttft_p50_ms"], 0), fmt(r["ttft_p90_ms"], 0), fmt(r["latency_p50_s"]),
-             fmt(r["tokens_per_s"], 1), fmt(r["request_tokens_per_s_p50"], 1), fmt(r["mean_accepted_length"]),
-             fmt(r["slot_ms"], 1), fmt(r["overhead_ms_per_slot"], 3), fmt(r["speedup_vs_none"])]
+             fmt(r["latency_p90_s"]), fmt(r["tokens_per_s"], 1), fmt(r["request_tokens_per_s_p50"], 1),
+             fmt(r["mean_accepted_length"]), fmt(r["slot_ms"], 1), fmt(r["overhead_ms_per_slot"], 3),
+             fmt(r["speedup_vs_none"]), r["same_as_none"] or "-"]
             for r in results["rows"]]
     tables = [format_table(title, header, rows)]
     labels = list(results["daemons"])
     if len(labels) > 1:
         tables.append(compare_table(results["rows"], labels[0], labels[1:]))
+    if results["versus_peers"]:
+        tables.append(versus_table(results["versus_peers"]))
     return "\n\n".join(tables)
 
 
@@ -271,7 +440,7 @@ def compare_table(rows: list[dict], base: str, others: list[str]) -> str:
     by = {(r["daemon"], r["max_tokens"], r["concurrency"], r["drafter"]): r for r in rows}
 
     def ratio(a: float | None, b: float | None) -> str:
-        return fmt(a / b) if a is not None and b else "-"
+        return fmt(_ratio(a, b))
 
     out = []
     for (daemon, n, c, d), r in by.items():
@@ -282,6 +451,21 @@ def compare_table(rows: list[dict], base: str, others: list[str]) -> str:
                         ratio(r["overhead_ms_per_slot"], b["overhead_ms_per_slot"])])
     return format_table(f"Side by side: each daemon / {base} (same level, same run)",
                         ["daemon", "max tok", "drafter", "conc", "tok/s", "TTFT p50", "slot ms", "overhead/slot"], out)
+
+
+def versus_table(entries: list[dict]) -> str:
+    """`versus_peers` as one line per spind daemon and level, a group of columns per peer."""
+    peers = list(dict.fromkeys(e["peer"] for e in entries))
+    lines: dict[tuple, list[str]] = {}
+    for e in entries:
+        line = lines.setdefault((e["daemon"], e["max_tokens"], e["concurrency"]), [
+            e["daemon"], str(e["max_tokens"]), str(e["concurrency"]), fmt(e["none_tokens_per_s"], 1),
+            e["best_drafter"] or "-", fmt(e["best_tokens_per_s"], 1)])
+        line += [fmt(e["peer_tokens_per_s"], 1), fmt(e["none_over_peer"]), fmt(e["best_over_peer"])]
+    header = ["spind", "max tok", "conc", "none tok/s", "best", "best tok/s",
+              *(col for p in peers for col in (f"{p} tok/s", f"none/{p}", f"best/{p}"))]
+    return format_table("spind vs peers: tokens/s, same prompts in the same run (ratios > 1: spind is faster)",
+                        header, list(lines.values()))
 
 
 # ---- a daemon of our own ------------------------------------------------------------------------------
