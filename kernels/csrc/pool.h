@@ -1,4 +1,4 @@
-// A persistent thread pool for spind's CPU kernels: parallel_for over [begin, end) in contiguous static chunks.
+// A persistent thread pool for spind's CPU kernels: parallel_for over [begin, end) in chunks that threads claim.
 //
 // Why not at::parallel_for (OpenMP): a decode step of the default model is ~150 parallel regions of 20-200 us each.
 // With OMP_WAIT_POLICY=PASSIVE (spind's default, so that a busy machine slows spind down instead of stalling it)
@@ -8,9 +8,15 @@
 // between steps often longer) and then sleep on a condition variable, so back-to-back regions cost a cache-line
 // handshake and an idle worker costs nothing.
 //
-// Partition: thread t of T runs chunk t of [begin, end) split in T near-equal contiguous parts (grain respected), the
-// caller running chunk 0. Kernels give every output element a fixed sequence of operations whatever the partition,
-// so results never depend on the thread count.
+// Partition: [begin, end) is split in T near-equal contiguous chunks (grain respected), and the chunks are *claimed*,
+// not assigned: the caller and each helper take the next unclaimed chunk until none is left, and the caller waits
+// only for chunks that were claimed and are running. So a helper the OS has not scheduled (another process wants
+// the core: the coordinator, a drafter, a neighbour) costs nothing: the caller runs its chunk too, at one thread's
+// speed, instead of spinning until the helper is back (with static chunks a preempted helper held every region for
+// a scheduler slice: 2-thread steps were seen 10x slower than 1-thread ones while another process ran). A late
+// helper finds the region gone (its epoch is in the claim word) and waits for the next. Kernels give every output
+// element a fixed sequence of operations whatever the partition and whoever runs a chunk, so results never depend
+// on the thread count or on scheduling.
 //
 // The thread count is torch's (at::get_num_threads(), read per call: workers change it between ops). Each calling
 // thread has its own pool (thread_local), so in-process workers that run kernels concurrently never share helpers.
@@ -56,41 +62,81 @@ class Pool {
     for (auto& t : threads_) t.join();
   }
 
-  // fn(chunk, num_chunks) on `n` threads (the caller included); returns when all are done.
+  // fn(chunk, num_chunks) for every chunk of `n`, on up to `n` threads (the caller included); returns when all
+  // are done.
   void run(int n, const std::function<void(int, int)>& fn) {
-    if (n <= 1 || forked()) return fn(0, 1);  // a forked child has no helpers: run it whole
+    if (n <= 1 || forked()) return fn(0, 1);
     while (static_cast<int>(threads_.size()) < n - 1) {
-      const int id = static_cast<int>(threads_.size()) + 1;
       const uint64_t epoch = epoch_.load(std::memory_order_acquire);  // the helper joins from the next run on
-      threads_.emplace_back([this, id, epoch] { loop(id, epoch); });
+      threads_.emplace_back([this, epoch] { loop(epoch); });
     }
+    const uint64_t epoch = epoch_.load(std::memory_order_relaxed) + 1;
     task_ = &fn;
-    width_ = n;
-    // every helper checks in, even one this run does not use, so none lags into the next run's fields
-    pending_.store(static_cast<int>(threads_.size()), std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    claim_.store(pack(epoch, n, 0), std::memory_order_release);  // the chunks of this run are claimable from here
     {
       // the epoch moves under the lock, so a helper that checked it and is about to wait cannot miss the wake-up
       std::lock_guard<std::mutex> lock(mu_);
-      epoch_.fetch_add(1, std::memory_order_release);
+      epoch_.store(epoch, std::memory_order_release);
     }
     if (sleepers_.load(std::memory_order_acquire) > 0) cv_.notify_all();
-    std::exception_ptr error;
-    try {
-      fn(0, n);
-    } catch (...) {
-      error = std::current_exception();
-    }
-    while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+    work(epoch);
+    wait_done(n);
     task_ = nullptr;
-    if (error) std::rethrow_exception(error);
-    if (helper_error_) {
-      auto e = helper_error_;
-      helper_error_ = nullptr;
+    if (error_) {
+      auto e = error_;
+      error_ = nullptr;
       std::rethrow_exception(e);
     }
   }
 
  private:
+  // The claim word: the run's epoch (high 32 bits), its number of chunks (16) and the next unclaimed chunk (16).
+  static uint64_t pack(uint64_t epoch, int width, int next) {
+    return (epoch << 32) | (static_cast<uint64_t>(width) << 16) | static_cast<uint64_t>(next);
+  }
+
+  // Claim and run chunks of run `epoch` until none is left (or that run is over).
+  void work(uint64_t epoch) {
+    uint64_t cur = claim_.load(std::memory_order_acquire);
+    for (;;) {
+      const int width = static_cast<int>((cur >> 16) & 0xFFFF), next = static_cast<int>(cur & 0xFFFF);
+      if ((cur >> 32) != (epoch & 0xFFFFFFFFu) || next >= width) return;
+      if (!claim_.compare_exchange_weak(cur, cur + 1, std::memory_order_acq_rel, std::memory_order_acquire))
+        continue;
+      try {
+        (*task_)(next, width);  // task_ is this run's: it cannot end before this chunk is done
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!error_) error_ = std::current_exception();
+      }
+      if (done_.fetch_add(1, std::memory_order_seq_cst) + 1 == width && waiting_.load(std::memory_order_seq_cst)) {
+        std::lock_guard<std::mutex> lock(mu_);
+        done_cv_.notify_one();
+      }
+      cur = claim_.load(std::memory_order_acquire);
+    }
+  }
+
+  // The caller waits for the chunks helpers claimed: spinning for a while (they are running, and nearly done), then
+  // asleep. Sleeping matters when a helper was preempted mid-chunk by another process: a spinning caller keeps its
+  // core busy so the OS never moves the helper onto it, and the region lasts the other process's time slice; a
+  // sleeping caller leaves its core idle, the helper migrates there at once and wakes the caller when done.
+  void wait_done(int n) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(kWaitSpinNs);
+    for (int i = 0; done_.load(std::memory_order_seq_cst) != n; ++i) {
+      _mm_pause();
+      if ((i & 63) == 63 && std::chrono::steady_clock::now() >= until) {
+        std::unique_lock<std::mutex> lock(mu_);
+        waiting_.store(true, std::memory_order_seq_cst);
+        done_cv_.wait(lock, [&] { return done_.load(std::memory_order_seq_cst) == n; });
+        waiting_.store(false, std::memory_order_relaxed);
+        return;
+      }
+    }
+  }
+  static constexpr int64_t kWaitSpinNs = 50'000;
+
   // forks seen by this process: a pool made before a fork has its helpers in the parent only (a per-call getpid()
   // would cost a syscall)
   static int& fork_count() {
@@ -105,7 +151,7 @@ class Pool {
     return std::max<long>(us, 0) * 1000;
   }
 
-  void loop(int id, uint64_t seen) {
+  void loop(uint64_t seen) {
     for (;;) {
       uint64_t now = epoch_.load(std::memory_order_acquire);
       if (now == seen) {
@@ -124,15 +170,7 @@ class Pool {
       }
       seen = now;
       if (stop_) return;
-      if (id < width_) {
-        try {
-          (*task_)(id, width_);
-        } catch (...) {
-          std::lock_guard<std::mutex> lock(mu_);
-          if (!helper_error_) helper_error_ = std::current_exception();
-        }
-      }
-      pending_.fetch_sub(1, std::memory_order_acq_rel);
+      work(now);
     }
   }
 
@@ -140,14 +178,16 @@ class Pool {
   const int forks_;
   std::vector<std::thread> threads_;
   std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_;       // helpers wait here for a run
+  std::condition_variable done_cv_;  // the caller waits here for its run's last chunks
   std::atomic<uint64_t> epoch_{0};
-  std::atomic<int> pending_{0};
+  std::atomic<uint64_t> claim_{0};
+  std::atomic<int> done_{0};
   std::atomic<int> sleepers_{0};
+  std::atomic<bool> waiting_{false};  // the caller sleeps on done_cv_
   const std::function<void(int, int)>* task_ = nullptr;
-  int width_ = 0;
   bool stop_ = false;
-  std::exception_ptr helper_error_;
+  std::exception_ptr error_;
 };
 
 inline Pool& thread_pool() {

@@ -255,16 +255,19 @@ struct Column {
 template <int MR, int D>
 void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r0, float* y, int64_t ldy, int pass,
                    int passes) {
-  vf acc[MR][kCols];
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < kCols; ++c) acc[r][c] = vzero();
   const bool q4 = w.format == Format::kQ4_1;
   const int64_t pair = unit * kUnit / kPair, row0 = unit * kUnit % kPair;  // first output row of the unit in its pair
-  for (int64_t g = 0; g < w.groups; ++g) {
-    const uint8_t* blk = w.block(pair, g);
-    w.prefetch_next(pair, g, pass, passes);
-    for (int c = 0; c < kCols; ++c) {
-      const int64_t row = row0 + c * kLanes;  // 0..31 within the pair: tile row / 16, lane row % 16
+  // One column at a time over every block: MR accumulators, the column's unpacked codes and the dots' temporaries fit
+  // the vector registers (both columns' 2 MR accumulators did not: the compiler spilled them to the stack in every
+  // block, and with the row loop unrolled, the codes too).
+  for (int c = 0; c < kCols; ++c) {
+    const int64_t row = row0 + c * kLanes;  // 0..31 within the pair: tile row / 16, lane row % 16
+    vf acc[MR];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) acc[r] = vzero();
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const uint8_t* blk = w.block(pair, g);
+      if (c == 0) w.prefetch_next(pair, g, pass, passes);
       Column col;
       col.load(w.codes(blk, row / 16) + (row % 16) * 4, q4);
 #ifndef SPIND_VNNI
@@ -272,6 +275,7 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
 #endif
       const vf d = load_f16(w.d(blk) + row);
       const vf m = q4 ? load_f16(w.m(blk) + row) : vzero();
+#pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         const int64_t rg = (r0 + r) * w.groups + g;
         vf t;
@@ -289,13 +293,12 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
             t = vfma(t, vset1(static_cast<float>(Digits<D>::kBase)),
                      to_float(col.dot(quads + 8 * e, a.digit_sum[rg * D + e])));
         }
-        acc[r][c] = vfma(t, vmul(d, vset1(a.scale[rg])), acc[r][c]);
-        if (q4) acc[r][c] = vfma(m, vset1(a.sum[rg]), acc[r][c]);
+        acc[r] = vfma(t, vmul(d, vset1(a.scale[rg])), acc[r]);
+        if (q4) acc[r] = vfma(m, vset1(a.sum[rg]), acc[r]);
       }
     }
+    for (int r = 0; r < MR; ++r) vstore(y + r * ldy + c * kLanes, acc[r]);
   }
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < kCols; ++c) vstore(y + r * ldy + c * kLanes, acc[r][c]);
 }
 
 template <int D>
