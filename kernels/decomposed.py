@@ -74,8 +74,8 @@ class DecomposedAttention(Backend):
         if not self.is_one_row_per_seq:  # [R, Hkv, g*max_q, D]: queries replicated per row
             qr = torch.index_select(qr, 0, self.row_seq, out=self.workspace.get("q_rows", (rows, *qr.shape[1:]), q))
         # [R, Hkv, L, D] views of the gathered keys and values
-        kr = self.workspace.gather("k", k_cache, self.slots).view(rows, row_len, hkv, d).transpose(1, 2)
-        vr = self.workspace.gather("v", v_cache, self.slots).view(rows, row_len, hkv, d).transpose(1, 2)
+        kr = self.workspace.gather("k", k_cache, self.slots).to(q.dtype).view(rows, row_len, hkv, d).transpose(1, 2)
+        vr = self.workspace.gather("v", v_cache, self.slots).to(q.dtype).view(rows, row_len, hkv, d).transpose(1, 2)
         mask = self.masks_for(q.dtype)[0]
         if self.is_one_row_per_seq:
             o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, scale=scale)

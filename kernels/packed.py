@@ -87,8 +87,8 @@ class PackedAttention(Backend):
         # q: [T, H, D]; caches: [slots, Hkv, D] -> [T, H, D]
         if not self.groups:
             return torch.zeros_like(q)
-        ks = self.workspace.gather("k", k_cache, self.slots)  # [sum G*L, Hkv, D]
-        vs = self.workspace.gather("v", v_cache, self.slots)
+        ks = self.workspace.gather("k", k_cache, self.slots).to(q.dtype)  # [sum G*L, Hkv, D] (an fp16 cache widened)
+        vs = self.workspace.gather("v", v_cache, self.slots).to(q.dtype)
         if self.query_len is not None:
             return self._call_uniform(q, ks, vs, scale)
         return self._call_mixed(q, ks, vs, scale)

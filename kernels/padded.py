@@ -36,8 +36,8 @@ class PaddedAttention(Backend):
         (b, max_q, max_len), hkv, d = self.shape, self.num_kv_heads, self.head_dim
         qp = gather_queries(q, self.layout, self.query_rows, b * max_q).view(b, max_q, self.num_heads, d)
         # [B, Hkv, L, D] views of the gathered keys and values
-        kp = self.workspace.gather("k", k_cache, self.slots).view(b, max_len, hkv, d).transpose(1, 2)
-        vp = self.workspace.gather("v", v_cache, self.slots).view(b, max_len, hkv, d).transpose(1, 2)
+        kp = self.workspace.gather("k", k_cache, self.slots).to(q.dtype).view(b, max_len, hkv, d).transpose(1, 2)
+        vp = self.workspace.gather("v", v_cache, self.slots).to(q.dtype).view(b, max_len, hkv, d).transpose(1, 2)
         qf = fold_queries(qp, hkv, self.workspace.get("q", (b, hkv, self.group * max_q, d), q))
         o = F.scaled_dot_product_attention(qf, kp, vp, attn_mask=self.masks_for(q.dtype)[0], scale=scale)
         o = unfold_queries(o, max_q).reshape(b * max_q, self.num_heads, d)

@@ -4,7 +4,8 @@ Same numbers as `packed` up to fp32 rounding, but a row's output is bit-identica
 forward (one decode row, a (k+1)-row verify, a prefill, other requests): with the quantized target's
 batch-invariant GEMMs this makes greedy speculative output equal plain decoding exactly. It reads K/V in
 place from the paged cache through each sequence's block table instead of gathering its context. fp32 CPU
-tensors only; anything else, or a machine without the kernels (kernels/cpu_ext.py), runs `packed` instead.
+queries over an fp32 or fp16 cache; anything else, or a machine without the kernels (kernels/cpu_ext.py), runs
+`packed` instead.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class RowInvariantAttention(Backend):
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         # q: [T, H, D]; caches: [slots, Hkv, D] -> [T, H, D]
-        if self.ops is not None and q.dtype == k_cache.dtype == torch.float32 and q.device.type == "cpu":
+        if (self.ops is not None and q.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.float16)
+                and q.device.type == "cpu"):
             owned = q[:self.num_owned].contiguous()
             out = self.ops.row_attention(owned, k_cache, v_cache, self.slots, self.slot_start, self.cu_q,
                                          self.ctx_lens, scale)

@@ -23,6 +23,7 @@ SELF_DRAFT_VARIANTS = ("bf16", "int8-weight-only", "int8-dynamic", "layers", "gg
 DTYPES = ("float32", "bfloat16", "float16", "gguf", "gguf-q16", "gguf-q8", "int4", "int8")
 # kernels/attention.py BACKENDS
 ATTENTION_BACKENDS = ("packed", "padded", "decomposed", "triton-packed", "triton-decomposed", "invariant")
+KV_CACHE_DTYPES = ("auto", "float32", "float16")  # spind/models/runner.py resolve_kv_dtype
 POLICY_NAMES = ("lbss", "fixed:NAME[@K]", "greedy-length", "epsilon-greedy", "random", "none", "oracle")
 
 
@@ -46,6 +47,7 @@ class RuntimeConfig:
     max_batch_size: int = 16  # requests per forward
     max_prefill_tokens: int = 256  # prompt tokens prefilled per time slot, shared by new requests (chunked prefill)
     attention: str = "packed"  # verification attention mode, one of ATTENTION_BACKENDS
+    kv_cache_dtype: str = "auto"  # the target's KV cache, one of KV_CACHE_DTYPES (runner.resolve_kv_dtype)
     cuda_graphs: bool = False  # replay captured verify forwards for bucketed shapes (CUDA, triton-* modes)
     threads: int = 0  # torch intra-op threads per worker process; 0 = all cores / number of workers
     profile: str = "auto"  # model cost profile, when something needs it: auto (cached) | measure | off
@@ -205,6 +207,8 @@ def validate(cfg: SpindConfig) -> SpindConfig:
         raise ConfigError("[model] max_model_len must be >= 16")
     if r.attention not in ATTENTION_BACKENDS:
         raise ConfigError(f"[runtime] attention must be one of {ATTENTION_BACKENDS}")
+    if r.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"[runtime] kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {r.kv_cache_dtype!r}")
     if r.kv_block_size < 1 or r.kv_num_blocks < 1 or r.max_batch_size < 1 or r.threads < 0:
         raise ConfigError("[runtime] kv_block_size, kv_num_blocks, max_batch_size must be >= 1, threads >= 0")
     if r.profile not in ("auto", "measure", "off"):

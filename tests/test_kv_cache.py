@@ -121,3 +121,56 @@ def test_runner_refuses_forward_past_the_context_limit(engine: LocalEngine) -> N
     runner.add_request("a")
     with pytest.raises(ValueError, match="exceed the context limit 16"):
         runner.forward([ForwardItem("a", list(range(1, 18)))])
+
+
+# ---- the cache's dtype ([runtime].kv_cache_dtype) ---------------------------------------------------------------
+def tiny_model(dtype: torch.dtype = torch.float32):
+    from spind.models.llama import LlamaArgs, LlamaModel
+
+    args = LlamaArgs(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0, max_position=256, tie_word_embeddings=False,
+                     attention_bias=False, bos_token_id=None, eos_token_ids=())
+    torch.manual_seed(0)
+    model = LlamaModel(args)
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    return model.to(dtype).eval()
+
+
+def test_kv_dtype_auto_is_fp16_only_for_quantized_targets_where_the_cpu_kernel_reads_the_cache() -> None:
+    from spind.kernels import cpu_ext
+    from spind.models.runner import resolve_kv_dtype
+
+    fp32, bf16, quantized = tiny_model(), tiny_model(torch.bfloat16), tiny_model()
+    quantized.quantized = "gguf-q16"  # what quant.quantize_target marks: the policy reads only this
+    kernel = cpu_ext.available() and cpu_ext.row_attention_supports(32)
+    assert resolve_kv_dtype("auto", quantized, "invariant") == (torch.float16 if kernel else torch.float32)
+    assert resolve_kv_dtype("auto", quantized, "packed") == torch.float32
+    assert resolve_kv_dtype("auto", fp32, "invariant") == torch.float32  # a float model keeps reference numerics
+    assert resolve_kv_dtype("auto", bf16, "invariant") == torch.bfloat16
+    assert resolve_kv_dtype("float16", fp32, "packed") == torch.float16
+    assert resolve_kv_dtype("float32", fp32, "invariant") == torch.float32
+    with pytest.raises(ValueError, match="float32 models on CPU"):
+        resolve_kv_dtype("float16", bf16, "packed")
+    with pytest.raises(ValueError, match="needs a float32 model"):
+        resolve_kv_dtype("float32", bf16, "packed")
+
+
+@pytest.mark.parametrize("attention", ["invariant", "packed"])
+def test_an_fp16_cache_serves_the_model_close_to_fp32(attention: str) -> None:
+    """Written through the module path (an fp32 model's torch linears) and read by the row kernel or widened for
+    `packed`; batch invariance on fp16 is the quantized target's test (test_quant_target.py)."""
+    from spind.models.runner import ForwardItem, ModelRunner
+
+    model = tiny_model()
+    prompt, draft = [3, 9, 27, 17, 51, 1, 40, 22, 8, 13], [5, 60, 7]
+
+    def verify(kv: str) -> tuple[torch.dtype, torch.Tensor]:
+        runner = ModelRunner(model, 4, 16, attention, kv_cache_dtype=kv)
+        runner.add_request("r")
+        runner.forward([ForwardItem("r", prompt, 0)])
+        return runner.kv.k[0].dtype, runner.forward([ForwardItem("r", draft, len(draft))])[0]
+
+    (dtype16, rows16), (dtype32, rows32) = verify("float16"), verify("float32")
+    assert (dtype16, dtype32) == (torch.float16, torch.float32)
+    assert 0 < (rows16 - rows32).abs().max() < 1e-2 * rows32.abs().max()  # 11-bit K/V: close, not equal

@@ -156,3 +156,36 @@ def test_fused_ops_match_the_modules_they_replace(ops) -> None:
     assert torch.equal(q, apply_rope(q_ref.view(t, heads, dim), cos, sin))
     assert torch.equal(k_cache[slots], apply_rope(k_ref.view(t, kv_heads, dim), cos, sin))
     assert torch.equal(v_cache[slots], v_ref.view(t, kv_heads, dim))
+
+
+def test_an_fp16_cache_is_read_as_its_exact_fp32_widening(ops) -> None:
+    """The kernel widens each fp16 K/V element exactly and then runs the fp32 sequence: its output on an fp16 cache is
+    bit-identical to its output on an fp32 cache holding the same (rounded) values, and stays batch-invariant."""
+    case = make_paged_case([1, 5, 17, 3], [40, 100, 17, 200], 9, 3, 64, block_size=16, seed=7)
+    q, meta = case.q * 3, case.meta
+    k16, v16 = case.k_cache.half(), case.v_cache.half()
+    out = row_attention(ops, q, k16, v16, meta)
+    assert torch.equal(out, row_attention(ops, q, k16.float(), v16.float(), meta))
+    cu, tables = meta.query_start_loc.tolist(), [meta.block_tables[b].tolist() for b in range(meta.num_seqs)]
+    b, ql, n = 1, meta.query_lens_cpu[1], meta.seq_lens_cpu[1]
+    for j in range(ql):  # a verify's rows as decode rows
+        alone = build_metadata([1], [n - ql + j + 1], [tables[b]], meta.block_size)
+        assert torch.equal(row_attention(ops, q[cu[b] + j:cu[b] + j + 1], k16, v16, alone), out[cu[b] + j:cu[b] + j + 1])
+    with pytest.raises(RuntimeError, match="both the same"):
+        row_attention(ops, q, k16, v16.float(), meta)
+
+
+@pytest.mark.parametrize("dim", [64, 40])  # whole vectors, and a head dim with a scalar tail
+def test_rope_kv_writes_an_fp16_cache_rounded_to_nearest(ops, dim: int) -> None:
+    g = torch.Generator().manual_seed(8)
+    heads, kv_heads, t = 9, 3, 5
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g) * 50
+    angles = torch.rand(t, 1, dim // 2, generator=g) * 6
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.tensor([9, 3, 40, 41, 0])
+    k32, v32 = torch.zeros(64, kv_heads, dim), torch.zeros(64, kv_heads, dim)
+    k16, v16 = torch.zeros(64, kv_heads, dim, dtype=torch.half), torch.zeros(64, kv_heads, dim, dtype=torch.half)
+    q32 = ops.rope_kv(qkv, cos, sin, k32, v32, slots, heads, kv_heads)
+    q16 = ops.rope_kv(qkv, cos, sin, k16, v16, slots, heads, kv_heads)
+    assert torch.equal(q16, q32)  # queries stay fp32
+    assert torch.equal(k16, k32.half()) and torch.equal(v16, v32.half())  # torch's rounding: to nearest even

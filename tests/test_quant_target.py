@@ -73,8 +73,8 @@ def gguf_model(gguf_runtime: LocalEngine) -> LlamaModel:
     return gguf_runtime.target.runner.model
 
 
-def prefill_logits(model: LlamaModel, ids: list[int], attention: str) -> torch.Tensor:
-    runner = ModelRunner(model, 64, 16, attention)
+def prefill_logits(model: LlamaModel, ids: list[int], attention: str, kv_cache_dtype: str = "auto") -> torch.Tensor:
+    runner = ModelRunner(model, 64, 16, attention, kv_cache_dtype=kv_cache_dtype)
     runner.add_request("p")
     return runner.forward([ForwardItem("p", ids, len(ids))])[0]
 
@@ -92,14 +92,15 @@ def test_gguf_logits_match_the_dequantized_model(gguf_model: LlamaModel, model_d
                                                  prompts: list[list[int]]) -> None:
     reference = load_llama(model_dir, "float32")
     for ids in prompts:
-        got = prefill_logits(gguf_model, ids, "invariant")
+        got = prefill_logits(gguf_model, ids, "invariant", "float32")  # the weights' error alone, not the fp16 cache's
         want = prefill_logits(reference, ids, "packed")
         assert (got - want).abs().max() < LOGIT_ATOL
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def test_gguf_forward_is_batch_invariant(gguf_model: LlamaModel, prompts: list[list[int]]) -> None:
-    runner = ModelRunner(gguf_model, 256, 16, "invariant")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float32"])  # auto: fp16 where the row kernel reads it
+def test_gguf_forward_is_batch_invariant(gguf_model: LlamaModel, prompts: list[list[int]], kv_cache_dtype: str) -> None:
+    runner = ModelRunner(gguf_model, 256, 16, "invariant", kv_cache_dtype=kv_cache_dtype)
     prompt, other, draft = prompts[0], prompts[1], [1, 504, 3406, 30, 5355]
 
     def fresh(req_id: str, tokens: list[int]) -> None:

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
+#include <vector>
 
 #include "ops.h"
 #include "pool.h"
@@ -97,13 +99,50 @@ inline void rotate(const float* x, const float* c, const float* s, int64_t half,
   }
 }
 
-// qkv [T, (H + 2 Hkv) D] -> q [T, H, D] with RoPE; RoPE'd k and v written to the caches at slots [T]
+// n floats into the cache's element type: fp32 as they are, fp16 rounded to nearest even (vectors, then c10::Half's
+// scalar conversion for a tail: the same rounding)
+inline void store_kv(float* dst, const float* src, int64_t n) { std::copy(src, src + n, dst); }
+inline void store_kv(uint16_t* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store_f16(dst + i, vload(src + i));
+  for (; i < n; ++i) dst[i] = c10::Half(src[i]).x;
+}
+
+// qkv [T, (H + 2 Hkv) D] -> q [T, H, D] with RoPE; RoPE'd k and v written to the caches (fp32 or fp16) at slots [T]
+template <typename KV>
+void rope_kv_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                  at::Tensor& v_cache, const int64_t* sl, int64_t H, int64_t Hkv, at::Tensor& q) {
+  const int64_t T = qkv.size(0), D = k_cache.size(2), half = D / 2;
+  const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  KV *kp = reinterpret_cast<KV*>(k_cache.data_ptr()), *vp = reinterpret_cast<KV*>(v_cache.data_ptr());
+  const int64_t width = (H + 2 * Hkv) * D;
+  parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> k(std::is_same_v<KV, float> ? 0 : D);
+    for (int64_t t = begin; t < end; ++t) {
+      const float *x = xp + t * width, *c = cp + t * half, *s = sp + t * half;
+      for (int64_t h = 0; h < H; ++h) rotate(x + h * D, c, s, half, qp + (t * H + h) * D);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        KV* dst = kp + (sl[t] * Hkv + h) * D;
+        if constexpr (std::is_same_v<KV, float>) {
+          rotate(x + (H + h) * D, c, s, half, dst);
+        } else {
+          rotate(x + (H + h) * D, c, s, half, k.data());
+          store_kv(dst, k.data(), D);
+        }
+      }
+      store_kv(vp + sl[t] * Hkv * D, x + (H + Hkv) * D, Hkv * D);
+    }
+  });
+}
+
 at::Tensor rope_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                         at::Tensor v_cache, const at::Tensor& slots, int64_t H, int64_t Hkv) {
   check_rows(qkv, "qkv");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(1) == Hkv && k_cache.scalar_type() == at::kFloat &&
-              k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat &&
-              v_cache.is_contiguous(), "caches must be contiguous fp32 [slots, Hkv, D]");
+  const auto kv_type = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(1) == Hkv && (kv_type == at::kFloat || kv_type == at::kHalf) &&
+              k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == kv_type &&
+              v_cache.is_contiguous(), "caches must be contiguous fp32 or fp16 [slots, Hkv, D], both the same");
   const int64_t T = qkv.size(0), D = k_cache.size(2), half = D / 2, S = k_cache.size(0);
   TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (H + 2 * Hkv) * D, "qkv must be [T, (H + 2 Hkv) D]");
   for (const at::Tensor* t : {&cos, &sin})
@@ -112,17 +151,11 @@ at::Tensor rope_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::
   const int64_t* sl = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "slot out of range");
   at::Tensor q = at::empty({T, H, D}, qkv.options());
-  const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
-  const int64_t width = (H + 2 * Hkv) * D;
-  parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float *x = xp + t * width, *c = cp + t * half, *s = sp + t * half;
-      for (int64_t h = 0; h < H; ++h) rotate(x + h * D, c, s, half, qp + (t * H + h) * D);
-      for (int64_t h = 0; h < Hkv; ++h) rotate(x + (H + h) * D, c, s, half, kp + (sl[t] * Hkv + h) * D);
-      std::copy(x + (H + Hkv) * D, x + width, vp + sl[t] * Hkv * D);
-    }
-  });
+  if (kv_type == at::kFloat) {
+    rope_kv_rows<float>(qkv, cos, sin, k_cache, v_cache, sl, H, Hkv, q);
+  } else {
+    rope_kv_rows<uint16_t>(qkv, cos, sin, k_cache, v_cache, sl, H, Hkv, q);
+  }
   return q;
 }
 

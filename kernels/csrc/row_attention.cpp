@@ -1,5 +1,6 @@
-// Causal attention over a paged KV cache, one query row at a time, so that a row's output never depends on
-// how many other rows (of its request or of others) share the forward: batch-invariant by construction.
+// Causal attention over a paged KV cache (fp32, or fp16 widened exactly on load), one query row at a time, so that a
+// row's output never depends on how many other rows (of its request or of others) share the forward: batch-invariant
+// by construction.
 //
 // Tokens of all requests are packed: request b owns rows [cu_q[b], cu_q[b+1]) of q and its context is the
 // ctx_lens[b] cache slots slots[slot_start[b] ...]; row t of request b sits at position
@@ -35,9 +36,14 @@ constexpr int kMaxVecs = 16;    // head dim up to 16 vectors (256 on AVX-512, 12
 // so one tile ahead (16) left the scattered K/V reads latency-bound (~4 GB/s at 1000 tokens of context)
 constexpr int64_t kAheadK = 64;
 
-inline void prefetch(const float* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+template <typename KV>
+inline void prefetch(const KV* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64 / sizeof(KV)) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
 }
+
+// kLanes cache elements as fp32: fp32 as they are, fp16 widened (exactly)
+inline vf load_kv(const float* p) { return vload(p); }
+inline vf load_kv(const uint16_t* p) { return load_f16(p); }
 
 // p[0:n] = exp(p[0:n] - max): whole vectors from 0, the tail in a padded vector (lanes are independent).
 inline void exp_shifted(float* p, int64_t n, float max) {
@@ -78,13 +84,14 @@ inline float sum_of(const float* p, int64_t n) {
   return s;
 }
 
+template <typename KV>
 struct Item {
   const float* q;      // [n][H][D] from the item's first row and first query head h0
   float* out;          // same layout
-  const float* k;      // cache base, offset to the item's KV head
-  const float* v;
+  const KV* k;         // cache base, offset to the item's KV head (fp32 or fp16 elements)
+  const KV* v;
   const int64_t* rs;   // the request's cache slots by position
-  int64_t row_stride;  // floats per cache slot (Hkv D)
+  int64_t row_stride;  // elements per cache slot (Hkv D)
   int64_t H, group, n, first_visible;  // group: the item's query heads (h0 ..), all on one KV head; row j sees
                                        // positions [0, first_visible + j)
   float scale;
@@ -92,8 +99,8 @@ struct Item {
   int64_t ld;
 };
 
-template <int NV>
-void attend(const Item& it) {
+template <typename KV, int NV>
+void attend(const Item<KV>& it) {
   constexpr int64_t D = NV * kLanes;
   const int64_t all_visible = it.first_visible + it.n - 1, R = it.n * it.group;
   auto qrow = [&](int64_t r) { return it.q + ((r / it.group) * it.H + r % it.group) * D; };
@@ -102,7 +109,7 @@ void attend(const Item& it) {
   // scores, kLanes positions at a time (lanes past a row's last visible position are computed and never read)
   for (int64_t i = 0; i < std::min(kAheadK, all_visible); ++i) prefetch(it.k + it.rs[i] * it.row_stride, D);
   for (int64_t p0 = 0; p0 < all_visible; p0 += kLanes) {
-    const float* krow[kLanes];
+    const KV* krow[kLanes];
     for (int i = 0; i < kLanes; ++i) krow[i] = it.k + it.rs[std::min(p0 + i, all_visible - 1)] * it.row_stride;
     for (int64_t i = p0 + kAheadK; i < std::min(p0 + kAheadK + kLanes, all_visible); ++i)
       prefetch(it.k + it.rs[i] * it.row_stride, D);
@@ -113,8 +120,8 @@ void attend(const Item& it) {
       for (int v = 0; v < NV; ++v) q[v] = vload(qv + v * kLanes);
       vf part[kLanes];
       for (int i = 0; i < kLanes; ++i) {
-        vf a = vmul(q[0], vload(krow[i]));
-        for (int v = 1; v < NV; ++v) a = vfma(q[v], vload(krow[i] + v * kLanes), a);
+        vf a = vmul(q[0], load_kv(krow[i]));
+        for (int v = 1; v < NV; ++v) a = vfma(q[v], load_kv(krow[i] + v * kLanes), a);
         part[i] = a;
       }
       vstore(it.scores + r * it.ld + p0, vmul(transpose_sum(part), vset1(it.scale)));
@@ -143,9 +150,9 @@ void attend(const Item& it) {
       vf acc[NV];
       for (int v = 0; v < NV; ++v) acc[v] = vload(o + v * kLanes);
       for (int64_t p = t0; p < end; ++p) {
-        const float* vrow = it.v + it.rs[p] * it.row_stride;
+        const KV* vrow = it.v + it.rs[p] * it.row_stride;
         const vf w = vset1(s[p]);
-        for (int v = 0; v < NV; ++v) acc[v] = vfma(w, vload(vrow + v * kLanes), acc[v]);
+        for (int v = 0; v < NV; ++v) acc[v] = vfma(w, load_kv(vrow + v * kLanes), acc[v]);
       }
       for (int v = 0; v < NV; ++v) vstore(o + v * kLanes, acc[v]);
     }
@@ -157,10 +164,40 @@ void attend(const Item& it) {
   }
 }
 
-using AttendFn = void (*)(const Item&);
-template <std::size_t... I>
-constexpr std::array<AttendFn, sizeof...(I)> attend_table(std::index_sequence<I...>) {
-  return {&attend<static_cast<int>(I) + 1>...};
+template <typename KV>
+using AttendFn = void (*)(const Item<KV>&);
+template <typename KV, std::size_t... I>
+constexpr std::array<AttendFn<KV>, sizeof...(I)> attend_table(std::index_sequence<I...>) {
+  return {&attend<KV, static_cast<int>(I) + 1>...};
+}
+
+struct Chunk {
+  int64_t b, first, last;
+};
+
+// Every (chunk of rows, KV head) item on the pool: a KV head's query heads in one item, so they share each K/V read.
+// (One item per query head would balance a decode row's 3 KV heads on 2 threads, and change no result, but measured
+// slower: it reads K/V once per query head.)
+template <typename KV>
+void run_items(const std::vector<Chunk>& chunks, const float* qp, float* op, const KV* kp, const KV* vp,
+               const int64_t* sl, const int64_t* start, const int64_t* cu, const int64_t* ctx, int64_t H, int64_t Hkv,
+               int64_t D, int64_t group, int64_t max_ctx, float scale) {
+  static constexpr auto table = attend_table<KV>(std::make_index_sequence<kMaxVecs>{});
+  const AttendFn<KV> fn = table[D / kLanes - 1];
+  const int64_t ld = (max_ctx + kLanes - 1) / kLanes * kLanes;
+  const int64_t items = static_cast<int64_t>(chunks.size()) * Hkv;
+  parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scores;  // reused across calls, never zeroed: every score read is written first
+    if (static_cast<int64_t>(scores.size()) < kChunk * group * ld) scores.resize(kChunk * group * ld);
+    for (int64_t item = begin; item < end; ++item) {
+      const Chunk ch = chunks[item / Hkv];
+      const int64_t kvh = item % Hkv, h0 = kvh * group, n = ch.last - ch.first, b = ch.b;
+      const Item<KV> it{qp + (ch.first * H + h0) * D, op + (ch.first * H + h0) * D, kp + kvh * D,
+                        vp + kvh * D, sl + start[b], Hkv * D, H, group, n, ctx[b] - (cu[b + 1] - ch.first) + 1,
+                        scale, scores.data(), ld};
+      fn(it);
+    }
+  });
 }
 
 }  // namespace
@@ -170,9 +207,10 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k_cache, const a
                          const at::Tensor& slots, const at::Tensor& slot_start, const at::Tensor& cu_q,
                          const at::Tensor& ctx_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be a contiguous fp32 [T, H, D]");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "k_cache and v_cache must be contiguous fp32 [slots, Hkv, D]");
+  const auto kv_type = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.dim() == 3 && (kv_type == at::kFloat || kv_type == at::kHalf) && k_cache.is_contiguous() &&
+              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == kv_type && v_cache.is_contiguous(),
+              "k_cache and v_cache must be contiguous fp32 or fp16 [slots, Hkv, D], both the same");
   for (const at::Tensor* t : {&slots, &slot_start, &cu_q, &ctx_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(), "index tensors must be int64 1-D");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), B = ctx_lens.size(0);
@@ -185,7 +223,6 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k_cache, const a
   const int64_t *cu = cu_q.data_ptr<int64_t>(), *ctx = ctx_lens.data_ptr<int64_t>();
   const int64_t *sl = slots.data_ptr<int64_t>(), *start = slot_start.data_ptr<int64_t>();
   TORCH_CHECK(cu[0] == 0 && cu[B] == T, "cu_q must run from 0 to T");
-  struct Chunk { int64_t b, first, last; };
   std::vector<Chunk> chunks;
   int64_t max_ctx = 0;
   for (int64_t b = 0; b < B; ++b) {
@@ -198,27 +235,16 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k_cache, const a
   for (int64_t i = 0; i < slots.size(0); ++i) TORCH_CHECK(sl[i] >= 0 && sl[i] < num_slots, "slot out of range");
 
   at::Tensor out = at::empty_like(q);
-  const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  static constexpr auto table = attend_table(std::make_index_sequence<kMaxVecs>{});
-  const AttendFn fn = table[D / kLanes - 1];
-  const int64_t ld = (max_ctx + kLanes - 1) / kLanes * kLanes;
-  // a KV head's query heads in one item: they share each K/V read. (One item per query head would balance a decode
-  // row's 3 KV heads on 2 threads, and change no result, but measured slower: it reads K/V once per query head.)
-  const int64_t per = group;
-  const int64_t subs = group / per, items = static_cast<int64_t>(chunks.size()) * Hkv * subs;
-  parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scores;  // reused across calls, never zeroed: every score read is written first
-    if (static_cast<int64_t>(scores.size()) < kChunk * per * ld) scores.resize(kChunk * per * ld);
-    for (int64_t item = begin; item < end; ++item) {
-      const Chunk ch = chunks[item / (Hkv * subs)];
-      const int64_t kvh = item / subs % Hkv, h0 = kvh * group + item % subs * per, n = ch.last - ch.first, b = ch.b;
-      const Item it{qp + (ch.first * H + h0) * D, op + (ch.first * H + h0) * D, kp + kvh * D,
-                    vp + kvh * D, sl + start[b], Hkv * D, H, per, n, ctx[b] - (cu[b + 1] - ch.first) + 1,
-                    static_cast<float>(scale), scores.data(), ld};
-      fn(it);
-    }
-  });
+  if (kv_type == at::kFloat) {
+    run_items<float>(chunks, qp, op, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), sl, start, cu, ctx, H, Hkv,
+                     D, group, max_ctx, static_cast<float>(scale));
+  } else {
+    run_items<uint16_t>(chunks, qp, op, reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
+                        reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), sl, start, cu, ctx, H, Hkv, D, group,
+                        max_ctx, static_cast<float>(scale));
+  }
   return out;
 }
 }  // namespace SPIND_OPS

@@ -35,6 +35,10 @@ inline vf vselect_nonnegative(vf x, vf a, vf b) {
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), b, a);
 }
 inline vf load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// round to nearest even, as c10::Half does
+inline void store_f16(uint16_t* p, vf x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 inline vf to_float(vi v) { return _mm512_cvtepi32_ps(v); }
 inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
 // 2^n for integer-valued n in [-126, 127]
@@ -85,6 +89,9 @@ inline vf vselect_nonnegative(vf x, vf a, vf b) {
   return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
 }
 inline vf load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void store_f16(uint16_t* p, vf x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 inline vf to_float(vi v) { return _mm256_cvtepi32_ps(v); }
 inline float hsum(vf v) {  // fixed tree: halves, then pairs
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -329,7 +329,7 @@ def render_tables(results: dict) -> str:
         q = results["quality"]
         first = next(iter(q["targets"].values()))
         parts.append(format_table(
-            f"Quality against the {q['reference']} target over {first['positions']} positions of AlpacaEval's reference "
+            f"Quality against the {q['reference']} target with an fp32 KV cache over {first['positions']} positions of AlpacaEval's reference "
             "outputs: top-1 agreement, and the text's perplexity",
             ["dtype", "top-1 agreement", "perplexity", f"/ {q['reference']}"],
             [[d, fmt(t["top1_agreement"] * 100, 2) + " %", fmt(t["perplexity"], 3), fmt(t["perplexity_ratio"], 4)]

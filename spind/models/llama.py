@@ -103,8 +103,8 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        k_cache.index_copy_(0, write_slots, k)
-        v_cache.index_copy_(0, write_slots, v.view(t, self.num_kv_heads, self.head_dim))
+        k_cache.index_copy_(0, write_slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, write_slots, v.view(t, self.num_kv_heads, self.head_dim).to(v_cache.dtype))
         o = attend(q, k_cache, v_cache, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -142,6 +142,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.fused_stack = None  # all layers in one kernel call (quantized targets: spind/models/fused.py)
+        self.quantized: str | None = None  # the dtype of quantized weights (quant.quantize_target); None: float
 
     @property
     def dtype(self) -> torch.dtype:
@@ -151,10 +152,11 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def new_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int | None = None) -> KVCache:
+    def new_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int | None = None,
+                     dtype: torch.dtype | None = None) -> KVCache:
         a = self.args
         return KVCache(len(self.layers), a.num_kv_heads, a.head_dim, num_blocks, block_size,
-                       self.dtype, self.device, max_model_len or a.max_position)
+                       dtype or self.dtype, self.device, max_model_len or a.max_position)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache,

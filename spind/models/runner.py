@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spind.kernels import cpu_ext
 from spind.kernels.attention import get_backend
 from spind.kernels.metadata import AttentionMetadata
 from spind.models.kv_cache import KVCache
@@ -60,13 +61,39 @@ class StagingBuffers:
         return view
 
 
+def resolve_kv_dtype(setting: str, model: LlamaModel, attention: str) -> torch.dtype:
+    """The KV cache's dtype for [runtime].kv_cache_dtype. `auto`: fp16 for a quantized target (`gguf*`, int4, int8:
+    fp32 activations over quantized weights) where spind's CPU row-attention kernel reads the cache (`invariant`
+    attention), else the model's dtype: a float32 model keeps the reference numerics. fp16 halves the bytes a decode
+    step's attention streams (at 16 requests of ~350 tokens, as many as the 4-bit weights) and the cache's memory;
+    each K/V value is rounded once, when written (11 significant bits), and read back exactly, so every output stays
+    batch-invariant. float16 where the model is not fp32 on CPU is refused rather than served through conversions."""
+    cpu_fp32 = model.device.type == "cpu" and model.dtype == torch.float32
+    if setting == "auto":
+        kernel = (attention == "invariant" and cpu_fp32 and model.quantized is not None and cpu_ext.available()
+                  and cpu_ext.row_attention_supports(model.args.head_dim))
+        return torch.float16 if kernel else model.dtype
+    if setting == "float32":
+        if model.dtype != torch.float32:
+            raise ValueError(f"kv_cache_dtype float32 needs a float32 model, this one computes in {model.dtype}")
+        return torch.float32
+    if setting == "float16":
+        if not cpu_fp32:
+            raise ValueError(f"kv_cache_dtype float16 is for float32 models on CPU (this one: {model.dtype} on "
+                             f"{model.device.type}); use auto")
+        return torch.float16
+    raise ValueError(f"unknown kv_cache_dtype {setting!r}")
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, attention: str = "packed",
                  max_model_len: int | None = None, max_batch: int = 16, max_tokens: int = 512,
-                 cuda_graphs: bool = False, graph_query_lens: tuple[int, ...] = (1, 3, 5, 9)) -> None:
+                 cuda_graphs: bool = False, graph_query_lens: tuple[int, ...] = (1, 3, 5, 9),
+                 kv_cache_dtype: str = "auto") -> None:
         self.model = model
         self.max_model_len = min(max_model_len or model.args.max_position, model.args.max_position)
-        self.kv: KVCache = model.new_kv_cache(num_blocks, block_size, self.max_model_len)
+        self.kv: KVCache = model.new_kv_cache(num_blocks, block_size, self.max_model_len,
+                                              resolve_kv_dtype(kv_cache_dtype, model, attention))
         a = model.args
         self.attention = attention
         self.attn = get_backend(attention)(a.num_heads, a.num_kv_heads, a.head_dim, model.device)

@@ -58,7 +58,8 @@ class Worker:
             self.target = TargetVerifier(ModelRunner(model, r.kv_num_blocks, r.kv_block_size, r.attention,
                                                      cfg.model.max_model_len, r.max_batch_size,
                                                      cuda_graphs=r.cuda_graphs,
-                                                     graph_query_lens=tuple(sorted({1, *(k + 1 for k in ks)}))))
+                                                     graph_query_lens=tuple(sorted({1, *(k + 1 for k in ks)})),
+                                                     kv_cache_dtype=r.kv_cache_dtype))
         self.drafters: dict[str, Drafter] = {
             d.name: build_drafter(d, cfg, model_dir, tokenizer, self.device) for d in cfg.drafters if d.worker == name}
         self.drafter_reqs: dict[str, set[str]] = {n: set() for n in self.drafters}
