@@ -37,7 +37,8 @@ def test_logits_match_transformers(gguf_model, cfg: SpindConfig, model_dir: Path
 
     hf = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True).eval()
     prompt = tokenizer.apply_chat([{"role": "user", "content": "Explain how a hash map works, briefly."}])
-    runner = ModelRunner(gguf_model, 64, cfg.runtime.kv_block_size, cfg.runtime.attention)
+    # an fp32 cache: this holds the forward against transformers (the fp16 cache's rounding: test_kv_cache.py)
+    runner = ModelRunner(gguf_model, 64, cfg.runtime.kv_block_size, cfg.runtime.attention, kv_cache_dtype="float32")
     rid = new_req_id("parity")
     runner.add_request(rid)
     try:
@@ -79,7 +80,8 @@ def test_gguf_dequantization_matches_transformers(model_dir: Path) -> None:
 def test_attention_modes_agree_at_model_level(gguf_model, cfg: SpindConfig, prompt_ids: list[list[int]]) -> None:
     """Model level: one prefill of prompts from 4 to ~290 tokens, then a step mixing decode and verify rows."""
     model = gguf_model
-    runners = {name: ModelRunner(model, 128, cfg.runtime.kv_block_size, name) for name in MODES}
+    runners = {name: ModelRunner(model, 128, cfg.runtime.kv_block_size, name, kv_cache_dtype="float32")
+               for name in MODES}
     prefill_logits: dict[str, list[torch.Tensor]] = {}
     step_logits: dict[str, list[torch.Tensor]] = {}
     draft_lens = [0, 4, 8, 1, 0, 2, 7, 3, 5]
