@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 
-from spind.config import DTYPES, ConfigError, SpindConfig, load_config
+from spind.config import DTYPES, KV_CACHE_DTYPES, ConfigError, SpindConfig, load_config
 
 
 def add_config_args(p: argparse.ArgumentParser, thread_counts: bool = False) -> None:
@@ -20,6 +20,7 @@ def add_config_args(p: argparse.ArgumentParser, thread_counts: bool = False) -> 
     p.add_argument("--config", default=None, help="config.toml (default: the embedded one)")
     p.add_argument("--model", default=None, help="override [model].target: 'default', an HF dir or a .gguf")
     p.add_argument("--dtype", default=None, choices=DTYPES, help="override [model].dtype")
+    p.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES, help="override [runtime].kv_cache_dtype")
     if thread_counts:
         p.add_argument("--threads", default=None, help="comma-separated torch thread counts, a pass at each "
                                                        "(default: every core)")
@@ -31,7 +32,9 @@ def add_config_args(p: argparse.ArgumentParser, thread_counts: bool = False) -> 
 def config_from_args(args: argparse.Namespace, **server: object) -> SpindConfig:
     threads = args.threads if isinstance(args.threads, int) else None  # a list of counts is the bench's own
     return load_config(args.config, {"model": {"target": args.model, "dtype": args.dtype},
-                                     "runtime": {"threads": threads}, "server": dict(server)})
+                                     "runtime": {"threads": threads,
+                                                 "kv_cache_dtype": getattr(args, "kv_cache_dtype", None)},
+                                     "server": dict(server)})
 
 
 def check_prompt_fits(num_tokens: int, max_model_len: int) -> None:

@@ -9,6 +9,9 @@
 
 #include <sys/mman.h>
 
+#include <array>
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 
@@ -34,6 +37,25 @@ at::Tensor huge_page_copy(const at::Tensor& t) {
   return at::from_blob(p, t.sizes(), [](void* q) { std::free(q); }, t.options());
 }
 
+// Where a stack call's time goes, for `spind bench decode --batch`: seconds in the GEMMs, in row attention, and in
+// the row-wise ops (RMSNorm, RoPE and the cache writes, SiLU x up, residual adds), summed over calls while
+// profiling is on (`stack_profile`). Off, it costs one relaxed load per call.
+enum Phase { kGemm, kAttention, kRowOps, kPhases };
+std::atomic<bool> g_profiling{false};
+std::array<std::atomic<int64_t>, kPhases> g_phase_ns{};
+std::atomic<int64_t> g_calls{0};
+
+// [gemm, attention, row-wise ops] seconds and the number of stack calls since the last call; `enable` turns the
+// timers on or off from now on
+at::Tensor stack_profile(bool enable) {
+  at::Tensor out = at::empty({kPhases + 1}, at::kDouble);
+  double* o = out.data_ptr<double>();
+  for (int p = 0; p < kPhases; ++p) o[p] = g_phase_ns[p].exchange(0) * 1e-9;
+  o[kPhases] = static_cast<double>(g_calls.exchange(0));
+  g_profiling.store(enable);
+  return out;
+}
+
 // weights: 4 per layer (qkv, o, gate_up, down) as packed blocks; q8_0 / out_features: per weight; norms: 2 per
 // layer (input, post-attention); digits: the activations' (0: fp32 precision; 1, 2: 8 or 15 bits)
 at::Tensor decoder_layers(const at::Tensor& h, at::TensorList weights, c10::ArrayRef<int64_t> q8_0,
@@ -53,15 +75,40 @@ at::Tensor decoder_layers(const at::Tensor& h, at::TensorList weights, c10::Arra
     return y.size(1) == out_features[i] ? y : y.narrow(1, 0, out_features[i]).contiguous();
   };
   const int64_t T = h.size(0);
+  const bool profiling = g_profiling.load(std::memory_order_relaxed);
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point mark = profiling ? Clock::now() : Clock::time_point{};
+  auto lap = [&](Phase p) {  // the time since the last lap goes to p
+    if (!profiling) return;
+    const Clock::time_point now = Clock::now();
+    g_phase_ns[p].fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(now - mark).count());
+    mark = now;
+  };
   at::Tensor x = h.contiguous().clone();
   for (int64_t l = 0; l < layers; ++l) {
-    at::Tensor qkv = linear(SPIND_OPS::rms_norm(x, norms[2 * l], eps), 4 * l);
+    at::Tensor normed = SPIND_OPS::rms_norm(x, norms[2 * l], eps);
+    lap(kRowOps);
+    at::Tensor qkv = linear(normed, 4 * l);
+    lap(kGemm);
     at::Tensor q = SPIND_OPS::rope_kv(qkv, cos, sin, k_caches[l], v_caches[l], write_slots, H, Hkv);
+    lap(kRowOps);
     at::Tensor o = SPIND_OPS::row_attention(q, k_caches[l], v_caches[l], slots, slot_start, cu_q, ctx_lens, scale);
-    x.add_(linear(o.view({T, -1}), 4 * l + 1));
-    at::Tensor gu = linear(SPIND_OPS::rms_norm(x, norms[2 * l + 1], eps), 4 * l + 2);
-    x.add_(linear(SPIND_OPS::silu_mul(gu), 4 * l + 3));
+    lap(kAttention);
+    at::Tensor attn_out = linear(o.view({T, -1}), 4 * l + 1);
+    lap(kGemm);
+    x.add_(attn_out);
+    normed = SPIND_OPS::rms_norm(x, norms[2 * l + 1], eps);
+    lap(kRowOps);
+    at::Tensor gu = linear(normed, 4 * l + 2);
+    lap(kGemm);
+    at::Tensor act = SPIND_OPS::silu_mul(gu);
+    lap(kRowOps);
+    at::Tensor down = linear(act, 4 * l + 3);
+    lap(kGemm);
+    x.add_(down);
+    lap(kRowOps);
   }
+  if (profiling) g_calls.fetch_add(1);
   return x;
 }
 
@@ -69,6 +116,7 @@ at::Tensor decoder_layers(const at::Tensor& h, at::TensorList weights, c10::Arra
 
 TORCH_LIBRARY_FRAGMENT(SPIND_OPS, m) {
   m.def("huge_page_copy(Tensor t) -> Tensor", &huge_page_copy);
+  m.def("stack_profile(bool enable) -> Tensor", &stack_profile);
   m.def("decoder_layers(Tensor h, Tensor[] weights, int[] q8_0, int[] out_features, Tensor[] norms, float eps, "
         "int digits, Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, Tensor write_slots, "
         "Tensor slots, Tensor slot_start, Tensor cu_q, Tensor ctx_lens, float scale, int H, int Hkv) -> Tensor",

@@ -13,6 +13,7 @@ from spind.bench.datasets import DEFAULT_DATASETS_DIR, MIX, WORKLOADS, check_dat
 from spind.config import DTYPES, SpindConfig
 
 if TYPE_CHECKING:
+    from spind.bench.batch import BatchBenchSettings
     from spind.bench.decode import DecodeBenchSettings
     from spind.bench.drafters import DrafterBenchSettings
     from spind.bench.serve import ServeSettings
@@ -96,6 +97,17 @@ def add_parsers(sub: argparse._SubParsersAction,
                    help="positions of AlpacaEval's outputs scored for top-1 agreement and perplexity (0: skip)")
     c.add_argument("--out", type=Path, default=Path("bench-results/decode.json"))
     c.set_defaults(func=cmd_bench_decode)
+
+    b = bench_sub.add_parser("batch", help="where a batched target step's time goes at 1, 4, 8, 16 requests "
+                                            "(GEMM, attention, row-wise ops, lm_head, Python, acceptance)")
+    add_config_args(b, thread_counts=True)
+    b.add_argument("--batch", default="1,4,8,16", help="comma-separated increasing batch sizes (requests per step)")
+    b.add_argument("--context", type=int, default=256, help="KV tokens each request holds")
+    b.add_argument("--k", type=int, default=0, help="draft tokens per request (0: decode rows; k: (k+1)-row verifies)")
+    b.add_argument("--rounds", type=int, default=16, help="interleaved rounds timed per batch size")
+    b.add_argument("--datasets-dir", type=Path, default=DEFAULT_DATASETS_DIR)
+    b.add_argument("--out", type=Path, default=Path("bench-results/batch.json"))
+    b.set_defaults(func=cmd_bench_batch)
 
     s = bench_sub.add_parser("serve", help="TTFT and tokens/s of the daemon per drafter and concurrency, side by side "
                                             "with other OpenAI-compatible servers (--peer)")
@@ -246,6 +258,35 @@ def decode_settings(args: argparse.Namespace, cfg: SpindConfig) -> DecodeBenchSe
                                datasets_dir=check_datasets_dir(args.datasets_dir), threads=threads,
                                verify_rows=verify_rows, ttft_tokens=args.ttft_tokens,
                                quality_positions=args.quality_positions)
+
+
+def batch_settings(args: argparse.Namespace, cfg: SpindConfig) -> BatchBenchSettings:
+    """Validate the arguments before any model loads; bad ones raise ValueError."""
+    from spind.bench.batch import BatchBenchSettings
+
+    batches = _ints("--batch", args.batch)
+    if list(batches) != sorted(set(batches)):
+        raise ValueError(f"--batch must be increasing batch sizes, got {args.batch!r}")
+    _check_positive(context=args.context, rounds=args.rounds)
+    if args.k < 0:
+        raise ValueError("--k must be >= 0")
+    if args.context + args.k + 1 > cfg.model.max_model_len:
+        raise ValueError(f"--context {args.context} + k + 1 must fit max_model_len {cfg.model.max_model_len}")
+    threads = _ints("--threads", args.threads) if args.threads else (os.cpu_count() or 1,)
+    return BatchBenchSettings(batches=batches, context=args.context, k=args.k, rounds=args.rounds, threads=threads,
+                              datasets_dir=check_datasets_dir(args.datasets_dir))
+
+
+def cmd_bench_batch(args: argparse.Namespace) -> int:
+    from spind.bench.batch import render_tables, run_batch_bench
+    from spind.bench.report import write_json
+    from spind.cli import config_from_args
+
+    cfg = config_from_args(args)
+    results = run_batch_bench(cfg, batch_settings(args, cfg))
+    print(f"wrote {write_json(args.out, results)}", file=sys.stderr)
+    print(render_tables(results))
+    return 0
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:

@@ -1,0 +1,86 @@
+"""`spind bench batch`: its argument checks, and one short run on the real default model over a quality text made
+here (tests never read the shared datasets): the phases it reports add up to the step, the stack's own timers see
+its calls, and timing changes no result."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from spind.bench.batch import BatchBenchSettings, render_tables, run_batch_bench
+from spind.bench.cli import batch_settings
+from spind.bench.quality import QUALITY_DATASET
+from spind.config import SpindConfig
+from spind.kernels import cpu_ext
+
+TEXT = ("The keeper climbed the ninety steps of the lighthouse every evening to light the lamp, and the ships that "
+        "passed in the night saw its beam sweep across the water. ")
+
+
+def args(datasets_dir: Path, **overrides) -> argparse.Namespace:
+    base = dict(batch="1,4", context=64, k=0, rounds=2, threads=None, datasets_dir=datasets_dir)
+    return argparse.Namespace(**{**base, **overrides})
+
+
+@pytest.fixture
+def datasets_dir(tmp_path: Path) -> Path:
+    path = tmp_path / QUALITY_DATASET
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps([{"instruction": f"Tell story {i}.", "output": TEXT * 3} for i in range(12)]))
+    return tmp_path
+
+
+def test_settings_reject_bad_arguments(cfg: SpindConfig, datasets_dir: Path) -> None:
+    s = batch_settings(args(datasets_dir), cfg)
+    assert (s.batches, s.context, s.k, s.rounds) == ((1, 4), 64, 0, 2)
+    for bad, message in ((dict(batch="4,1"), "increasing"), (dict(batch="1,1"), "increasing"),
+                         (dict(batch="0"), ">= 1"), (dict(context=0), "context"), (dict(k=-1), "--k"),
+                         (dict(context=cfg.model.max_model_len), "max_model_len"), (dict(rounds=0), "rounds")):
+        with pytest.raises(ValueError, match=message):
+            batch_settings(args(datasets_dir, **bad), cfg)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_short_run_accounts_for_the_step(cfg: SpindConfig, datasets_dir: Path, k: int) -> None:
+    settings = BatchBenchSettings(batches=(1, 3), context=48, k=k, rounds=2, threads=(1,), datasets_dir=datasets_dir)
+    results = run_batch_bench(cfg, settings)
+    (run,) = results["runs"]
+    assert run["stack_profiled"] == cpu_ext.available()  # the default target runs the fused stack
+    assert [r["batch"] for r in run["rows"]] == [1, 3] and [r["rows"] for r in run["rows"]] == [k + 1, 3 * (k + 1)]
+    for r in run["rows"]:
+        phases = r["phases_ms"]
+        if run["stack_profiled"]:
+            assert min(phases["gemm"], phases["attention"], phases["row_ops"]) > 0
+        assert phases["lm_head"] > 0
+        # medians of parts need not add to the median step exactly, but a phase never exceeds the step
+        assert max(phases.values()) < r["step_ms"] * 1.5
+        assert r["tokens_per_s"] == pytest.approx(r["rows"] / r["step_ms"] * 1e3, rel=0.5)
+    assert run["rows"][0]["step_over_first"] == 1.0
+    table = render_tables(results)
+    assert "Where a batched step goes" in table and ("gemm" in table) == run["stack_profiled"]
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="the fused stack needs spind's CPU kernels")
+def test_the_stack_timers_change_no_result(engine) -> None:
+    model = engine.target.runner.model
+    assert model.fused_stack is not None
+    from spind.models.runner import ForwardItem, ModelRunner
+
+    ops = cpu_ext.ops()
+
+    def logits(profiled: bool) -> torch.Tensor:
+        runner = ModelRunner(model, 8, 16, "invariant")
+        runner.add_request("p")
+        ops.stack_profile(profiled)
+        try:
+            return runner.forward([ForwardItem("p", list(range(100, 140)), 40)])[0]
+        finally:
+            gemm, attention, row_ops, calls = ops.stack_profile(False).tolist()
+            assert (calls, gemm > 0, attention > 0, row_ops > 0) == ((1, True, True, True) if profiled
+                                                                      else (0, False, False, False))
+
+    assert torch.equal(logits(True), logits(False))
