@@ -389,3 +389,38 @@ def test_the_pipeline_drafts_in_micro_batches_and_merges_them_in_verify(tmp_path
     assert env.coordinator.snapshot().pipeline["micro_batches"]["draft"] == 3
     verifies = env.ops("target", P.Verify)
     assert sum(any(it.req_id == "n" for it in m.items) for m in verifies) >= 23  # plain rides every pass
+
+
+def test_the_pipeline_sends_the_next_verify_before_it_streams_the_last_ones_tokens(tmp_path, mode):
+    """A verify pass's tokens reach the client after the next pass was sent (`Coordinator.hold_deltas`), so the
+    target computes while the front ends write; no token is held back at the end."""
+    if not mode:
+        pytest.skip("the lockstep loop streams between slots")
+    env = Env(tmp_path, make_cfg())
+    events: list[str] = []
+    cast = env.pool.cast
+
+    def recording_cast(name: str, msg: object):
+        if isinstance(msg, P.Verify):
+            events.append("verify")
+        return cast(name, msg)
+
+    env.pool.cast = recording_cast
+
+    async def go():
+        await env.coordinator.start()
+        try:
+            async with aclosing(env.coordinator.generate(request("r", [3, 5, 7], "none", max_tokens=6))) as stream:
+                async for delta in stream:
+                    events.append("delta")
+                    tokens.extend(delta.token_ids)
+        finally:
+            await env.coordinator.shutdown(drain=False)
+
+    tokens: list[int] = []
+    asyncio.run(go())
+    assert tokens == continuation([3, 5, 7], 6)
+    verifies_before = [events[:i].count("verify") for i, e in enumerate(events) if e == "delta"]
+    # the n-th delta (the n-th pass's token; the last pass's is the request's end) arrives after pass n + 1 was sent
+    assert all(sent >= n + 1 for n, sent in enumerate(verifies_before[:-1], start=1)), events
+    assert verifies_before[-1] == 6 and events.count("verify") == 6, events

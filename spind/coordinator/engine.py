@@ -101,6 +101,7 @@ class Coordinator(SlotPhases):
         self.history = History()  # busy intervals, per-second throughput, latencies: for the dashboard
         self.generation_defaults: dict[str, float] = {}  # the model's sampling defaults for unset API fields
         self.pipeline: Pipeline | None = Pipeline(self) if cfg.runtime.pipeline else None
+        self._held: list[tuple[RequestState, Delta]] | None = None  # deltas held back (hold_deltas), in order
 
     # ---- Engine protocol ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -370,6 +371,26 @@ class Coordinator(SlotPhases):
         finally:
             self._wait_s += time.perf_counter() - t0
 
+    # ---- streaming ------------------------------------------------------------------------------
+    def _emit(self, st: RequestState, delta: Delta) -> None:
+        """A delta onto its request's stream, or held back in order while `hold_deltas` is on."""
+        if self._held is None:
+            st.queue.put_nowait(delta)
+        else:
+            self._held.append((st, delta))
+
+    def hold_deltas(self) -> None:
+        """Hold the deltas of what completes now until `flush_deltas`: waking the front ends (an SSE chunk per request
+        and token) is then scheduled after the next verify pass was dispatched, not before it, so the target does not
+        idle while the tokens are written (~0.3-1 ms a slot on a 2-core CPU)."""
+        if self._held is None:
+            self._held = []
+
+    def flush_deltas(self) -> None:
+        held, self._held = self._held, None
+        for st, delta in held or ():
+            st.queue.put_nowait(delta)
+
     def _finish(self, st: RequestState, reason: str, token_ids: list[int] | None = None, detail: str = "") -> None:
         """Last delta (with usage) to the consumer; free the request everywhere; release its KV."""
         if st.status == "finished":
@@ -393,7 +414,7 @@ class Coordinator(SlotPhases):
         usage = Usage(st.seq.num_prompt_tokens, st.seq.num_output_tokens,
                       {n: {"drafted": c.num_drafted, "accepted": c.num_accepted} for n, c in st.per_drafter.items()},
                       s.num_steps, s.mean_accepted_length, st.finish_detail, st.draft_s, st.verify_s, st.arms_used)
-        st.queue.put_nowait(Delta(token_ids or [], self._text_delta(st, len(st.seq.text)), st.seq.finish_reason, usage))
+        self._emit(st, Delta(token_ids or [], self._text_delta(st, len(st.seq.text)), st.seq.finish_reason, usage))
         self.metrics.requests.labels(status=st.seq.finish_reason).inc()
         latency_s = time.perf_counter() - st.arrival
         self.metrics.latency.observe(latency_s)

@@ -255,7 +255,7 @@ class SlotPhases:
             if seq.is_finished:
                 self._finish(st, seq.finish_reason, kept)
             else:
-                st.queue.put_nowait(Delta(kept, self._text_delta(st, visible_len(seq.text, seq.params.stop))))
+                self._emit(st, Delta(kept, self._text_delta(st, visible_len(seq.text, seq.params.stop))))
         self.history.add_queue(len(self.running), len(self.waiting))
         if feedback:
             self.selector.observe(feedback)

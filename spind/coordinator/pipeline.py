@@ -86,11 +86,39 @@ class Pipeline:
 
     # ---- one turn of the loop -------------------------------------------------------------------
     async def tick(self) -> None:
-        c, s = self.c, self.state
+        c = self.c
         start = time.perf_counter()
         if not all(c.pool.is_alive(n) for n in c.pool.names):
             await self.reset_and_recover()
             return
+        self._dispatch()
+        tasks = self._tasks()
+        self._overhead_s += time.perf_counter() - start
+        if not tasks:
+            await asyncio.sleep(0)
+            return
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        start = time.perf_counter()
+        # What completed streams its tokens only after the next passes are dispatched: their sends are scheduled
+        # first, so the target computes while the front ends write (the deltas are never dropped: `finally`).
+        c.hold_deltas()
+        try:
+            try:
+                self._complete_all(done)
+            except WorkerDied as e:
+                log.warning("%s; restarting and re-prefilling", e)
+                await self.reset_and_recover()
+            else:
+                if all(c.pool.is_alive(n) for n in c.pool.names):
+                    self._dispatch()
+        finally:
+            c.flush_deltas()
+        self._overhead_s += time.perf_counter() - start
+
+    def _dispatch(self) -> None:
+        """Schedule and select when the target is free, then send what can go: drafts, the verify pass, drafts
+        ahead."""
+        c, s = self.c, self.state
         chunks: list[tuple[RequestState, int]] = []
         if self.target_task is None:
             chunks = c._schedule(busy=frozenset(s.in_flight()))
@@ -102,19 +130,6 @@ class Pipeline:
         if self.target_task is None:
             self._dispatch_verify(chunks)
         self._dispatch_ahead()
-        tasks = self._tasks()
-        self._overhead_s += time.perf_counter() - start
-        if not tasks:
-            await asyncio.sleep(0)
-            return
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        start = time.perf_counter()
-        try:
-            self._complete_all(done)
-        except WorkerDied as e:
-            log.warning("%s; restarting and re-prefilling", e)
-            await self.reset_and_recover()
-        self._overhead_s += time.perf_counter() - start
 
     def _tasks(self) -> list[asyncio.Task]:
         return [t for t in (self.target_task, *self.draft_tasks.values()) if t is not None]
