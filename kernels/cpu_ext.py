@@ -22,7 +22,7 @@ Ops (all batch-invariant: a row's result does not depend on the other rows of th
 - `rms_norm(x, w, eps)`, `silu_mul(gate_up)`, `rope_kv(...)`: fused row-wise ops of the quantized forward
   (csrc/fused_ops.cpp);
 - `decoder_layers(...)`: a whole LLaMA decoder stack through the ops above in one call, `stack_profile(enable)`:
-  where its calls' time went (GEMMs, attention, row-wise ops; `spind bench decode --batch`), and
+  where its calls' time went (GEMMs, attention, row-wise ops; `spind bench batch`), and
   `huge_page_copy(t)`: a tensor copy on transparent-huge-page memory (csrc/stack.cpp).
 """
 

@@ -37,7 +37,7 @@ at::Tensor huge_page_copy(const at::Tensor& t) {
   return at::from_blob(p, t.sizes(), [](void* q) { std::free(q); }, t.options());
 }
 
-// Where a stack call's time goes, for `spind bench decode --batch`: seconds in the GEMMs, in row attention, and in
+// Where a stack call's time goes, for `spind bench batch`: seconds in the GEMMs, in row attention, and in
 // the row-wise ops (RMSNorm, RoPE and the cache writes, SiLU x up, residual adds), summed over calls while
 // profiling is on (`stack_profile`). Off, it costs one relaxed load per call.
 enum Phase { kGemm, kAttention, kRowOps, kPhases };

@@ -52,10 +52,7 @@ class BatchBenchSettings:
 def _stack_ops(verifier: TargetVerifier):
     """The kernels' ops when the target runs the fused stack (their `stack_profile` times it), else None."""
     model = verifier.runner.model
-    if getattr(model, "fused_stack", None) is None or not cpu_ext.available():
-        return None
-    ops = cpu_ext.ops()
-    return ops if hasattr(ops, "stack_profile") else None
+    return cpu_ext.ops() if model.fused_stack is not None and cpu_ext.available() else None
 
 
 def _round(verifier: TargetVerifier, req_ids: list[str], drafts: dict[str, list[int]], ops) -> dict[str, float]:

@@ -127,13 +127,12 @@ def quantize_target(model: nn.Module, model_dir: Path, dtype: str, layers: list[
     """
     if next(model.parameters()).device.type != "cpu":
         raise ValueError(f"dtype {dtype!r} is a CPU target; use float32 or bfloat16 on other devices")
-    if dtype == "int8":
-        model.quantized = dtype
-        return quantize_linears(model, "int8-weight-only")
     if dtype not in QUANTIZED_DTYPES:
         raise ValueError(f"unknown quantized dtype {dtype!r}; known: {', '.join(QUANTIZED_DTYPES)}")
-    blocks = load_gguf_blocks(model_dir)
     model.quantized = dtype
+    if dtype == "int8":
+        return quantize_linears(model, "int8-weight-only")
+    blocks = load_gguf_blocks(model_dir)
     kept = []
     for i, old in enumerate(layers):
         for path, parts in _FUSED.items():
