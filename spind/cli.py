@@ -44,7 +44,7 @@ def check_prompt_fits(num_tokens: int, max_model_len: int) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from spind.coordinator.local import GenRequest, LocalEngine
+    from spind.coordinator.transport.local import GenRequest, LocalEngine
     from spind.models.loader import resolve_model_dir
     from spind.params import SamplingParams
     from spind.tokenizer import Tokenizer

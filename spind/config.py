@@ -80,7 +80,7 @@ class SpeculationConfig:
 @dataclass(frozen=True)
 class SelectionConfig:
     """SSM selection for requests that leave the drafter to spind (`drafter: "auto"`); see
-    spind/coordinator/bandit.py for what each knob does."""
+    spind/coordinator/selection/lbss.py for what each knob does."""
 
     policy: str = "lbss"  # lbss | fixed:NAME[@K] | greedy-length | epsilon-greedy | random | none | oracle
     alpha: int = 2  # exploration slots per epoch; requests live only tens of slots, so explore briefly

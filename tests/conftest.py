@@ -18,7 +18,7 @@ import torch
 
 from prompts import PROMPTS, encode
 from spind.config import SpindConfig, load_config
-from spind.coordinator.local import GenRequest, GenResult, LocalEngine
+from spind.coordinator.transport.local import GenRequest, GenResult, LocalEngine
 from spind.models.loader import resolve_model_dir
 from spind.params import SamplingParams
 from spind.tokenizer import Tokenizer

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spind.coordinator.bandit import LBSSSelector, SelectionConfig
-from spind.coordinator.baselines import build_selector
+from spind.coordinator.selection.lbss import LBSSSelector, SelectionConfig
+from spind.coordinator.selection.baselines import build_selector
 from spind.sim.simulator import SimResult, simulate
 from spind.sim.workload import Workload
 from spind.sim.workloads import MIXED, build_workload

@@ -10,7 +10,7 @@ from spind.bench.datasets import WorkloadFormatError, read_prompt_file, sample_w
 from spind.bench.e2e import RefusedSystem, RequestRecord, arrivals, best_arms, drafter_shares, parse_system
 from spind.cli import main
 from spind.config import load_config
-from spind.coordinator.selector import Arm
+from spind.coordinator.selection.protocol import Arm
 
 
 def test_systems_parse_and_unknown_ones_are_refused():

@@ -12,7 +12,7 @@ import pytest
 from conftest import new_req_id
 from spind.cli import main
 from spind.config import DEFAULT_CONFIG_PATH
-from spind.coordinator.local import GenRequest, LocalEngine
+from spind.coordinator.transport.local import GenRequest, LocalEngine
 from spind.params import SamplingParams
 
 QUESTION = "What is the capital of France?"

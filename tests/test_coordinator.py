@@ -17,8 +17,8 @@ from spind.config import (DrafterConfig, ModelConfig, RuntimeConfig, SelectionCo
 from spind.coordinator.engine import Coordinator
 from spind.coordinator.interface import Delta, EngineRequest
 from spind.coordinator.placement import worker_names
-from spind.coordinator.pool import InProcessPool
-from spind.coordinator.selector import StaticSelector
+from spind.coordinator.transport.pool import InProcessPool
+from spind.coordinator.selection.protocol import StaticSelector
 from spind.params import SamplingParams
 from spind.tokenizer import Tokenizer
 

@@ -14,7 +14,7 @@ from spind.coordinator.placement import threads_for, worker_names
 from spind.coordinator.recovery import RestartPolicy
 from spind.coordinator.request import Sequence, prompt_repetition
 from spind.coordinator.scheduler import KVBudget, num_admissible, plan_prefill, visible_len
-from spind.coordinator.selector import PLAIN_ARM, Arm, Capacity, RequestInfo, StaticSelector, fit_capacity
+from spind.coordinator.selection.protocol import PLAIN_ARM, Arm, Capacity, RequestInfo, StaticSelector, fit_capacity
 from spind.params import SamplingParams
 from spind.tokenizer import Tokenizer
 

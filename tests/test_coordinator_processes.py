@@ -22,8 +22,8 @@ from spind import protocol as P
 from spind.config import SpindConfig, load_config
 from spind.coordinator.engine import Coordinator
 from spind.coordinator.interface import Delta, EngineError, EngineRequest
-from spind.coordinator.process_pool import ProcessPool
-from spind.coordinator.local import GenRequest, LocalEngine
+from spind.coordinator.transport.process_pool import ProcessPool
+from spind.coordinator.transport.local import GenRequest, LocalEngine
 from spind.params import SamplingParams
 
 pytestmark = pytest.mark.e2e
@@ -362,8 +362,8 @@ def test_a_call_to_a_worker_whose_process_is_gone_fails_at_once(tmp_path) -> Non
     log as an unretrieved exception (a daemon test found such a traceback after SIGKILLing both workers)."""
     import zmq.asyncio
 
-    from spind.coordinator.pool import WorkerDied
-    from spind.coordinator.process_pool import WorkerProcess
+    from spind.coordinator.transport.pool import WorkerDied
+    from spind.coordinator.transport.process_pool import WorkerProcess
 
     async def run() -> list[dict]:
         loop = asyncio.get_running_loop()

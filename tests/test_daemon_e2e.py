@@ -81,7 +81,7 @@ def refs(daemon: Daemon) -> dict[str, Reference]:
     import torch
 
     from spind.config import load_config
-    from spind.coordinator.local import GenRequest, LocalEngine
+    from spind.coordinator.transport.local import GenRequest, LocalEngine
     from spind.params import SamplingParams
 
     torch.set_num_threads(1)

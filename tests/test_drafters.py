@@ -15,7 +15,7 @@ from spind.config import DrafterConfig, SpindConfig
 from spind.drafters import DraftInput, TokenizerMismatchError, build_drafter
 from spind.drafters.model import ModelDrafter
 from spind.drafters.ngram import NgramDrafter, lookup
-from spind.coordinator.local import GenRequest, LocalEngine
+from spind.coordinator.transport.local import GenRequest, LocalEngine
 from spind.models.quant import Int8WeightOnlyLinear
 from spind.models.runner import ForwardItem
 from spind.tokenizer import Tokenizer

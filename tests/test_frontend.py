@@ -28,7 +28,7 @@ from spind.frontend.openai_schema import (MAX_BODY_BYTES, ApiError, ApiLimits, C
 from spind.frontend.daemon_cli import load_daemon_config, probe_url
 from spind.coordinator.interface import Delta, EngineError, Usage
 from spind.frontend.server import PidInfo
-from spind.coordinator.process_pool import default_run_dir, prepare_run_dir
+from spind.coordinator.transport.process_pool import default_run_dir, prepare_run_dir
 from spind.frontend.zmq_api import Envelope, ZmqApiServer, client_prompt, split_frames
 
 LIMITS = ApiLimits(model_name="spind", max_model_len=1024, drafter_names=("ngram", "int8"))

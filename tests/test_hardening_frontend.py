@@ -322,7 +322,7 @@ def test_zmq_non_streamed_request_is_cancelled_when_its_client_goes_away(monkeyp
 # -- the run dir -------------------------------------------------------------------------------------------------
 
 def test_a_start_removes_the_sockets_a_killed_daemon_left(tmp_path):
-    from spind.coordinator.process_pool import prepare_run_dir
+    from spind.coordinator.transport.process_pool import prepare_run_dir
 
     dead = 2**22 + 12345  # above pid_max's default: no such process
     run_dir = prepare_run_dir(tmp_path / "run")

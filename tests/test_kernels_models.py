@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from spind.coordinator.local import LocalEngine
+from spind.coordinator.transport.local import LocalEngine
 from spind.kernels.attention import TORCH_BACKENDS
 from spind.models.runner import ForwardItem, ModelRunner
 from spind.tokenizer import Tokenizer

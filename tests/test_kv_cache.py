@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spind.coordinator.local import LocalEngine
+from spind.coordinator.transport.local import LocalEngine
 from spind.models.kv_cache import KVCache, KVCacheFullError
 from spind.models.runner import ForwardItem, ModelRunner
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import SMALL_DRAFTER_LAYERS, generate, make_requests, new_req_id
 from spind.config import DrafterConfig
 from spind.drafters.model import common_prefix
-from spind.coordinator.local import GenRequest, GenResult, LocalEngine
+from spind.coordinator.transport.local import GenRequest, GenResult, LocalEngine
 from spind.coordinator.request import Sequence
 from spind.worker.target import VerifyItem
 from spind.tokenizer import Tokenizer

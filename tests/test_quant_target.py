@@ -22,7 +22,7 @@ import torch
 from conftest import new_req_id
 from spind.config import ConfigError, DrafterConfig, SpindConfig, from_dict, load_config
 from spind.drafters.model import common_prefix
-from spind.coordinator.local import GenRequest, GenResult, LocalEngine
+from spind.coordinator.transport.local import GenRequest, GenResult, LocalEngine
 from spind.kernels import cpu_ext
 from spind.models.llama import LlamaModel, load_llama
 from spind.models.runner import ForwardItem, ModelRunner

@@ -9,12 +9,12 @@ import json
 import numpy as np
 import pytest
 
-from spind.coordinator.arms import ArmSet, free_capacity, random_drop
-from spind.coordinator.bandit import EXPLOIT, EXPLORE, LBSSSelector, SelectionConfig
-from spind.coordinator.baselines import (EpsilonGreedySelector, FixedSelector, GreedyLengthSelector,
+from spind.coordinator.selection.arms import ArmSet, free_capacity, random_drop
+from spind.coordinator.selection.lbss import EXPLOIT, EXPLORE, LBSSSelector, SelectionConfig
+from spind.coordinator.selection.baselines import (EpsilonGreedySelector, FixedSelector, GreedyLengthSelector,
                                          OracleSelector, RandomSelector, build_selector)
-from spind.coordinator.matching import assignment_value, max_weight_assignment
-from spind.coordinator.selector import AUTO, PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
+from spind.coordinator.selection.matching import assignment_value, max_weight_assignment
+from spind.coordinator.selection.protocol import AUTO, PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
 
 DRAFTERS = ("ngram", "int8")
 

@@ -8,9 +8,9 @@ import random
 import numpy as np
 
 from spind.config import SelectionConfig
-from spind.coordinator.bandit import LBSSSelector
-from spind.coordinator.selector import PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
-from spind.coordinator.shadow import ShadowDrafts
+from spind.coordinator.selection.lbss import LBSSSelector
+from spind.coordinator.selection.protocol import PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
+from spind.coordinator.selection.shadow import ShadowDrafts
 from spind.ngram_index import NgramIndex
 
 

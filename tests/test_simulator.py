@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from spind.cli import main
-from spind.coordinator.arms import ArmSet
-from spind.coordinator.bandit import LBSSSelector, SelectionConfig
-from spind.coordinator.baselines import FixedSelector, OracleSelector
-from spind.coordinator.selector import PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
+from spind.coordinator.selection.arms import ArmSet
+from spind.coordinator.selection.lbss import LBSSSelector, SelectionConfig
+from spind.coordinator.selection.baselines import FixedSelector, OracleSelector
+from spind.coordinator.selection.protocol import PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
 from spind.sim.simulator import simulate
 from spind.sim.workload import ProfileRecorder, load_profile, parametric_outcomes, save_profile
 from spind.sim.workloads import build_workload

@@ -31,7 +31,7 @@ from spind.bench.decode import _cpu_name
 from spind.bench.quality import quality_windows
 from spind.bench.report import Progress, fmt, format_table
 from spind.config import SpindConfig
-from spind.coordinator.local import LocalEngine
+from spind.coordinator.transport.local import LocalEngine
 from spind.kernels import cpu_ext
 from spind.params import SamplingParams
 from spind.worker.target import TargetVerifier, VerifyItem

@@ -397,7 +397,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 def cmd_bench_select(args: argparse.Namespace) -> int:
     from spind.bench.report import write_json
     from spind.bench.select import SelectBenchSettings, render_tables, run_select_bench
-    from spind.coordinator.bandit import SelectionConfig
+    from spind.coordinator.selection.lbss import SelectionConfig
     from spind.sim.workloads import WORKLOADS
 
     settings = SelectBenchSettings(_names(args.workloads), _names(args.policies), args.num_requests, args.max_slots,

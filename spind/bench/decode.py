@@ -38,7 +38,7 @@ from spind.bench.drafters import PLAIN, Tally, time_target_steps, with_target_dt
 from spind.bench.quality import compare_quality, memory_bandwidth, quality_windows, time_first_token
 from spind.bench.report import Progress, fmt, format_table, timed
 from spind.config import SpindConfig
-from spind.coordinator.local import GenRequest, LocalEngine
+from spind.coordinator.transport.local import GenRequest, LocalEngine
 from spind.kernels import cpu_ext
 from spind.models.llama import LlamaModel
 from spind.models.loader import gguf_source, resolve_model_dir

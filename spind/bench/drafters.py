@@ -24,7 +24,7 @@ from spind.bench.datasets import DEFAULT_DATASETS_DIR, encode_prompt, load_promp
 from spind.bench.report import Progress, fmt, format_table, timed
 from spind.config import SpindConfig
 from spind.drafters.model import common_prefix
-from spind.coordinator.local import GenRequest, GenResult, LocalEngine
+from spind.coordinator.transport.local import GenRequest, GenResult, LocalEngine
 from spind.models.llama import LlamaModel
 from spind.models.runner import ForwardItem, ModelRunner
 from spind.worker.profile import time_draft_tokens

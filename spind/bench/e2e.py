@@ -35,7 +35,7 @@ from spind.bench.report import Progress, fmt, format_table
 from spind.bench.serve import percentile
 from spind.config import SpindConfig
 from spind.coordinator.interface import EngineRequest
-from spind.coordinator.selector import Arm
+from spind.coordinator.selection.protocol import Arm
 from spind.params import SamplingParams
 
 POLICIES = ("greedy-length", "epsilon-greedy", "random", "oracle")
@@ -176,9 +176,9 @@ async def _drive(coordinator, prompts: list[list[int]], categories: list[str], s
 
 def run_spind(cfg: SpindConfig, spec: SystemSpec, prompts: list[list[int]], categories: list[str], s: E2ESettings,
               progress: Progress, oracle: dict[int, Arm] | None = None) -> tuple[list[RequestRecord], float]:
-    from spind.coordinator.arms import ArmSet
-    from spind.coordinator.baselines import OracleSelector
-    from spind.coordinator.local import LocalEngine
+    from spind.coordinator.selection.arms import ArmSet
+    from spind.coordinator.selection.baselines import OracleSelector
+    from spind.coordinator.transport.local import LocalEngine
 
     run_cfg = spind_config(cfg, spec, s.k)
     selector = None

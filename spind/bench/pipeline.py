@@ -68,7 +68,7 @@ def _busy_totals(c) -> dict[str, float]:
 
 
 def run_pipeline_bench(cfg: SpindConfig, s: PipelineBenchSettings, texts: list[Prompt]) -> dict:
-    from spind.coordinator.local import LocalEngine
+    from spind.coordinator.transport.local import LocalEngine
 
     engine = LocalEngine.load(cfg, drafters=[s.drafter])  # pipeline on at start: the profile gets measured
     c = engine.coordinator

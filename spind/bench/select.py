@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spind.bench.report import Progress, fmt, format_table
-from spind.coordinator.baselines import build_selector
-from spind.coordinator.bandit import SelectionConfig
-from spind.coordinator.selector import Selector
+from spind.coordinator.selection.baselines import build_selector
+from spind.coordinator.selection.lbss import SelectionConfig
+from spind.coordinator.selection.protocol import Selector
 from spind.sim.simulator import simulate
 from spind.sim.workload import Workload, load_profile
 from spind.sim.workloads import ARRIVAL_RATE, build_workload

@@ -37,14 +37,14 @@ from spind.coordinator.history import History
 from spind.coordinator.metrics import EngineMetrics, SlotTimes
 from spind.coordinator.phases import SlotPhases
 from spind.coordinator.pipeline import Pipeline
-from spind.coordinator.pool import WorkerDied, WorkerError, WorkerPool
+from spind.coordinator.transport.pool import WorkerDied, WorkerError, WorkerPool
 from spind.coordinator.request import RequestState, Sequence, SpecStats, prompt_repetition
 from spind.coordinator.scheduler import KVBudget
 from spind.coordinator.recovery import RestartPolicy
-from spind.coordinator.baselines import build_selector
+from spind.coordinator.selection.baselines import build_selector
 from spind.coordinator.profile import SystemProfile, load_or_measure
-from spind.coordinator.selector import AUTO, PLAIN, Capacity, Selector
-from spind.coordinator.shadow import ShadowDrafts
+from spind.coordinator.selection.protocol import AUTO, PLAIN, Capacity, Selector
+from spind.coordinator.selection.shadow import ShadowDrafts
 from spind.coordinator.snapshot import build_state
 from spind.state import SpindState
 from spind.tokenizer import Tokenizer

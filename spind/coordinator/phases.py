@@ -18,10 +18,10 @@ import time
 from spind import protocol as P
 from spind.config import TARGET_WORKER
 from spind.coordinator.interface import Delta
-from spind.coordinator.pool import WorkerError
+from spind.coordinator.transport.pool import WorkerError
 from spind.coordinator.request import RequestState, SpecStats
 from spind.coordinator.scheduler import num_admissible, plan_prefill, visible_len
-from spind.coordinator.selector import AUTO, PLAIN, PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
+from spind.coordinator.selection.protocol import AUTO, PLAIN, PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 from spind import protocol as P
 from spind.coordinator.microbatch import B0, choose_micro_batches
-from spind.coordinator.pool import WorkerDied, WorkerError
+from spind.coordinator.transport.pool import WorkerDied, WorkerError
 from spind.coordinator.request import RequestState
-from spind.coordinator.selector import Arm
+from spind.coordinator.selection.protocol import Arm
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from spind.coordinator.interface import EngineRequest
-from spind.coordinator.selector import Arm
+from spind.coordinator.selection.protocol import Arm
 from spind.params import SamplingParams
 from spind.tokenizer import Tokenizer
 

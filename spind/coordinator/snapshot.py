@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 from spind.coordinator.history import WINDOW_S
-from spind.coordinator.selector import PLAIN
+from spind.coordinator.selection.protocol import PLAIN
 from spind.state import DrafterState, RequestSummary, SelectionState, SpindState, WorkerState
 
 if TYPE_CHECKING:

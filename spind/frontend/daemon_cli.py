@@ -35,7 +35,7 @@ def load_daemon_config(args: argparse.Namespace) -> SpindConfig:
     cfg = load_config(args.config, {"model": {"target": getattr(args, "model", None),
                                               "dtype": getattr(args, "dtype", None)},
                                     "runtime": {"threads": getattr(args, "threads", None)}, "server": server})
-    from spind.coordinator.process_pool import default_run_dir
+    from spind.coordinator.transport.process_pool import default_run_dir
 
     run_dir = Path(cfg.server.run_dir).expanduser() if cfg.server.run_dir else default_run_dir()
     return dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, run_dir=str(run_dir.absolute())))
@@ -58,7 +58,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 def _start_detached(args: argparse.Namespace, cfg: SpindConfig) -> int:
     from spind.client import http_json
     from spind.frontend.server import LOG_FILE
-    from spind.coordinator.process_pool import prepare_run_dir
+    from spind.coordinator.transport.process_pool import prepare_run_dir
 
     run_dir = prepare_run_dir(Path(cfg.server.run_dir))
     argv = [sys.executable, "-m", "spind.cli", *(["-v"] if args.verbose else []), "start",

@@ -28,7 +28,7 @@ from spind.config import SpindConfig
 from spind.frontend.api import ApiLimits, ApiServer
 from spind.frontend.http_server import CappedAppRunner
 from spind.coordinator.interface import Engine
-from spind.coordinator.process_pool import prepare_run_dir
+from spind.coordinator.transport.process_pool import prepare_run_dir
 from spind.frontend.zmq_api import ZmqApiServer
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class PidInfo:
 def build_engine(cfg: SpindConfig, run_dir: Path) -> Engine:
     """The coordinator over worker processes."""
     from spind.coordinator.engine import Coordinator
-    from spind.coordinator.process_pool import ProcessPool
+    from spind.coordinator.transport.process_pool import ProcessPool
     from spind.coordinator.recovery import RestartPolicy
 
     s = cfg.server

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from spind.coordinator.arms import split_bypass, free_capacity
-from spind.coordinator.matching import max_weight_assignment
-from spind.coordinator.selector import Capacity, RequestInfo, Selector, SlotFeedback
+from spind.coordinator.selection.arms import split_bypass, free_capacity
+from spind.coordinator.selection.matching import max_weight_assignment
+from spind.coordinator.selection.protocol import Capacity, RequestInfo, Selector, SlotFeedback
 from spind.sim.workload import Workload
 
 

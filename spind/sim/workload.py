@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from spind.coordinator.arms import ArmSet
-from spind.coordinator.selector import AUTO, Arm, RequestInfo, SlotFeedback
+from spind.coordinator.selection.arms import ArmSet
+from spind.coordinator.selection.protocol import AUTO, Arm, RequestInfo, SlotFeedback
 
 PROFILE_FORMAT = "spind-sim-profile"
 FIELDS = ("drafted", "accepted", "committed", "draft_s", "verify_s")

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from spind.coordinator.arms import ArmSet
-from spind.coordinator.selector import AUTO
+from spind.coordinator.selection.arms import ArmSet
+from spind.coordinator.selection.protocol import AUTO
 from spind.sim.workload import Workload, parametric_outcomes
 
 

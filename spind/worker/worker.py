@@ -1,6 +1,6 @@
 """A worker: hosts the target verifier (worker "target") and the drafters whose `worker` names it, and
 answers the coordinator's ops one at a time. No I/O here: the process main (`spind.worker.main`) and the
-in-process pool (`spind.coordinator.pool`) both drive `Worker.answer`.
+in-process pool (`spind.coordinator.transport.pool`) both drive `Worker.answer`.
 
 State: a mirror of each request it serves, keyed by req_id: its sampling params and the committed tokens
 it knows of. `AddRequest` sends them whole; `Propose`/`Precompute` send only the tokens committed since;

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from spind.coordinator.arms import PLAIN_INDEX, ArmSet
+from spind.coordinator.selection.arms import PLAIN_INDEX, ArmSet
 
 
 def max_weight_assignment(weights: np.ndarray, arm_set: ArmSet, free: dict[str | None, int | None]) -> np.ndarray:

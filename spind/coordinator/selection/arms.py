@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from spind.coordinator.selector import PLAIN_ARM, Arm, Capacity, RequestInfo, bypass_arm
+from spind.coordinator.selection.protocol import PLAIN_ARM, Arm, Capacity, RequestInfo, bypass_arm
 
 PLAIN_INDEX = 0
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from spind.coordinator.arms import PLAIN_INDEX, ArmSet
-from spind.coordinator.features import NUM_CONTEXTS
-from spind.coordinator.selector import SlotFeedback
+from spind.coordinator.selection.arms import PLAIN_INDEX, ArmSet
+from spind.coordinator.selection.features import NUM_CONTEXTS
+from spind.coordinator.selection.protocol import SlotFeedback
 
 CONTEXT_STRENGTH = 8.0  # pseudo-trials of the overall rate in a context's rates
 

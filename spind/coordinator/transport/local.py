@@ -18,8 +18,8 @@ from spind.config import TARGET_WORKER, SpindConfig
 from spind.coordinator.engine import Coordinator
 from spind.coordinator.interface import EngineRequest
 from spind.coordinator.placement import threads_for, worker_names
-from spind.coordinator.pool import InProcessPool
-from spind.coordinator.selector import Selector
+from spind.coordinator.transport.pool import InProcessPool
+from spind.coordinator.selection.protocol import Selector
 from spind.params import SamplingParams
 from spind.tokenizer import Tokenizer
 

@@ -81,7 +81,7 @@ class SlotFeedback:
     switch_s: float = 0.0  # KV catch-up its drafter ran before drafting, beyond the last slot's tokens
     batch_size: int = 1  # requests in that verify forward
     # counterfactual drafts of free drafters it did not run, decided by what greedy decoding committed:
-    # (drafter, drafted, accepted) each; acceptance evidence only, no timing (spind.coordinator.shadow)
+    # (drafter, drafted, accepted) each; acceptance evidence only, no timing (spind.coordinator.selection.shadow)
     shadow: tuple[tuple[str, int, int], ...] = ()
 
 

@@ -42,7 +42,7 @@ tell apart.
 Config: the `[selection]` section of config.toml (`spind.config.SelectionConfig`, defaults documented there).
 
 Beyond the paper, free drafters teach without being explored: under greedy decoding the coordinator checks
-what n-gram lookup would have drafted against what was committed (`spind.coordinator.shadow`) and reports it
+what n-gram lookup would have drafted against what was committed (`spind.coordinator.selection.shadow`) and reports it
 in `SlotFeedback.shadow`; it counts as acceptance evidence for that request and its context (never reward).
 """
 
@@ -55,12 +55,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from spind.config import SelectionConfig
-from spind.coordinator.arms import (PLAIN_INDEX, ArmSet, free_capacity, random_drop, split_bypass, take,
+from spind.coordinator.selection.arms import (PLAIN_INDEX, ArmSet, free_capacity, random_drop, split_bypass, take,
                                     with_requested_k)
-from spind.coordinator.estimates import Counts, PopulationStats, estimate
-from spind.coordinator.features import context_name, context_of
-from spind.coordinator.matching import max_weight_assignment
-from spind.coordinator.selector import Arm, Capacity, RequestInfo, SlotFeedback, fit_capacity
+from spind.coordinator.selection.estimates import Counts, PopulationStats, estimate
+from spind.coordinator.selection.features import context_name, context_of
+from spind.coordinator.selection.matching import max_weight_assignment
+from spind.coordinator.selection.protocol import Arm, Capacity, RequestInfo, SlotFeedback, fit_capacity
 
 UNKNOWN_WEIGHT = -1e6  # matching weight of an arm nobody has run: exploit only what was observed
 EXPLORE, EXPLOIT = "explore", "exploit"

@@ -24,10 +24,10 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from spind.config import POLICY_NAMES, SelectionConfig
-from spind.coordinator.arms import ArmSet, free_capacity, random_drop, split_bypass, with_requested_k
-from spind.coordinator.bandit import UNKNOWN_WEIGHT, LBSSSelector
-from spind.coordinator.matching import max_weight_assignment
-from spind.coordinator.selector import (PLAIN, Arm, Capacity, RequestInfo, Selector, SlotFeedback,
+from spind.coordinator.selection.arms import ArmSet, free_capacity, random_drop, split_bypass, with_requested_k
+from spind.coordinator.selection.lbss import UNKNOWN_WEIGHT, LBSSSelector
+from spind.coordinator.selection.matching import max_weight_assignment
+from spind.coordinator.selection.protocol import (PLAIN, Arm, Capacity, RequestInfo, Selector, SlotFeedback,
                                         StaticSelector, fit_capacity)
 
 GoodputTable = Callable[[str], Mapping[Arm, float]]  # req_id -> true goodput per arm (the oracle's knowledge)

@@ -30,7 +30,7 @@ import zmq.asyncio
 from spind import protocol as P
 from spind.config import TARGET_WORKER, SpindConfig
 from spind.coordinator.placement import threads_for, worker_names
-from spind.coordinator.pool import BusyHook, WorkerDied, WorkerError, WorkerInfo, quiet_future, settle
+from spind.coordinator.transport.pool import BusyHook, WorkerDied, WorkerError, WorkerInfo, quiet_future, settle
 
 log = logging.getLogger(__name__)
 

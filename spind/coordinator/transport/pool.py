@@ -1,7 +1,7 @@
 """The coordinator's view of its workers: the `WorkerPool` interface and its in-process implementation.
 
 Two pools implement it (vLLM v1's in-process vs multiprocess engine client is the pattern):
-- `ProcessPool` (spind.coordinator.process_pool): one process per worker over ZeroMQ, watched and
+- `ProcessPool` (spind.coordinator.transport.process_pool): one process per worker over ZeroMQ, watched and
   restarted; what the daemon runs.
 - `InProcessPool` (here): the same `Worker.answer` called in this process, each worker on a thread of its
   own (torch releases the GIL, so a drafter really drafts while the target verifies); what `spind
