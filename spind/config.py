@@ -8,10 +8,17 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 from dataclasses import dataclass, field
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
-DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
+from spind.kernels.attention import BACKENDS
+from spind.policy import Policy
+
+# The embedded default: package data (spind/config.toml, a link to the checkout's top-level config.toml that a built
+# wheel carries as a file), so an installed wheel finds it as an editable install does.
+DEFAULT_CONFIG_PATH: Traversable = resources.files("spind").joinpath("config.toml")
 TARGET_WORKER = "target"  # the worker that hosts the target model (and verifies)
 
 DRAFTER_KINDS = ("ngram", "self", "model")
@@ -21,10 +28,8 @@ SELF_DRAFT_VARIANTS = ("bf16", "int8-weight-only", "int8-dynamic", "layers", "gg
 # activations (integer dot products, bit-identical on every x86 path); "int4" / "int8" use torch's weight-only
 # kernels (bf16 activations).
 DTYPES = ("float32", "bfloat16", "float16", "gguf", "gguf-q16", "gguf-q8", "int4", "int8")
-# kernels/attention.py BACKENDS
-ATTENTION_BACKENDS = ("packed", "padded", "decomposed", "triton-packed", "triton-decomposed", "invariant")
+ATTENTION_BACKENDS = tuple(BACKENDS)  # the registry's names (kernels/attention.py, torch-free), "packed" first
 KV_CACHE_DTYPES = ("auto", "float32", "float16")  # spind/models/runner.py resolve_kv_dtype
-POLICY_NAMES = ("lbss", "fixed:NAME[@K]", "greedy-length", "epsilon-greedy", "random", "none", "oracle")
 
 
 class ConfigError(ValueError):
@@ -82,7 +87,9 @@ class SelectionConfig:
     """SSM selection for requests that leave the drafter to spind (`drafter: "auto"`); see
     spind/coordinator/selection/lbss.py for what each knob does."""
 
-    policy: str = "lbss"  # lbss | fixed:NAME[@K] | greedy-length | epsilon-greedy | random | none | oracle
+    # lbss | fixed:NAME[@K] | greedy-length | epsilon-greedy | random | none | oracle: the TOML's text (so the
+    # config round-trips); `parsed_policy` is it as a spind.policy.Policy, checked here so it always parses
+    policy: str = "lbss"
     alpha: int = 2  # exploration slots per epoch; requests live only tens of slots, so explore briefly
     beta: int = 1
     switch_weight: float = 1.0
@@ -96,8 +103,10 @@ class SelectionConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "k_set", tuple(self.k_set))
-        if self.policy not in POLICY_NAMES and not self.policy.startswith("fixed:"):
-            raise ValueError(f"[selection] policy {self.policy!r} is not one of {', '.join(POLICY_NAMES)}")
+        try:
+            Policy.parse(self.policy)
+        except ValueError as e:
+            raise ValueError(f"[selection] {e}") from None
         if self.alpha < 0 or self.beta < 1:
             raise ValueError("[selection] need alpha >= 0 and beta >= 1")
         if not self.k_set or len(set(self.k_set)) != len(self.k_set) or min(self.k_set) < 1:
@@ -108,6 +117,11 @@ class SelectionConfig:
             raise ValueError("[selection] explore_margin must be in [0, 1)")
         if self.population_window < 1 or not 0.0 <= self.epsilon <= 1.0:
             raise ValueError("[selection] need population_window >= 1 and 0 <= epsilon <= 1")
+
+    @property
+    def parsed_policy(self) -> Policy:
+        """`policy` parsed: what code should branch on (never the text)."""
+        return Policy.parse(self.policy)
 
 
 @dataclass(frozen=True)
@@ -213,7 +227,7 @@ def validate(cfg: SpindConfig) -> SpindConfig:
         raise ConfigError("[runtime] kv_block_size, kv_num_blocks, max_batch_size must be >= 1, threads >= 0")
     if r.profile not in ("auto", "measure", "off"):
         raise ConfigError(f"[runtime] profile must be auto, measure or off, got {r.profile!r}")
-    if cfg.selection.policy == "oracle":
+    if cfg.selection.parsed_policy.name == "oracle":
         raise ConfigError("[selection] policy 'oracle' is evaluation only (spind bench e2e), not a serving policy")
     if not 0 <= r.micro_batches <= 64:
         raise ConfigError("[runtime] micro_batches must be in 0..64 (0: the heuristic)")
@@ -250,9 +264,9 @@ def validate(cfg: SpindConfig) -> SpindConfig:
         raise ConfigError("[[drafters]] max_batch_size must be >= 0")
     if any(w.max_batch_size < 0 or w.threads < 0 for w in cfg.workers):
         raise ConfigError("[[workers]] max_batch_size and threads must be >= 0")
-    policy = cfg.selection.policy
-    if policy.startswith("fixed:") and policy.removeprefix("fixed:").partition("@")[0] not in seen:
-        raise ConfigError(f"[selection] policy {policy!r} names no configured drafter; configured: "
+    policy = cfg.selection.parsed_policy
+    if policy.is_fixed and policy.drafter not in seen:
+        raise ConfigError(f"[selection] policy {cfg.selection.policy!r} names no configured drafter; configured: "
                           f"{', '.join(sorted(seen)) or '(none)'}")
     return cfg
 
@@ -278,7 +292,7 @@ def from_dict(raw: dict[str, Any]) -> SpindConfig:
 
 def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> SpindConfig:
     """Read a TOML config (the embedded default when `path` is None) and apply section overrides."""
-    p = Path(path) if path else DEFAULT_CONFIG_PATH
+    p: Path | Traversable = Path(path) if path else DEFAULT_CONFIG_PATH
     try:
         raw = tomllib.loads(p.read_text())
     except FileNotFoundError:

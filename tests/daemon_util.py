@@ -27,7 +27,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Daemon:
     proc: subprocess.Popen
     config: Path | None
@@ -78,7 +78,7 @@ def start_daemon(config_template: str | None = None, *extra: str) -> Iterator[Da
     log = root / "daemon.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    d = Daemon(proc, config, root / "run", log, port, zmq_port)
+    d = Daemon(proc=proc, config=config, run_dir=root / "run", log=log, port=port, zmq_port=zmq_port)
     deadline = time.monotonic() + START_TIMEOUT_S
     while http_json(d.url + "/health")[0] != 200:
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -76,7 +76,8 @@ class ScriptedWorker:
         self.poison: set[str] = set()  # requests whose presence breaks a verify without saying whose fault it is
 
     def ready(self, num_threads: int) -> P.Ready:
-        return P.Ready(self.name, os.getpid(), self.is_target, self.drafters, 4096, num_threads, "cpu", "script")
+        return P.Ready(name=self.name, pid=os.getpid(), is_target=self.is_target, drafters=self.drafters,
+                       max_model_len=4096, num_threads=num_threads, device="cpu", dtype="script")
 
     def answer(self, msg: object) -> object:
         self.log.append(msg)
@@ -125,8 +126,9 @@ class ScriptedWorker:
             verify = {b: 2.0 + 0.5 * b for b in msg.batch_sizes} if self.is_target else {}
             return P.Profiled(msg.seq, {d: self.draft_ms.get(d, 1.0) for d in self.drafters}, verify)
         if isinstance(msg, P.Ping):
-            return P.WorkerStats(msg.seq, self.name, os.getpid(), sorted(self.mirrors), {},
-                                 {d: sorted(r) for d, r in self.drafter_reqs.items()}, {}, len(self.precompute_queue))
+            return P.WorkerStats(seq=msg.seq, name=self.name, pid=os.getpid(), req_ids=sorted(self.mirrors), kv={},
+                                 drafter_reqs={d: sorted(r) for d, r in self.drafter_reqs.items()}, ms_per_token={},
+                                 num_precompute_queued=len(self.precompute_queue))
         raise ValueError(f"unexpected {type(msg).__name__}")
 
     def _sync(self, req_id: str, drafter: str, base_len: int, new_tokens: list[int]) -> None:

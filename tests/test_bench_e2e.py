@@ -11,17 +11,19 @@ from spind.bench.e2e import RefusedSystem, RequestRecord, arrivals, best_arms, d
 from spind.cli import main
 from spind.config import load_config
 from spind.coordinator.selection.protocol import Arm
+from spind.policy import Policy
 
 
 def test_systems_parse_and_unknown_ones_are_refused():
     cfg = load_config()
     spin = parse_system("spin", cfg)
-    assert (spin.policy, spin.pipeline, spin.attention) == ("lbss", True, "packed") and "int8" in spin.drafters
+    assert (str(spin.policy), spin.pipeline, spin.attention) == ("lbss", True, "packed") and "int8" in spin.drafters
     fixed = parse_system("fixed:int8", cfg)
-    assert (fixed.policy, fixed.drafters, fixed.pipeline, fixed.attention) == ("fixed:int8", ("int8",), False, "padded")
+    assert (fixed.policy, fixed.drafters, fixed.pipeline, fixed.attention) == \
+        (Policy("fixed", "int8"), ("int8",), False, "padded")
     assert parse_system("spin-nobatch-nopipe", cfg).attention == "padded"
     assert parse_system("hf-assisted:bf16", cfg).hf_drafter == "bf16"
-    for bad in ("fast", "fixed:nope", "hf-assisted:nope"):
+    for bad in ("fast", "fixed:nope", "fixed:int8@2", "fixed:", "hf-assisted:nope"):
         with pytest.raises(RefusedSystem):
             parse_system(bad, cfg)
 

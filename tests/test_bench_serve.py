@@ -23,7 +23,9 @@ from spind.bench.serve import (PEER, Level, RequestRecord, ServeSettings, add_id
 
 def record(ttft_s: float | None, latency_s: float, tokens: int, slots: int = 0, accepted_len: float = 0.0,
            error: str | None = None) -> RequestRecord:
-    return RequestRecord("spind", 64, "int8", 4, 0, ttft_s, latency_s, tokens, slots, accepted_len, error)
+    return RequestRecord(daemon="spind", max_tokens=64, drafter="int8", concurrency=4, index=0, ttft_s=ttft_s,
+                         latency_s=latency_s, completion_tokens=tokens, time_slots=slots,
+                         mean_accepted_length=accepted_len, error=error)
 
 
 def test_percentile_interpolates_between_ranks() -> None:
@@ -182,7 +184,8 @@ def test_load_serve_prompts_mix_and_named(tmp_path: Path) -> None:
 
 # ---- peers' rows, identity, spind vs peers ---------------------------------------------------------------
 def test_summarize_a_peer_level() -> None:
-    records = [RequestRecord("vllm", 64, PEER, 2, i, 0.1 * (i + 1), 1.0 + i, 64) for i in range(4)]
+    records = [RequestRecord(daemon="vllm", max_tokens=64, drafter=PEER, concurrency=2, index=i, ttft_s=0.1 * (i + 1),
+                             latency_s=1.0 + i, completion_tokens=64) for i in range(4)]
     row = summarize(Level("vllm", 64, 2, PEER), records, 4.0, {}, {})
     assert (row["daemon"], row["drafter"], row["num_errors"], row["completion_tokens"]) == ("vllm", PEER, 0, 256)
     assert row["tokens_per_s"] == pytest.approx(64.0)
@@ -195,7 +198,8 @@ def test_summarize_a_peer_level() -> None:
 
 def test_identity_against_none_per_prompt_and_level() -> None:
     def rec(daemon: str, drafter: str, conc: int, index: int, output: str, error: str | None = None) -> RequestRecord:
-        return RequestRecord(daemon, 64, drafter, conc, index, 0.1, 1.0, 8, error=error, output=output)
+        return RequestRecord(daemon=daemon, max_tokens=64, drafter=drafter, concurrency=conc, index=index, ttft_s=0.1,
+                             latency_s=1.0, completion_tokens=8, error=error, output=output)
 
     records = [rec("spind", "none", 4, 0, "a"), rec("spind", "none", 4, 1, "b"), rec("spind", "none", 4, 2, "", "x"),
                rec("spind", "int8", 4, 0, "a"), rec("spind", "int8", 4, 1, "B"), rec("spind", "int8", 4, 2, "c"),

@@ -49,6 +49,8 @@ BAD_CONFIGS = [
     ({"selection": {"policy": "fixed:fast"}}, r"\[selection\] policy 'fixed:fast' names no configured drafter"),
     ({"selection": {"policy": "oracle"}}, r"\[selection\] policy 'oracle' is evaluation only"),
     ({"selection": {"policy": "best"}}, r"\[selection\] policy 'best' is not one of"),
+    ({"selection": {"policy": "fixed:ngram@0"}}, r"\[selection\] policy 'fixed:ngram@0': k must be an integer >= 1"),
+    ({"selection": {"policy": "fixed:"}}, r"\[selection\] policy 'fixed:' needs a drafter name"),
     ({"selection": {"k_set": [4, 4]}}, r"\[selection\] k_set must be distinct"),
     ({"selection": {"alpha": -1}}, r"\[selection\] need alpha >= 0"),
     ({"runtime": {"profile": "sometimes"}}, r"\[runtime\] profile must be auto, measure or off"),

@@ -98,9 +98,10 @@ def test_chunked_prefill_is_shortest_first_with_a_share_for_the_oldest():
 
 def test_static_selector_bypass_default_and_capacity():
     sel = StaticSelector("int8", 4)
-    reqs = [RequestInfo("a", "auto", None, None, 10, 0), RequestInfo("b", "none", None, None, 10, 0),
-            RequestInfo("c", "ngram", 8, None, 10, 0), RequestInfo("d", "auto", 2, None, 10, 0),
-            RequestInfo("e", "auto", None, None, 10, 0)]
+    reqs = [RequestInfo(req_id=r, requested=requested, requested_k=k, current=None, num_prompt_tokens=10,
+                        num_output_tokens=0)
+            for r, requested, k in (("a", "auto", None), ("b", "none", None), ("c", "ngram", 8), ("d", "auto", 2),
+                                    ("e", "auto", None))]
     arms = sel.select(reqs, Capacity({"int8": 2, "ngram": 4}))
     assert arms == [Arm("int8", 4), PLAIN_ARM, Arm("ngram", 8), Arm("int8", 2), PLAIN_ARM]  # e: past B_int8
     assert sel.describe()["assignment"] == {"int8@4": 1, "none": 2, "ngram@8": 1, "int8@2": 1}

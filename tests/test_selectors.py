@@ -15,19 +15,22 @@ from spind.coordinator.selection.baselines import (EpsilonGreedySelector, FixedS
                                          OracleSelector, RandomSelector, build_selector)
 from spind.coordinator.selection.matching import assignment_value, max_weight_assignment
 from spind.coordinator.selection.protocol import AUTO, PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
+from spind.policy import Policy
 
 DRAFTERS = ("ngram", "int8")
 
 
 def info(req_id: str, requested: str = AUTO, *, current: Arm | None = None, prompt: int = 100,
          output: int = 0, repetition: float = 0.0, k: int | None = None) -> RequestInfo:
-    return RequestInfo(req_id, requested, k, current, prompt, output, repetition)
+    return RequestInfo(req_id=req_id, requested=requested, requested_k=k, current=current, num_prompt_tokens=prompt,
+                       num_output_tokens=output, prompt_repetition=repetition)
 
 
 def feedback(req_id: str, arm: Arm, goodput: float, accepted: int | None = None) -> SlotFeedback:
     """One slot of `arm` worth `goodput` tokens/s: (accepted + 1) tokens in (accepted + 1) / goodput s."""
     accepted = arm.k // 2 if accepted is None else accepted
-    return SlotFeedback(req_id, arm, arm.k, accepted, accepted + 1, 0.0, (accepted + 1) / goodput)
+    return SlotFeedback(req_id=req_id, arm=arm, num_drafted=arm.k, num_accepted=accepted, num_committed=accepted + 1,
+                        draft_s=0.0, verify_s=(accepted + 1) / goodput)
 
 
 def used_per_drafter(arms: list[Arm]) -> dict[str, int]:
@@ -254,7 +257,8 @@ def test_switching_cost_keeps_a_request_on_its_drafter_when_the_gain_does_not_pa
                 is_new_drafter = r.req_id != "r0" or not drafters_of_r0 or drafters_of_r0[-1] != arm.drafter
                 catch_up = 0.001 * (r.num_prompt_tokens + r.num_output_tokens) if is_new_drafter else 0.0
                 seconds = 0.25 if arm.drafter == "a" else (0.3 if t < 10 else 0.15)  # 3 tokens a slot
-                fb.append(SlotFeedback(r.req_id, arm, 4, 2, 3, 0.0, seconds, switch_s=catch_up))
+                fb.append(SlotFeedback(req_id=r.req_id, arm=arm, num_drafted=4, num_accepted=2, num_committed=3,
+                                       draft_s=0.0, verify_s=seconds, switch_s=catch_up))
                 if r.req_id == "r0":
                     drafters_of_r0.append(arm.drafter)
             sel.observe(fb)
@@ -324,7 +328,8 @@ def test_build_selector_parses_names_and_rejects_bad_ones():
     assert build_selector("epsilon-greedy", cfg, DRAFTERS, 4).policy == "epsilon-greedy"
     assert build_selector("random", cfg, DRAFTERS, 4).policy == "random"
     assert build_selector("oracle", cfg, DRAFTERS, 4, oracle=lambda r: {}).policy == "oracle"
-    for bad, match in (("fixed:bf16", "unknown drafter"), ("fixed:int8@0", "k must be"), ("greedy", "unknown"),
+    assert build_selector(Policy("fixed", "ngram", 2), cfg, DRAFTERS, 4).policy == "fixed:ngram@2"  # parsed already
+    for bad, match in (("fixed:bf16", "unknown drafter"), ("fixed:int8@0", "k must be"), ("greedy", "is not one of"),
                        ("greedy-length", "cost per draft token"), ("oracle", "evaluation only")):
         with pytest.raises(ValueError, match=match):
             build_selector(bad, cfg, DRAFTERS, 4)

@@ -57,14 +57,24 @@ def test_lbss_learns_a_requests_ngram_acceptance_from_shadows_alone():
     """Two requests that never ran n-gram: the one whose shadows were all accepted is estimated far above the
     one whose shadows all failed."""
     sel = LBSSSelector(SelectionConfig(alpha=1, beta=1, prior_strength=4.0, seed=0), ["ng", "m"], 4)
-    reqs = [RequestInfo(r, "auto", None, None, 100, 0) for r in ("copy", "chat")]
-    reqs.append(RequestInfo("other", "ng", 8, None, 100, 0))  # names n-gram: the population learns its timing
+
+    def req(req_id: str, requested: str, k: int | None) -> RequestInfo:
+        return RequestInfo(req_id=req_id, requested=requested, requested_k=k, current=None, num_prompt_tokens=100,
+                           num_output_tokens=0)
+
+    def fb(req_id: str, arm: Arm, drafted: int, accepted: int, draft_s: float,
+           shadow: tuple[tuple[str, int, int], ...] = ()) -> SlotFeedback:
+        return SlotFeedback(req_id=req_id, arm=arm, num_drafted=drafted, num_accepted=accepted,
+                            num_committed=accepted + 1, draft_s=draft_s, verify_s=0.1, shadow=shadow)
+
+    reqs = [req(r, "auto", None) for r in ("copy", "chat")]
+    reqs.append(req("other", "ng", 8))  # names n-gram: the population learns its timing
     cap = Capacity({"ng": 8, "m": 8})
     for slot in range(6):  # both run the model drafter; shadows say n-gram fits one and not the other
         sel.select(reqs, cap)
-        sel.observe([SlotFeedback("copy", Arm("m", 4), 4, 4, 5, 0.2, 0.1, shadow=(("ng", 8, 8),)),
-                     SlotFeedback("chat", Arm("m", 4), 4, 4, 5, 0.2, 0.1, shadow=(("ng", 8, 0),)),
-                     SlotFeedback("other", Arm("ng", 8), 8, 2, 3, 0.0, 0.1)])  # timing of the n-gram arm
+        sel.observe([fb("copy", Arm("m", 4), 4, 4, 0.2, shadow=(("ng", 8, 8),)),
+                     fb("chat", Arm("m", 4), 4, 4, 0.2, shadow=(("ng", 8, 0),)),
+                     fb("other", Arm("ng", 8), 8, 2, 0.0)])  # timing of the n-gram arm
     g = {r: v["estimate"] for r, v in sel.describe()["requests"].items()}
     assert g["copy"]["ng@8"] > 3 * g["chat"]["ng@8"] > 0
     assert g["copy"]["ng@8"] > g["copy"]["m@4"]  # free and always accepted beats its own model drafter

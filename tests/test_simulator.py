@@ -63,10 +63,18 @@ def test_profile_round_trip_replays_identically(tmp_path: Path):
 
 def test_profile_recorder_normalises_batch_seconds_and_needs_every_arm():
     recorder = ProfileRecorder(["d"], [2], {"d": 0.001}, {"d": 4}, max_batch_size=4, batch_slope=0.5)
-    recorder.add_request(RequestInfo("r", "auto", None, None, 30, 0, 0.2), num_tokens=64, label="chat")
-    recorder.add(SlotFeedback("r", PLAIN_ARM, 0, 0, 1, 0.0, 0.2, batch_size=3))  # batch factor 1 + 0.5 x 2 = 2
-    recorder.add(SlotFeedback("r", Arm("d", 2), 2, 1, 2, 0.1, 0.3, batch_size=1))
-    recorder.add(SlotFeedback("r", Arm("d", 2), 2, 2, 3, 0.1, 0.3, batch_size=1))
+    recorder.add_request(RequestInfo(req_id="r", requested="auto", requested_k=None, current=None,
+                                     num_prompt_tokens=30, num_output_tokens=0, prompt_repetition=0.2),
+                         num_tokens=64, label="chat")
+
+    def slot(arm: Arm, drafted: int, accepted: int, committed: int, draft_s: float, verify_s: float,
+             batch_size: int) -> SlotFeedback:
+        return SlotFeedback(req_id="r", arm=arm, num_drafted=drafted, num_accepted=accepted, num_committed=committed,
+                            draft_s=draft_s, verify_s=verify_s, batch_size=batch_size)
+
+    recorder.add(slot(PLAIN_ARM, 0, 0, 1, 0.0, 0.2, batch_size=3))  # batch factor 1 + 0.5 x 2 = 2
+    recorder.add(slot(Arm("d", 2), 2, 1, 2, 0.1, 0.3, batch_size=1))
+    recorder.add(slot(Arm("d", 2), 2, 2, 3, 0.1, 0.3, batch_size=1))
     w = load_profile(json.loads(json.dumps(recorder.to_json())))
     assert w.goodput()[0] == pytest.approx([1 / 0.1, (2 / 0.4 + 3 / 0.4) / 2])
     assert w.num_prompt_tokens[0] == 30 and w.labels == ["chat"]
@@ -133,7 +141,7 @@ def test_bench_select_prints_a_table_and_writes_json(tmp_path: Path, capsys: pyt
     assert results["speed"]["num_requests"] == 40
 
 
-@pytest.mark.parametrize("args, fragment", [(["--policies", "best"], "unknown selection policy"),
+@pytest.mark.parametrize("args, fragment", [(["--policies", "best"], "policy 'best' is not one of"),
                                             (["--workloads", "wiki"], "unknown workload"),
                                             (["--num-requests", "0"], "must be >= 1")])
 def test_bench_select_rejects_bad_arguments(args: list[str], fragment: str, capsys: pytest.CaptureFixture,

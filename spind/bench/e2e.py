@@ -28,94 +28,63 @@ import asyncio
 import dataclasses
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 from spind.bench.datasets import Prompt, encode_prompt
+from spind.bench.e2e_records import E2ESettings, RefusedSystem, RequestRecord, SystemSpec
 from spind.bench.report import Progress, fmt, format_table
 from spind.bench.serve import percentile
 from spind.config import SpindConfig
 from spind.coordinator.interface import EngineRequest
 from spind.coordinator.selection.protocol import Arm
 from spind.params import SamplingParams
+from spind.policy import Policy
 
 POLICIES = ("greedy-length", "epsilon-greedy", "random", "oracle")
 SPIN = {"spin": (True, "packed"), "spin-nopipe": (False, "packed"), "spin-nobatch-nopipe": (False, "padded")}
 
 
-class RefusedSystem(ValueError):
-    """A system this build cannot run as asked; reported in the results, never faked."""
-
-
-@dataclass(frozen=True)
-class SystemSpec:
-    name: str
-    kind: str  # spind | hf
-    policy: str = "none"
-    drafters: tuple[str, ...] = ()
-    pipeline: bool = False
-    attention: str = "packed"
-    hf_drafter: str = ""  # hf-assisted: the configured drafter standing in as the assistant model
+def fixed_policy(system: str) -> Policy | None:
+    """The policy of a `fixed:NAME` system (vanilla speculative decoding at --k); None for any other system.
+    RefusedSystem when it is malformed, or names a k: every system of a run drafts at the same --k."""
+    if not system.startswith("fixed:"):
+        return None
+    try:
+        policy = Policy.parse(system)
+    except ValueError as e:
+        raise RefusedSystem(f"{system}: {e}") from None
+    if policy.k is not None:
+        raise RefusedSystem(f"{system}: fixed:NAME systems draft at --k; name no @K")
+    return policy
 
 
 def parse_system(name: str, cfg: SpindConfig) -> SystemSpec:
     """A system name -> how to run it; RefusedSystem names what is missing."""
     names = tuple(d.name for d in cfg.drafters)
     if name == "none":
-        return SystemSpec(name, "spind")
-    if name.startswith("fixed:"):
-        drafter = name.removeprefix("fixed:")
-        if drafter not in names:
-            raise RefusedSystem(f"{name}: no configured drafter {drafter!r} (configured: {', '.join(names)})")
-        return SystemSpec(name, "spind", name, (drafter,), False, "padded")
+        return SystemSpec(name=name, kind="spind")
+    fixed = fixed_policy(name)
+    if fixed is not None:
+        if fixed.drafter not in names:
+            raise RefusedSystem(f"{name}: no configured drafter {fixed.drafter!r} (configured: {', '.join(names)})")
+        return SystemSpec(name=name, kind="spind", policy=fixed, drafters=(fixed.drafter,), pipeline=False,
+                          attention="padded")
     if name in SPIN:
         pipeline, attention = SPIN[name]
-        return SystemSpec(name, "spind", "lbss", names, pipeline, attention)
+        return SystemSpec(name=name, kind="spind", policy=Policy("lbss"), drafters=names, pipeline=pipeline,
+                          attention=attention)
     if name in POLICIES:
-        return SystemSpec(name, "spind", name, names, False, "padded")
+        return SystemSpec(name=name, kind="spind", policy=Policy.parse(name), drafters=names, pipeline=False,
+                          attention="padded")
     if name == "hf-plain" or name == "hf-prompt-lookup":
-        return SystemSpec(name, "hf")
+        return SystemSpec(name=name, kind="hf")
     if name.startswith("hf-assisted:"):
         drafter = name.removeprefix("hf-assisted:")
         if drafter not in names:
             raise RefusedSystem(f"{name}: no configured drafter {drafter!r}")
-        return SystemSpec(name, "hf", hf_drafter=drafter)
+        return SystemSpec(name=name, kind="hf", hf_drafter=drafter)
     raise RefusedSystem(f"unknown system {name!r}: none, fixed:NAME, spin, spin-nopipe, spin-nobatch-nopipe, "
                         f"{', '.join(POLICIES)}, hf-plain, hf-assisted:NAME, hf-prompt-lookup")
-
-
-@dataclass(frozen=True)
-class E2ESettings:
-    workload: str
-    num_requests: int
-    batch_size: int
-    max_tokens: int
-    systems: tuple[str, ...]
-    temperature: float = 0.0
-    seed: int = 0
-    rate: float | None = None  # open loop: Poisson arrivals per second; None = closed loop
-    k: int = 4
-
-
-@dataclass
-class RequestRecord:
-    index: int
-    category: str
-    num_prompt_tokens: int
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""
-    arrival_s: float = 0.0  # since the run started
-    ttft_s: float | None = None
-    latency_s: float = 0.0
-    num_steps: int = 0
-    num_drafted: int = 0
-    num_accepted: int = 0
-    drafters: dict[str, dict[str, int]] = field(default_factory=dict)
-    arms: list[str] = field(default_factory=list)  # the arm of each slot
-    lossless: bool | None = None  # greedy output equal to `none`'s (None: not compared)
-
-    @property
-    def goodput(self) -> float:
-        return len(self.token_ids) / self.latency_s if self.latency_s else 0.0
 
 
 def arrivals(n: int, rate: float | None, seed: int) -> list[float]:
@@ -133,7 +102,7 @@ def arrivals(n: int, rate: float | None, seed: int) -> list[float]:
 def spind_config(cfg: SpindConfig, spec: SystemSpec, k: int) -> SpindConfig:
     r = dataclasses.replace(cfg.runtime, pipeline=spec.pipeline, attention=spec.attention)
     return dataclasses.replace(cfg, runtime=r, speculation=dataclasses.replace(cfg.speculation, k=k),
-                               selection=dataclasses.replace(cfg.selection, policy=spec.policy))
+                               selection=dataclasses.replace(cfg.selection, policy=str(spec.policy)))
 
 
 async def _drive(coordinator, prompts: list[list[int]], categories: list[str], s: E2ESettings, drafter: str,
@@ -182,7 +151,7 @@ def run_spind(cfg: SpindConfig, spec: SystemSpec, prompts: list[list[int]], cate
 
     run_cfg = spind_config(cfg, spec, s.k)
     selector = None
-    if spec.policy == "oracle":
+    if spec.policy.name == "oracle":
         table = {f"e2e-{spec.name}-{i}": {arm: 1.0} for i, arm in (oracle or {}).items()}
         arm_set = ArmSet(spec.drafters, tuple(sorted({*run_cfg.selection.k_set, s.k})))
         selector = OracleSelector(arm_set, lambda r: table.get(r, {}), s.k)
@@ -229,9 +198,10 @@ def best_arms(results: dict[str, list[RequestRecord]], k: int) -> dict[int, Arm]
     goodput in this bench run."""
     best: dict[int, tuple[float, Arm]] = {}
     for system, records in results.items():
-        if system != "none" and not system.startswith("fixed:"):
+        fixed = fixed_policy(system)
+        if system != "none" and fixed is None:
             continue
-        arm = Arm(None, 0) if system == "none" else Arm(system.removeprefix("fixed:"), k)
+        arm = Arm(None, 0) if fixed is None else Arm(fixed.drafter, k)
         for r in records:
             if r.index not in best or r.goodput > best[r.index][0]:
                 best[r.index] = (r.goodput, arm)
@@ -252,7 +222,7 @@ def run_e2e(cfg: SpindConfig, s: E2ESettings, prompts_text: list[Prompt]) -> dic
             specs[name] = parse_system(name, cfg)
         except RefusedSystem as e:
             refused[name] = str(e)
-    if "oracle" in specs and not any(n.startswith("fixed:") for n in specs):
+    if "oracle" in specs and not any(spec.policy.is_fixed for spec in specs.values()):
         refused["oracle"] = "oracle needs fixed:NAME systems in the same run (it picks each request's best of them)"
         del specs["oracle"]
     # the references first, the oracle after what it learns from
@@ -269,7 +239,7 @@ def run_e2e(cfg: SpindConfig, s: E2ESettings, prompts_text: list[Prompt]) -> dic
 
                 records, wall = run_hf(cfg, spec, prompts, categories, s, progress)
             else:
-                oracle = best_arms(results, s.k) if spec.policy == "oracle" else None
+                oracle = best_arms(results, s.k) if spec.policy.name == "oracle" else None
                 records, wall = run_spind(cfg, spec, prompts, categories, s, progress, oracle)
         except RefusedSystem as e:
             refused[name] = str(e)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 
-from spind.bench.e2e import E2ESettings, RefusedSystem, RequestRecord, SystemSpec
+from spind.bench.e2e_records import E2ESettings, RefusedSystem, RequestRecord, SystemSpec
 from spind.bench.report import Progress
 from spind.config import SpindConfig
 

@@ -17,6 +17,7 @@ from spind.bench.report import Progress, fmt, format_table
 from spind.coordinator.selection.baselines import build_selector
 from spind.coordinator.selection.lbss import SelectionConfig
 from spind.coordinator.selection.protocol import Selector
+from spind.policy import Policy
 from spind.sim.simulator import simulate
 from spind.sim.workload import Workload, load_profile
 from spind.sim.workloads import ARRIVAL_RATE, build_workload
@@ -38,7 +39,7 @@ class SelectBenchSettings:
 
 
 def policies_for(w: Workload, asked: tuple[str, ...]) -> list[str]:
-    return list(asked) or [*BASELINES, *(f"fixed:{d}" for d in w.arm_set.drafters), "oracle"]
+    return list(asked) or [*BASELINES, *(str(Policy("fixed", d)) for d in w.arm_set.drafters), "oracle"]
 
 
 def draft_costs(w: Workload) -> dict[str, float]:

@@ -82,7 +82,7 @@ class Level:
         return self.drafter == PEER
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RequestRecord:
     daemon: str
     max_tokens: int
@@ -316,8 +316,9 @@ async def run_level(session: aiohttp.ClientSession, url: str, prompts: list[Prom
 
     async def client() -> None:
         for i in todo:
-            rec = await send_request(session, url, prompts[i], None if level.is_peer else level.drafter, settings,
-                                     RequestRecord(level.daemon, level.max_tokens, level.drafter, level.concurrency, i),
+            rec = RequestRecord(daemon=level.daemon, max_tokens=level.max_tokens, drafter=level.drafter,
+                                concurrency=level.concurrency, index=i)
+            rec = await send_request(session, url, prompts[i], None if level.is_peer else level.drafter, settings, rec,
                                      model)
             records.append(rec)
             progress.step(f"{level.daemon} {level.drafter} c={level.concurrency} n={level.max_tokens} #{i}: " +
@@ -340,7 +341,8 @@ async def _check_daemon(session: aiohttp.ClientSession, label: str, url: str, pr
         raise ValueError(f"daemon {label} has no drafter {', '.join(sorted(unknown))}; it has: "
                          f"auto, {PLAIN}, {', '.join(state.drafters)}")
     for d in settings.drafters:  # the first forwards of each model, not timed
-        rec = await send_request(session, url, prompt, d, settings, RequestRecord(label, 4, d, 0, -1))
+        rec = RequestRecord(daemon=label, max_tokens=4, drafter=d, concurrency=0, index=-1)
+        rec = await send_request(session, url, prompt, d, settings, rec)
         if rec.error:
             raise ValueError(f"warm-up request to {label} with drafter {d} failed: {rec.error}")
     return state.model
@@ -370,7 +372,8 @@ async def _check_peer(session: aiohttp.ClientSession, name: str, url: str, promp
     except ValueError:
         body = text
     model = first_model(name, url, body)
-    rec = await send_request(session, url, prompt, None, settings, RequestRecord(name, 4, PEER, 0, -1), model)
+    rec = RequestRecord(daemon=name, max_tokens=4, drafter=PEER, concurrency=0, index=-1)
+    rec = await send_request(session, url, prompt, None, settings, rec, model)
     if rec.error:
         raise ValueError(f"warm-up request to peer {name} (model {model!r}) failed: {rec.error}")
     return model

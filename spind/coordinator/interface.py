@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import AsyncIterator, Protocol
 
 from spind.errors import StatusError
@@ -29,6 +29,7 @@ class EngineRequest:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    _: KW_ONLY  # Usage(prompt, completion) reads plainly; the rest by name
     # spind extension: per drafter {"drafted": n, "accepted": n}, time slots, mean accepted length
     drafters: dict[str, dict[str, int]] = field(default_factory=dict)
     num_steps: int = 0

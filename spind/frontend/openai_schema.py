@@ -38,7 +38,7 @@ class ApiLimits:
     max_k: int = 32
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GenerateArgs:
     """A validated completion or chat request, before its prompt is tokenized."""
 
@@ -192,8 +192,8 @@ def parse_generate(raw: bytes, is_chat: bool, limits: ApiLimits,
     include_usage = bool(_get(options or {}, "include_usage", bool, "a boolean", False))
     drafter, k = _parse_spind(body, limits)
     ignored = tuple(sorted(set(body) - KNOWN_FIELDS - set(NEUTRAL_VALUES)))
-    return GenerateArgs(prompt, messages, params, max_tokens is not None, drafter, k, is_stream, include_usage,
-                        ignored)
+    return GenerateArgs(prompt=prompt, messages=messages, params=params, has_max_tokens=max_tokens is not None,
+                        drafter=drafter, k=k, is_stream=is_stream, include_usage=include_usage, ignored=ignored)
 
 
 def check_serving(status: str) -> None:

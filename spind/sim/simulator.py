@@ -29,7 +29,7 @@ from spind.coordinator.selection.protocol import Capacity, RequestInfo, Selector
 from spind.sim.workload import Workload
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SimResult:
     policy: str
     workload: str
@@ -97,8 +97,10 @@ def simulate(w: Workload, selector: Selector, num_slots: int, *, seed: int = 0,
                 break
             continue
         run = np.array(running)
-        infos = [RequestInfo(w.req_ids[i], w.requested[i], None, arms.arms[current[i]] if current[i] >= 0 else None,
-                             int(w.num_prompt_tokens[i]), int(generated[i]), float(w.prompt_repetition[i]))
+        infos = [RequestInfo(req_id=w.req_ids[i], requested=w.requested[i], requested_k=None,
+                             current=arms.arms[current[i]] if current[i] >= 0 else None,
+                             num_prompt_tokens=int(w.num_prompt_tokens[i]), num_output_tokens=int(generated[i]),
+                             prompt_repetition=float(w.prompt_repetition[i]))
                  for i in running]
         chosen = selector.select(infos, capacity)
         a = np.array([_arm_index(arms.index, arm) for arm in chosen])  # [n]
@@ -128,8 +130,10 @@ def simulate(w: Workload, selector: Selector, num_slots: int, *, seed: int = 0,
         accepted = np.minimum(o.accepted[run, a, pick], committed - 1)
         draft_s = o.draft_s[run, a, pick] * batch * jitter
         verify_s = o.verify_s[run, a, pick] * batch * jitter
-        feedback = [SlotFeedback(w.req_ids[i], chosen[x], int(o.drafted[i, a[x], pick[x]]), int(accepted[x]),
-                                 int(committed[x]), float(draft_s[x]), float(verify_s[x]), float(switch_s[x]), n)
+        feedback = [SlotFeedback(req_id=w.req_ids[i], arm=chosen[x], num_drafted=int(o.drafted[i, a[x], pick[x]]),
+                                 num_accepted=int(accepted[x]), num_committed=int(committed[x]),
+                                 draft_s=float(draft_s[x]), verify_s=float(verify_s[x]), switch_s=float(switch_s[x]),
+                                 batch_size=n)
                     for x, i in enumerate(running)]
         selector.observe(feedback)
 
@@ -222,6 +226,8 @@ class _Recorder:
 
     def result(self, policy: str, workload: str, num_finished: int, wall_s: float) -> SimResult:
         columns = [np.concatenate(c) for c in zip(*self.rows)] if self.rows else [np.zeros(0)] * 7
-        return SimResult(policy, workload, self.last_slot + 1, num_finished, self.tokens, wall_s,
-                         self.num_switches, self.switch_s, self.precompute_s, self.regret[:self.last_slot + 1],
-                         *columns)
+        slot, req, arm, life, reward, expected, best = columns  # the order of add's rows
+        return SimResult(policy=policy, workload=workload, num_slots=self.last_slot + 1, num_finished=num_finished,
+                         tokens=self.tokens, wall_s=wall_s, num_switches=self.num_switches, switch_s=self.switch_s,
+                         precompute_s=self.precompute_s, regret_per_slot=self.regret[:self.last_slot + 1],
+                         slot=slot, req=req, arm=arm, life=life, reward=reward, expected=expected, best=best)

@@ -53,7 +53,7 @@ class Outcomes:
     verify_s: np.ndarray
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Workload:
     name: str
     arm_set: ArmSet
@@ -172,12 +172,14 @@ def load_profile(source: dict | str | Path, name: str = "profile") -> Workload:
         return [r.get(key, default) for r in requests]
 
     prefill = data.get("prefill_s_per_token", {})
-    return Workload(name, arm_set, column("req_id"), np.array(column("arrival_slot", 0)),
-                    np.array(column("num_tokens")), np.array(column("num_prompt_tokens")),
-                    np.array(column("prompt_repetition", 0.0), dtype=float), column("requested", AUTO),
-                    column("label", ""), Outcomes(**t),
-                    np.array([prefill.get(d, 0.0) for d in arm_set.drafters], dtype=float),
-                    dict(data["capacity"]), int(data["max_batch_size"]), slope, float(data.get("time_jitter", 0.0)))
+    return Workload(name=name, arm_set=arm_set, req_ids=column("req_id"),
+                    arrival_slot=np.array(column("arrival_slot", 0)), num_tokens=np.array(column("num_tokens")),
+                    num_prompt_tokens=np.array(column("num_prompt_tokens")),
+                    prompt_repetition=np.array(column("prompt_repetition", 0.0), dtype=float),
+                    requested=column("requested", AUTO), labels=column("label", ""), outcomes=Outcomes(**t),
+                    prefill_s_per_token=np.array([prefill.get(d, 0.0) for d in arm_set.drafters], dtype=float),
+                    capacity=dict(data["capacity"]), max_batch_size=int(data["max_batch_size"]), batch_slope=slope,
+                    time_jitter=float(data.get("time_jitter", 0.0)))
 
 
 class ProfileRecorder:

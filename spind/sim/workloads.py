@@ -82,10 +82,12 @@ def generate(name: str, machine: Machine, classes: Sequence[RequestClass], num_r
               per_class(lambda c: rng.lognormal(np.log(c.output_tokens[0]), c.output_tokens[1])).astype(int) + 1)
     arrival = (np.zeros(num_requests, dtype=int) if arrival_rate is None else
                np.floor(np.cumsum(rng.exponential(1 / arrival_rate, num_requests))).astype(int))
-    return Workload(name, arm_set, [f"{name}-{i}" for i in range(num_requests)], arrival, output, prompt, repetition,
-                    [AUTO] * num_requests, [classes[c].name for c in klass], outcomes,
-                    np.array([c.prefill_s_per_token for c in costs]), dict(machine.capacity), machine.max_batch_size,
-                    machine.batch_slope, machine.time_jitter)
+    return Workload(name=name, arm_set=arm_set, req_ids=[f"{name}-{i}" for i in range(num_requests)],
+                    arrival_slot=arrival, num_tokens=output, num_prompt_tokens=prompt, prompt_repetition=repetition,
+                    requested=[AUTO] * num_requests, labels=[classes[c].name for c in klass], outcomes=outcomes,
+                    prefill_s_per_token=np.array([c.prefill_s_per_token for c in costs]),
+                    capacity=dict(machine.capacity), max_batch_size=machine.max_batch_size,
+                    batch_slope=machine.batch_slope, time_jitter=machine.time_jitter)
 
 
 def _logit(p: float) -> float:

@@ -72,8 +72,9 @@ class Worker:
 
     def ready(self, num_threads: int) -> P.Ready:
         self.threads = self._threads_now = num_threads
-        return P.Ready(self.name, os.getpid(), self.target is not None, sorted(self.drafters), self.max_model_len,
-                       num_threads, self.device, self.dtype)
+        return P.Ready(name=self.name, pid=os.getpid(), is_target=self.target is not None,
+                       drafters=sorted(self.drafters), max_model_len=self.max_model_len, num_threads=num_threads,
+                       device=self.device, dtype=self.dtype)
 
     # ---- dispatch -------------------------------------------------------------------------------
     def answer(self, msg: object) -> object:
@@ -209,7 +210,8 @@ class Worker:
                     if self.probs_out is None:
                         raise RuntimeError(f"worker {self.name!r} has no channel to send draft probabilities on")
                     self.probs_out.send(slot, x.req_id, d.probs)
-                out[i] = P.DraftRecord(x.req_id, d.tokens, d.probs is not None, slot, elapsed, d.switch_s)
+                out[i] = P.DraftRecord(req_id=x.req_id, tokens=d.tokens, has_probs=d.probs is not None, slot=slot,
+                                       draft_s=elapsed, switch_s=d.switch_s)
         return out
 
     def verify(self, slot: int, items: list[P.VerifyItem]) -> tuple[list[P.VerifyResult], float]:
@@ -287,9 +289,10 @@ class Worker:
         for n, r in runners.items():
             kv[n] = P.KVStats(r.kv.num_blocks, r.kv.num_free_blocks, len(r.kv.seqs))
         ms = {n: float(d.ms_per_token) for n, d in self.drafters.items() if d.ms_per_token is not None}
-        return P.WorkerStats(seq, self.name, os.getpid(), sorted(self.mirrors), kv,
-                             {n: sorted(r) for n, r in self.drafter_reqs.items()}, ms,
-                             len(self.precompute_queue), rss_bytes(), self._take_busy())
+        return P.WorkerStats(seq=seq, name=self.name, pid=os.getpid(), req_ids=sorted(self.mirrors), kv=kv,
+                             drafter_reqs={n: sorted(r) for n, r in self.drafter_reqs.items()}, ms_per_token=ms,
+                             num_precompute_queued=len(self.precompute_queue), rss_bytes=rss_bytes(),
+                             busy=self._take_busy())
 
 
 def rss_bytes() -> int:

@@ -1,4 +1,5 @@
-"""Selection baselines behind the same Selector protocol, and `build_selector`, which parses policy names.
+"""Selection baselines behind the same Selector protocol, and `build_selector`: a selector for a policy
+(spind.policy.Policy, or its text).
 
 - `fixed:NAME[@K]`: vanilla speculative decoding with one drafter (the paper's "Vanilla"); `none`: plain
   decoding for every AUTO request. Both are `StaticSelector`s.
@@ -23,12 +24,13 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from spind.config import POLICY_NAMES, SelectionConfig
+from spind.config import SelectionConfig
 from spind.coordinator.selection.arms import ArmSet, free_capacity, random_drop, split_bypass, with_requested_k
 from spind.coordinator.selection.lbss import UNKNOWN_WEIGHT, LBSSSelector
 from spind.coordinator.selection.matching import max_weight_assignment
 from spind.coordinator.selection.protocol import (PLAIN, Arm, Capacity, RequestInfo, Selector, SlotFeedback,
                                         StaticSelector, fit_capacity)
+from spind.policy import Policy
 
 GoodputTable = Callable[[str], Mapping[Arm, float]]  # req_id -> true goodput per arm (the oracle's knowledge)
 
@@ -183,33 +185,31 @@ class OracleSelector(_Baseline):
         self._weights.pop(req_id, None)
 
 
-def build_selector(policy: str, cfg: SelectionConfig, drafters: Sequence[str], default_k: int, *,
+def build_selector(policy: Policy | str, cfg: SelectionConfig, drafters: Sequence[str], default_k: int, *,
                    costs: Mapping[str, float] | None = None, oracle: GoodputTable | None = None) -> Selector:
-    """A selector from its name: lbss | fixed:NAME[@K] | greedy-length | epsilon-greedy | random | none |
-    oracle. `costs` (seconds per draft token per drafter) is needed by greedy-length, `oracle` by oracle."""
-    name = policy.strip()
-    if name == "lbss":
+    """A selector for a policy: lbss | fixed:NAME[@K] | greedy-length | epsilon-greedy | random | none | oracle
+    (text is parsed with Policy.parse: ValueError when malformed). `costs` (seconds per draft token per
+    drafter) is needed by greedy-length, `oracle` by oracle."""
+    p = policy if isinstance(policy, Policy) else Policy.parse(policy.strip())
+    if p.name == "lbss":
         return LBSSSelector(cfg, drafters, default_k)
-    if name == PLAIN:
+    if p.is_plain:
         return FixedSelector(None, default_k)
-    if name.startswith("fixed:"):
-        drafter, _, k = name.removeprefix("fixed:").partition("@")
-        if drafter not in drafters:
-            raise ValueError(f"policy {policy!r}: unknown drafter {drafter!r}; known: {', '.join(drafters)}")
-        if k and (not k.isdigit() or int(k) < 1):
-            raise ValueError(f"policy {policy!r}: k must be an integer >= 1, got {k!r}")
-        return FixedSelector(drafter, int(k) if k else default_k)
-    if name == "greedy-length":
+    if p.is_fixed:
+        if p.drafter not in drafters:
+            raise ValueError(f"policy {str(p)!r}: unknown drafter {p.drafter!r}; known: {', '.join(drafters)}")
+        return FixedSelector(p.drafter, default_k if p.k is None else p.k)
+    if p.name == "greedy-length":
         if costs is None or set(costs) != set(drafters):
             raise ValueError("greedy-length needs each drafter's cost per draft token (costs={drafter: seconds})")
         return GreedyLengthSelector(costs, default_k)
     arm_set = ArmSet(drafters, cfg.k_set)
-    if name == "epsilon-greedy":
+    if p.name == "epsilon-greedy":
         return EpsilonGreedySelector(arm_set, cfg.epsilon, cfg.seed, default_k)
-    if name == "random":
+    if p.name == "random":
         return RandomSelector(arm_set, cfg.seed, default_k)
-    if name == "oracle":
+    if p.name == "oracle":
         if oracle is None:
             raise ValueError("oracle is evaluation only: it needs the true goodput table (oracle=req_id -> {arm: g})")
         return OracleSelector(arm_set, oracle, default_k)
-    raise ValueError(f"unknown selection policy {policy!r}; one of: {', '.join(POLICY_NAMES)}")
+    raise ValueError(f"policy {str(p)!r} has no selector")  # a name added to spind.policy.NAMES but not here

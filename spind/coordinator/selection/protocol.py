@@ -41,7 +41,7 @@ class Arm:
 PLAIN_ARM = Arm(None, 0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RequestInfo:
     """What a selector may know about a running request when it chooses."""
 
@@ -66,7 +66,7 @@ class Capacity:
         return None if drafter is None else self.per_drafter.get(drafter, 0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SlotFeedback:
     """What one request did in one slot, with the seconds it cost (reward r_ij(t) of the paper is
     num_committed / (draft_s + verify_s); the switching cost c_ij(t) is switch_s)."""
