@@ -17,13 +17,17 @@ Triton backends import Triton only when asked for (and run on CPU only in its in
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from spind.kernels.base import Backend
+if TYPE_CHECKING:
+    from spind.kernels.base import Backend
 
+# The one list of attention modes: spind.config's ATTENTION_BACKENDS ([runtime].attention) is its keys, so this
+# module imports no torch (the config is read where torch never loads). The default, `packed`, first.
 BACKENDS: dict[str, str] = {
+    "packed": "spind.kernels.packed:PackedAttention",
     "padded": "spind.kernels.padded:PaddedAttention",
     "decomposed": "spind.kernels.decomposed:DecomposedAttention",
-    "packed": "spind.kernels.packed:PackedAttention",
     "triton-packed": "spind.kernels.triton_backends:TritonPackedAttention",
     "triton-decomposed": "spind.kernels.triton_backends:TritonDecomposedAttention",
     # spind's CPU kernel (kernels/csrc/row_attention.cpp): each query row alone, batch-invariant

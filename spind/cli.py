@@ -8,33 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
-from spind.config import DTYPES, KV_CACHE_DTYPES, ConfigError, SpindConfig, load_config
-
-
-def add_config_args(p: argparse.ArgumentParser, thread_counts: bool = False) -> None:
-    """--config, --model, --dtype and --threads; `thread_counts`: --threads is a comma-separated list of counts (a
-    bench pass at each), not a config override."""
-    p.add_argument("--config", default=None, help="config.toml (default: the embedded one)")
-    p.add_argument("--model", default=None, help="override [model].target: 'default', an HF dir or a .gguf")
-    p.add_argument("--dtype", default=None, choices=DTYPES, help="override [model].dtype")
-    p.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES, help="override [runtime].kv_cache_dtype")
-    if thread_counts:
-        p.add_argument("--threads", default=None, help="comma-separated torch thread counts, a pass at each "
-                                                       "(default: every core)")
-    else:
-        p.add_argument("--threads", type=int, default=None,
-                       help="torch threads per worker (default: [runtime].threads, else cores / workers)")
-
-
-def config_from_args(args: argparse.Namespace, **server: object) -> SpindConfig:
-    threads = args.threads if isinstance(args.threads, int) else None  # a list of counts is the bench's own
-    return load_config(args.config, {"model": {"target": args.model, "dtype": args.dtype},
-                                     "runtime": {"threads": threads,
-                                                 "kv_cache_dtype": getattr(args, "kv_cache_dtype", None)},
-                                     "server": dict(server)})
+from spind.cli_args import add_config_args, config_from_args
+from spind.config import ConfigError
 
 
 def check_prompt_fits(num_tokens: int, max_model_len: int) -> None:
@@ -148,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # OpenMP threads that sleep instead of spinning when they wait: on a machine with other busy processes, spinning
+    # barriers made a 2-thread decode step ~10x slower (measured: ~1,000 vs ~95 ms per slot), while passive waiting
+    # loses nothing when the machine is idle. It must be set before torch loads OpenMP: here, first thing, for the
+    # commands that load torch in this process (`spind generate`, `spind bench ...`); the daemon's workers get it from
+    # their launcher (transport/process_pool.py worker_env). An explicit OMP_WAIT_POLICY from the user wins. Importing
+    # spind (the client library, say) changes no environment.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     args = parser.parse_args(argv)
     daemon = args.command == "start"  # a daemon's log records its normal life at INFO; commands stay quiet

@@ -1,12 +1,13 @@
 """Python client for a running spind daemon.
 
-ZeroMQ (the daemon's `[server].zmq_port`, records from `spind.protocol`):
+ZeroMQ (the daemon's `[server].zmq_port`, records from `spind.protocol` at its `CLIENT_PROTOCOL_VERSION`):
     with SpindClient("tcp://127.0.0.1:8001") as c:
         print(c.generate("The capital of France is", max_tokens=16, temperature=0))
         for piece in c.stream(messages=[{"role": "user", "content": "Hi"}]):
             print(piece, end="", flush=True)
 `AsyncSpindClient` is the same with `await` / `async for`, and runs many requests at once over one socket.
-Breaking out of a stream aborts the request on the daemon. The HTTP API is OpenAI's: use the `openai`
+Breaking out of a stream aborts the request on the daemon. A daemon of another client protocol version is
+refused with `protocol.ProtocolVersionError`. The HTTP API is OpenAI's: use the `openai`
 package with base_url="http://127.0.0.1:8000/v1"; `http_json` is a small GET for health and state.
 """
 
@@ -48,13 +49,17 @@ def make_request(prompt: str | list[int] | None = None, *, messages: list[dict] 
                  drafter: str = "auto", k: int | None = None, stream: bool = True,
                  api_key: str = "") -> P.ClientRequest:
     """Build a ClientRequest: `prompt` is text or token ids, or pass chat `messages` instead."""
-    params = SamplingParams(max_tokens, float(temperature), float(top_p), top_k, seed, tuple(stop), ignore_eos)
+    params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), top_k=top_k,
+                            seed=seed, stop=tuple(stop), ignore_eos=ignore_eos)
     text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
     chat = None if messages is None else [P.ChatMessage(m["role"], m["content"]) for m in messages]
-    return P.ClientRequest(uuid.uuid4().hex, params, text, ids, chat, drafter, k, stream, api_key)
+    return P.ClientRequest(req_id=uuid.uuid4().hex, params=params, prompt=text, prompt_ids=ids, messages=chat,
+                           drafter=drafter, k=k, stream=stream, api_key=api_key)
 
 
 def _check(msg: object) -> P.ClientChunk | P.ClientReply:
+    if isinstance(msg, P.ProtocolVersionError):  # routed to every waiting request by the async reader
+        raise msg
     if isinstance(msg, P.ClientError):
         raise SpindError(msg.message, msg.status, msg.code)
     if not isinstance(msg, (P.ClientChunk, P.ClientReply)):
@@ -157,6 +162,10 @@ class AsyncSpindClient:
         while True:
             try:
                 msg = P.decode(await self._sock.recv(), P.ClientOut)
+            except P.ProtocolVersionError as e:  # a daemon of another release: nothing it sends will decode
+                for q in self._queues.values():
+                    q.put_nowait(e)
+                continue
             except P.ProtocolError:
                 continue  # not for us to crash on; the request it belonged to times out
             req_id = getattr(msg, "req_id", "")

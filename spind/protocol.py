@@ -1,6 +1,6 @@
 """Every message between processes: one msgspec Struct per message, msgpack on the wire, never pickle.
 
-Frame = msgpack `[VERSION, {"type": tag, field: value, ...}]`. Decoding validates each field against its
+Frame = msgpack `[version, {"type": tag, field: value, ...}]`. Decoding validates each field against its
 annotation (types, ranges, no unknown fields) and raises `ProtocolError` on anything else, never a crash.
 This module imports neither torch nor the daemon: the coordinator, the client library and the workers share it.
 
@@ -11,6 +11,11 @@ Three families:
 - worker -> worker: `DraftProbs`, a drafter's proposal distributions sent straight to the target worker,
   so [k, vocab] floats never pass through the coordinator.
 - the ZeroMQ client API: `ClientRequest`, `ClientAbort` in; `ClientChunk`, `ClientReply`, `ClientError` out.
+
+Two versions: `CLIENT_PROTOCOL_VERSION` for the client API (a public interface: clients are other programs, of
+other releases) and `VERSION` for the internal messages (the coordinator and its workers are one spind build), so
+an internal change never breaks a client. Bump a family's version when a change renames, removes or retypes one of
+its fields or adds a required one; a frame of another version is refused with `ProtocolVersionError`.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import msgspec
 
 from spind.params import SamplingParams
 
-VERSION = 2
+VERSION = 2  # internal: coordinator <-> worker and worker -> worker
+CLIENT_PROTOCOL_VERSION = 2  # the ZeroMQ client API (ClientIn, ClientOut); began at the version both shared
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 Count = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
@@ -32,6 +38,14 @@ Name = Annotated[str, msgspec.Meta(max_length=128)]
 
 class ProtocolError(ValueError):
     """A frame that is not a well-formed message of this protocol version."""
+
+
+class ProtocolVersionError(ProtocolError):
+    """A frame of another version of its family's protocol: the two sides run incompatible spind releases."""
+
+    def __init__(self, message: str, version: object, expected: int) -> None:
+        super().__init__(message)
+        self.version, self.expected = version, expected
 
 
 class _Msg(msgspec.Struct, forbid_unknown_fields=True, tag_field="type"):
@@ -147,7 +161,7 @@ class Shutdown(_Msg, tag="shutdown"):
 
 
 # ---- worker -> coordinator ----------------------------------------------------------------------------
-class Ready(_Msg, tag="ready"):
+class Ready(_Msg, tag="ready", kw_only=True):
     name: Name
     pid: int
     is_target: bool
@@ -206,7 +220,7 @@ class KVStats(_Rec):
     num_seqs: int
 
 
-class WorkerStats(_Msg, tag="worker_stats"):
+class WorkerStats(_Msg, tag="worker_stats", kw_only=True):
     seq: int
     name: Name
     pid: int
@@ -303,8 +317,9 @@ WorkerOp = Union[AddRequest, Prefill, Propose, Verify, Precompute, FreeRequests,
 WorkerReply = Union[Ready, Ack, Proposed, Verified, Profiled, WorkerStats, ErrorReply]
 ClientIn = Union[ClientRequest, ClientAbort]
 ClientOut = Union[ClientChunk, ClientReply, ClientError]
+CLIENT_TYPES: tuple[type, ...] = (*ClientIn.__args__, *ClientOut.__args__)  # type: ignore[attr-defined]
 MESSAGE_TYPES: tuple[type, ...] = (*WorkerOp.__args__, *WorkerReply.__args__, DraftProbs,  # type: ignore[attr-defined]
-                                   *ClientIn.__args__, *ClientOut.__args__)  # type: ignore[attr-defined]
+                                   *CLIENT_TYPES)
 
 _ENCODER = msgspec.msgpack.Encoder()
 _FRAME = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
@@ -312,19 +327,27 @@ _DECODERS = {kind: msgspec.msgpack.Decoder(kind) for kind in (WorkerOp, WorkerRe
 
 
 def encode(msg: msgspec.Struct) -> bytes:
+    """A message -> its frame, stamped with its family's version (the client API's or the internal one)."""
     if not isinstance(msg, MESSAGE_TYPES):
         raise TypeError(f"{type(msg).__name__} is not a protocol message")
-    return _ENCODER.encode((VERSION, msg))
+    return _ENCODER.encode((CLIENT_PROTOCOL_VERSION if isinstance(msg, CLIENT_TYPES) else VERSION, msg))
 
 
 def decode(frame: bytes, kind: object) -> msgspec.Struct:
-    """frame -> a message of `kind` (WorkerOp, WorkerReply, ClientIn, ClientOut or DraftProbs)."""
+    """frame -> a message of `kind` (WorkerOp, WorkerReply, ClientIn, ClientOut or DraftProbs); a frame of another
+    version of that family's protocol raises ProtocolVersionError."""
     try:
         version, raw = _FRAME.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ProtocolError(f"not a frame [version, message]: {e}") from None
-    if version != VERSION:
-        raise ProtocolError(f"unsupported protocol version {version!r}; this side speaks {VERSION}")
+    if kind is ClientIn or kind is ClientOut:
+        if version != CLIENT_PROTOCOL_VERSION:
+            raise ProtocolVersionError(f"unsupported client protocol version {version!r}; this side speaks "
+                                       f"{CLIENT_PROTOCOL_VERSION} (the client and the daemon are of incompatible "
+                                       f"spind releases)", version, CLIENT_PROTOCOL_VERSION)
+    elif version != VERSION:
+        raise ProtocolVersionError(f"unsupported protocol version {version!r}; this side speaks {VERSION}",
+                                   version, VERSION)
     try:
         return _DECODERS[kind].decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:

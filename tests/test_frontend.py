@@ -312,7 +312,7 @@ def test_zmq_server_answers_malformed_frames_with_errors():
     async def check():
         async with zmq_server() as (server, sock):
             bad = [b"", b"\xc1", P.encode(P.Ping(1)),
-                   msgspec.msgpack.encode([P.VERSION, {"type": "client_request", "req_id": 5}]),
+                   msgspec.msgpack.encode([P.CLIENT_PROTOCOL_VERSION, {"type": "client_request", "req_id": 5}]),
                    msgspec.msgpack.encode([9, {"type": "client_request"}]), P.encode(make_request("x", drafter="nope"))]
             for frame in bad:
                 await sock.send(frame)

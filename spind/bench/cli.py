@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Callable
 
 from spind.bench.datasets import DEFAULT_DATASETS_DIR, MIX, WORKLOADS, check_datasets_dir
+from spind.cli_args import config_from_args
 from spind.config import DTYPES, SpindConfig
 
 if TYPE_CHECKING:
@@ -225,7 +226,6 @@ def cmd_bench_drafters(args: argparse.Namespace) -> int:
 
     from spind.bench.drafters import render_tables, run_drafter_bench
     from spind.bench.report import write_json
-    from spind.cli import config_from_args
 
     cfg = config_from_args(args)
     settings = drafter_settings(args, cfg)
@@ -280,7 +280,6 @@ def batch_settings(args: argparse.Namespace, cfg: SpindConfig) -> BatchBenchSett
 def cmd_bench_batch(args: argparse.Namespace) -> int:
     from spind.bench.batch import render_tables, run_batch_bench
     from spind.bench.report import write_json
-    from spind.cli import config_from_args
 
     cfg = config_from_args(args)
     results = run_batch_bench(cfg, batch_settings(args, cfg))
@@ -292,7 +291,6 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
 def cmd_bench_decode(args: argparse.Namespace) -> int:
     from spind.bench.decode import render_tables, run_decode_bench
     from spind.bench.report import write_json
-    from spind.cli import config_from_args
 
     cfg = config_from_args(args)
     settings = decode_settings(args, cfg)
@@ -326,8 +324,9 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
             raise ValueError(f"{flag} lists a value twice: {','.join(map(str, values))}")
     if PEER in drafters:
         raise ValueError(f"{PEER!r} names the rows of --peer servers, not a drafter")
-    return ServeSettings(concurrency, drafters, args.dataset, args.num_requests, max_tokens, args.ignore_eos,
-                         args.temperature, args.seed)
+    return ServeSettings(concurrency=concurrency, drafters=drafters, dataset=args.dataset,
+                         num_requests=args.num_requests, max_tokens=max_tokens, ignore_eos=args.ignore_eos,
+                         temperature=args.temperature, seed=args.seed)
 
 
 def daemon_urls(urls: list[str] | None) -> dict[str, str]:
@@ -366,7 +365,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
     from spind.bench.report import write_json
     from spind.bench.serve import load_serve_prompts, local_daemon, render_table, run_serve_bench
-    from spind.cli import config_from_args
     from spind.client import http_json
 
     cfg = config_from_args(args)
@@ -400,9 +398,10 @@ def cmd_bench_select(args: argparse.Namespace) -> int:
     from spind.coordinator.selection.lbss import SelectionConfig
     from spind.sim.workloads import WORKLOADS
 
-    settings = SelectBenchSettings(_names(args.workloads), _names(args.policies), args.num_requests, args.max_slots,
-                                   args.seed, tuple(Path(p) for p in _names(args.profiles)), args.k,
-                                   args.speed_requests, args.speed_slots)
+    settings = SelectBenchSettings(workloads=_names(args.workloads), policies=_names(args.policies),
+                                   num_requests=args.num_requests, max_slots=args.max_slots, seed=args.seed,
+                                   profiles=tuple(Path(p) for p in _names(args.profiles)), default_k=args.k,
+                                   speed_requests=args.speed_requests, speed_slots=args.speed_slots)
     for name in settings.workloads:
         if name not in WORKLOADS:
             raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
@@ -455,7 +454,6 @@ def cmd_bench_verify(args: argparse.Namespace) -> int:
 
     from spind.bench.report import write_json
     from spind.bench.verify import render_tables, run_verify_bench, write_plot
-    from spind.cli import config_from_args
 
     cfg = config_from_args(args)
     settings = verify_settings(args)
@@ -473,7 +471,6 @@ def cmd_bench_e2e(args: argparse.Namespace) -> int:
     from spind.bench.e2e import E2ESettings, render_table, run_e2e
     from spind.bench.e2e_plots import write_plots
     from spind.bench.report import write_json
-    from spind.cli import config_from_args
 
     cfg = config_from_args(args)
     systems = _names(args.systems)
@@ -483,8 +480,9 @@ def cmd_bench_e2e(args: argparse.Namespace) -> int:
     if args.rate is not None and args.rate <= 0:
         raise ValueError("--rate must be > 0 requests per second")
     k = cfg.speculation.k if args.k is None else args.k
-    settings = E2ESettings(args.workload, args.num_requests, args.batch_size, args.max_tokens, systems,
-                           args.temperature, args.seed, args.rate, k)
+    settings = E2ESettings(workload=args.workload, num_requests=args.num_requests, batch_size=args.batch_size,
+                           max_tokens=args.max_tokens, systems=systems, temperature=args.temperature, seed=args.seed,
+                           rate=args.rate, k=k)
     prompts = sample_workload(args.workload, args.num_requests, args.seed, args.datasets_dir)
     results = run_e2e(cfg, settings, prompts)
     print(render_table(results))
@@ -502,7 +500,6 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     from spind.bench.datasets import sample_workload
     from spind.bench.pipeline import PipelineBenchSettings, render_tables, run_pipeline_bench, write_plot
     from spind.bench.report import write_json
-    from spind.cli import config_from_args
 
     cfg = config_from_args(args)
     cfg.drafter(args.drafter)
@@ -512,8 +509,9 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, pipeline=True,
                                                                max_batch_size=max(cfg.runtime.max_batch_size,
                                                                                   max(batches))))
-    settings = PipelineBenchSettings(batches, args.drafter, args.max_tokens, args.max_micro_batches,
-                                     args.requests_per_client, cfg.speculation.k)
+    settings = PipelineBenchSettings(batch_sizes=batches, drafter=args.drafter, max_tokens=args.max_tokens,
+                                     max_micro_batches=args.max_micro_batches,
+                                     requests_per_client=args.requests_per_client, k=cfg.speculation.k)
     prompts = sample_workload(args.workload, max(batches) * args.requests_per_client, args.seed, args.datasets_dir)
     results = run_pipeline_bench(cfg, settings, prompts)
     print(render_tables(results))
@@ -526,7 +524,6 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
 def cmd_bench_switch(args: argparse.Namespace) -> int:
     from spind.bench.report import write_json
     from spind.bench.switch import SwitchBenchSettings, render_table, run_switch_bench
-    from spind.cli import config_from_args
 
     cfg = config_from_args(args)
     drafters = _drafters(f"{args.from_drafter},{args.to_drafter}", cfg)

@@ -3,7 +3,8 @@
 In:  `ClientRequest` (prompt | prompt_ids | messages, sampling, drafter, k, stream), `ClientAbort`.
 Out: streamed: `ClientChunk`s, the last with finish_reason and usage; not streamed: one `ClientReply`;
      refused: one `ClientError` (HTTP-style status). A frame that does not decode gets a `ClientError` with
-     req_id "" and status 400 - the server never crashes on input.
+     req_id "" and status 400 - the server never crashes on input; one of another client protocol version
+     (`protocol.CLIENT_PROTOCOL_VERSION`, apart from the workers' internal one) gets code "unsupported_version".
 
 A client is a DEALER; its identity plus its own req_id names a request (the engine sees a fresh unique id).
 ROUTER_MANDATORY makes a send to a vanished client fail, which aborts its request like an HTTP disconnect; a
@@ -136,6 +137,9 @@ class ZmqApiServer:
         env, payload = split
         try:
             msg = P.decode(payload, P.ClientIn)
+        except P.ProtocolVersionError as e:
+            self._spawn_error(env, "", ApiError(400, str(e), code="unsupported_version"))
+            return
         except P.ProtocolError as e:
             self._spawn_error(env, "", ApiError(400, f"malformed frame: {e}", code="bad_frame"))
             return

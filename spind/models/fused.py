@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from spind.kernels import cpu_ext
 from spind.models.gguf_linear import ACTIVATION_DIGITS, GGUFLinear
+from spind.models.layers import MLP, Attention, RMSNorm
 
 
 class FusedRMSNorm(nn.Module):
@@ -44,7 +45,7 @@ class FusedMLP(nn.Module):
 
 
 class FusedAttention(nn.Module):
-    """llama.Attention with RoPE and the KV-cache writes in one op; attention itself is the forward's backend."""
+    """layers.Attention with RoPE and the KV-cache writes in one op; attention itself is the forward's backend."""
 
     def __init__(self, attn: nn.Module) -> None:
         super().__init__()
@@ -114,8 +115,6 @@ class FusedStack:
 def fuse_modules(model: nn.Module) -> nn.Module:
     """Swap every fp32 RMSNorm, MLP and attention of a LLaMA model for its fused twin, in place (needs the CPU
     kernels and an fp32 model: the quantized targets)."""
-    from spind.models.llama import MLP, Attention, RMSNorm
-
     for name, child in list(model.named_children()):
         if isinstance(child, RMSNorm):
             setattr(model, name, FusedRMSNorm(child))

@@ -10,19 +10,24 @@ Two pools implement it (vLLM v1's in-process vs multiprocess engine client is th
 
 Both keep the semantics the coordinator relies on: a worker handles ops one at a time in the order they
 were sent; it runs queued precomputes only while no op waits; a reply's busy intervals are reported to
-`on_busy`; an `ErrorReply` fails its call with `WorkerError` (naming the requests at fault, if any).
+`on_busy`; an `ErrorReply` fails its call with `WorkerError` (naming the requests at fault, if any); a call
+that gets no reply within its timeout fails with `WorkerDied`, and the worker counts as dead (not alive, its
+calls in flight failed) until `restart`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 from spind import protocol as P
+
+log = logging.getLogger(__name__)
 
 
 class WorkerDied(RuntimeError):
@@ -41,7 +46,7 @@ class WorkerError(RuntimeError):
         self.req_ids = list(req_ids or [])
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WorkerInfo:
     """A worker as the coordinator knows it: from config, then from its Ready greeting."""
 
@@ -118,6 +123,8 @@ class _Local:
         self.executor = executor
         self.ops: asyncio.Queue = asyncio.Queue()
         self.task: asyncio.Task | None = None
+        self.calls: set[asyncio.Future] = set()  # sent, not yet answered
+        self.is_hung = False  # a call timed out: dead to the coordinator until restarted
 
 
 class InProcessPool:
@@ -151,8 +158,9 @@ class InProcessPool:
         executor = ThreadPoolExecutor(1, thread_name_prefix=f"spind-{name}")
         threads = self._threads_of(name)
         worker, ready = await asyncio.get_running_loop().run_in_executor(executor, self._build, name, threads)
-        info = WorkerInfo(name, ready.is_target, list(ready.drafters), ready.device, ready.num_threads,
-                          ready.max_model_len, ready.dtype, ready.pid, restarts)
+        info = WorkerInfo(name=name, is_target=ready.is_target, drafters=list(ready.drafters), device=ready.device,
+                          threads=ready.num_threads, max_model_len=ready.max_model_len, dtype=ready.dtype,
+                          pid=ready.pid, restarts=restarts)
         local = _Local(worker, info, executor)
         local.task = asyncio.create_task(self._serve(local), name=f"worker-{name}")
         self._local[name] = local
@@ -182,26 +190,49 @@ class InProcessPool:
         if local.task is not None:
             local.task.cancel()
             await asyncio.gather(local.task, return_exceptions=True)
-        local.executor.shutdown(wait=True)
+        local.executor.shutdown(wait=not local.is_hung)  # a hung op's thread cannot be stopped: leave it behind
         while not local.ops.empty():
             _, fut = local.ops.get_nowait()
             if not fut.done():
                 fut.set_exception(WorkerDied(name, "stopped"))
 
     def is_alive(self, name: str) -> bool:
-        return name in self._local
+        return name in self._local and not self._local[name].is_hung
 
     def cast(self, name: str, msg: object) -> asyncio.Future:
         fut = quiet_future(asyncio.get_running_loop())
         local = self._local.get(name)
-        if local is None:
+        if local is None or local.is_hung:
             fut.set_exception(WorkerDied(name, "not running"))
             return fut
+        local.calls.add(fut)
+        fut.add_done_callback(local.calls.discard)
         local.ops.put_nowait((P.with_seq(msg, next(self._seq)), fut))
         return fut
 
     async def call(self, name: str, msg: object, timeout_s: float) -> object:
-        return await asyncio.wait_for(self.cast(name, msg), timeout_s)
+        """As `ProcessPool.call`: no reply within timeout_s means a hung worker, `WorkerDied`. A thread cannot be
+        killed as a process is, so the worker is only given up: not alive, its calls in flight failed, its thread
+        left to finish the op it is stuck in; `restart` builds a fresh one."""
+        fut = self.cast(name, msg)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        except asyncio.TimeoutError:
+            why = f"no reply within {timeout_s:.3g} s"
+            log.error("worker %s: %s; giving it up", name, why)
+            self._give_up(name, why)
+            raise WorkerDied(name, why) from None
+
+    def _give_up(self, name: str, why: str) -> None:
+        local = self._local.get(name)
+        if local is None or local.is_hung:
+            return
+        local.is_hung = True
+        if local.task is not None:
+            local.task.cancel()  # no further op reaches its thread
+        for fut in list(local.calls):
+            if not fut.done():
+                fut.set_exception(WorkerDied(name, why))
 
     async def restart(self, name: str) -> None:
         """Rebuild the worker from scratch (its state is lost, as a restarted process's would be)."""
@@ -211,7 +242,7 @@ class InProcessPool:
         await self._start_one(name, restarts)
 
     def describe(self) -> list[dict]:
-        return [local.info.describe(True) for local in self._local.values()]
+        return [local.info.describe(not local.is_hung) for local in self._local.values()]
 
 
 def _set_threads(threads: int) -> None:

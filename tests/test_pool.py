@@ -1,0 +1,75 @@
+"""InProcessPool keeps the WorkerPool contract (spind/coordinator/transport/pool.py) where a worker hangs: a call
+with no reply within its timeout fails with WorkerDied, as ProcessPool's does, and the worker counts as dead until
+restarted. A stub worker, no model: milliseconds."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections import deque
+
+import pytest
+
+from spind import protocol as P
+from spind.coordinator.transport.pool import InProcessPool, WorkerDied
+
+
+class HangingWorker:
+    """Answers every op at once, except a Ping while `hang` is set: that one blocks until `release` is set."""
+
+    def __init__(self, name: str, hang: bool) -> None:
+        self.name = name
+        self.hang = hang
+        self.release = threading.Event()
+        self.precompute_queue: deque = deque()
+        self.answered: list[object] = []
+
+    def ready(self, num_threads: int) -> P.Ready:
+        return P.Ready(name=self.name, pid=os.getpid(), is_target=True, drafters=[], max_model_len=64,
+                       num_threads=num_threads, device="cpu", dtype="stub")
+
+    def answer(self, msg: object) -> object:
+        if isinstance(msg, P.Ping) and self.hang:
+            self.release.wait(30)
+        self.answered.append(msg)
+        return P.Ack(msg.seq)
+
+    def run_precompute(self) -> None:
+        self.precompute_queue.popleft()
+
+
+def test_a_call_that_times_out_raises_worker_died_and_the_worker_counts_as_dead_until_restarted():
+    built: list[HangingWorker] = []
+
+    def make(name: str) -> HangingWorker:
+        built.append(HangingWorker(name, hang=not built))  # the first incarnation hangs, the restarted one not
+        return built[-1]
+
+    async def go():
+        pool = InProcessPool(["target"], make)
+        await pool.start()
+        try:
+            assert await pool.call("target", P.FreeRequests(0, []), 5.0) == P.Ack(1)  # a healthy call first
+            hung = asyncio.create_task(pool.call("target", P.Ping(0), 0.3))
+            await asyncio.sleep(0.05)
+            queued = pool.cast("target", P.FreeRequests(0, ["r"]))  # waits behind the op that hangs
+            with pytest.raises(WorkerDied, match="no reply within 0.3 s"):
+                await hung
+            with pytest.raises(WorkerDied, match="no reply within"):
+                await queued  # a call in flight on a hung worker fails too, as ProcessPool's kill fails them
+            assert not pool.is_alive("target")
+            assert [w["alive"] for w in pool.describe()] == [False]
+            with pytest.raises(WorkerDied, match="not running"):
+                await pool.call("target", P.Ping(0), 5.0)
+            built[0].release.set()  # the stuck thread finishes its op; nothing it answers reaches the pool
+            await pool.restart("target")  # what the coordinator's recovery does with a worker that is not alive
+            assert pool.is_alive("target") and pool.info("target").restarts == 1
+            assert isinstance(await pool.call("target", P.Ping(0), 5.0), P.Ack)
+            assert len(built) == 2 and not any(isinstance(m, P.FreeRequests) and m.req_ids == ["r"]
+                                               for m in built[0].answered)
+        finally:
+            built[0].release.set()
+            await pool.stop()
+
+    asyncio.run(go())
