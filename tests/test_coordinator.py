@@ -168,7 +168,7 @@ def test_the_kv_budget_holds_the_head_and_nobody_overtakes_it(tmp_path):
             running_at_add[m.req_id] = {x.req_ids[0] for x in env.ops("target", P.FreeRequests)
                                         if env.worker("target").log.index(x) < env.worker("target").log.index(m)}
     assert running_at_add["r2"] and running_at_add["r3"] >= running_at_add["r2"]
-    assert env.coordinator.budget.num_reserved == 0
+    assert env.coordinator.phases.budget.num_reserved == 0
 
 
 def test_each_drafter_and_each_worker_keep_their_batch_limits(tmp_path):
@@ -210,8 +210,8 @@ def test_lbss_leaves_out_drafters_that_cost_more_than_a_target_step(tmp_path):
     env = Env(tmp_path, make_cfg(policy="lbss"), draft_ms={"bad": 3.75, "half": 3.5})
     outs = run(env, [request("a", PROMPTS[0]), request("b", PROMPTS[1], "bad")])
     c = env.coordinator
-    assert c.profile.decode_ms == pytest.approx(2.5) and c.dominated_drafters == ["bad"]
-    assert c.selector.arm_set.drafters == ("good", "half", "inl")
+    assert c.phases.profile.decode_ms == pytest.approx(2.5) and c.dominated_drafters == ["bad"]
+    assert c.phases.selector.arm_set.drafters == ("good", "half", "inl")
     assert all(len(tokens_of(o)) == 12 for o in outs)  # a request may still name it
     assert any(it.drafter == "bad" for m in env.ops("draft", P.Propose) for it in m.items)
 
@@ -256,7 +256,7 @@ def test_an_aborted_request_is_freed_everywhere(tmp_path):
             got = [await anext(stream), await anext(stream)]
             await stream.aclose()  # the client went away
             other = await collect(c, request("y", PROMPTS[1], "good"))
-            return got, other, dict(c.requests), c.budget.num_reserved
+            return got, other, dict(c.phases.requests), c.phases.budget.num_reserved
         finally:
             await c.shutdown(drain=False)
 
@@ -318,7 +318,7 @@ def test_a_restarted_worker_gets_the_committed_sequences_back(tmp_path, victim):
         await c.start()
         try:
             tasks = [asyncio.create_task(collect(c, r)) for r in reqs]
-            while sum(st.seq.num_output_tokens for st in c.running) < 6:
+            while sum(st.seq.num_output_tokens for st in c.phases.running) < 6:
                 await asyncio.sleep(0.001)
             env.pool.dead.add(victim)
             out = await asyncio.gather(*tasks)

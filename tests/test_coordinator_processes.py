@@ -207,7 +207,7 @@ def test_abort_frees_request_on_every_worker(harness):
         got = [await stream.__anext__(), await stream.__anext__()]
         await stream.aclose()  # the client went away
         for _ in range(200):
-            if not engine.requests:
+            if not engine.phases.requests:
                 break
             await asyncio.sleep(0.05)
         return got, await engine.worker_stats("target"), await engine.worker_stats("draft")
@@ -217,7 +217,7 @@ def test_abort_frees_request_on_every_worker(harness):
     assert target.req_ids == [] and target.kv["target"].num_seqs == 0
     assert target.kv["target"].num_free_blocks == target.kv["target"].num_blocks
     assert draft.req_ids == [] and draft.kv["int8"].num_seqs == 0
-    assert engine.budget.num_reserved == 0
+    assert engine.phases.budget.num_reserved == 0
     assert 'spind_requests_total{status="abort"}' in engine.render_metrics()
 
 
@@ -378,7 +378,7 @@ def test_a_call_to_a_worker_whose_process_is_gone_fails_at_once(tmp_path) -> Non
         try:
             with pytest.raises(WorkerDied, match="not connected"):
                 await worker.call(P.Ping(0), timeout_s=5.0)
-            assert not worker._pending
+            assert worker.num_pending == 0
         finally:
             worker.sock.close(linger=0)
             ctx.term()

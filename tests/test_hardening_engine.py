@@ -48,7 +48,7 @@ def serve(env, body):
 
 async def _with_bystanders(c, culprit_coro) -> tuple[list, object]:
     tasks = [asyncio.create_task(collect(c, r)) for r in BYSTANDERS]
-    while not any(st.seq.num_output_tokens for st in c.running):  # the bystanders are mid-generation
+    while not any(st.seq.num_output_tokens for st in c.phases.running):  # the bystanders are mid-generation
         await asyncio.sleep(0.001)
     culprit = await culprit_coro
     return await asyncio.gather(*tasks), culprit
@@ -115,7 +115,7 @@ def test_b2_a_request_that_still_breaks_a_verify_fails_alone(tmp_path, monkeypat
 
         async def run_culprit():
             stream = c.generate(culprit)
-            c.requests["nan"].seq.params = SamplingParams(max_tokens=16, temperature=1e-30)
+            c.phases.requests["nan"].seq.params = SamplingParams(max_tokens=16, temperature=1e-30)
             return [d async for d in stream]
         return await _with_bystanders(c, run_culprit())
 
@@ -128,7 +128,7 @@ def test_b2_a_request_that_still_breaks_a_verify_fails_alone(tmp_path, monkeypat
 
 def test_restarts_are_limited_over_a_window_then_the_engine_gives_up_and_says_so(tmp_path):
     env = Env(tmp_path, make_cfg())
-    env.coordinator.restarts = RestartPolicy(max_restarts=2, window_s=0.4)
+    env.coordinator.phases.restarts = RestartPolicy(max_restarts=2, window_s=0.4)
 
     async def crash_and_serve(c, n: int) -> list:
         outs = []
@@ -143,7 +143,7 @@ def test_restarts_are_limited_over_a_window_then_the_engine_gives_up_and_says_so
             served += await crash_and_serve(c, 2)
             assert c.health() is None
             await asyncio.sleep(0.5)
-        assert not c._failed.is_set()
+        assert not c.phases.failed.is_set()
         gave_up = await crash_and_serve(c, 3)
         await asyncio.wait_for(c.wait_failed(), 1)
         return served, gave_up, c.health()

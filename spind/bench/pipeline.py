@@ -21,6 +21,7 @@ from spind.bench.report import Progress, fmt, format_table
 from spind.config import SpindConfig
 from spind.coordinator.interface import EngineRequest
 from spind.coordinator.microbatch import choose_micro_batches
+from spind.coordinator.lockstep import Lockstep
 from spind.coordinator.pipeline import Pipeline
 from spind.params import SamplingParams
 
@@ -64,7 +65,7 @@ async def _closed_loop(coordinator, prompts: list[list[int]], clients: int, draf
 
 def _busy_totals(c) -> dict[str, float]:
     """worker:kind -> seconds busy since the coordinator started."""
-    return {f"{w}:{k}": v for w, kinds in c.history.busy_s.items() for k, v in kinds.items()}
+    return {f"{w}:{k}": v for w, kinds in c.phases.history.busy_s.items() for k, v in kinds.items()}
 
 
 def run_pipeline_bench(cfg: SpindConfig, s: PipelineBenchSettings, texts: list[Prompt]) -> dict:
@@ -78,22 +79,23 @@ def run_pipeline_bench(cfg: SpindConfig, s: PipelineBenchSettings, texts: list[P
     rows = []
     try:
         for batch, (label, micro, ahead) in runs:
-            c.pipeline = None if micro is None else Pipeline(c, micro, ahead)
+            c.loop = Lockstep(c.phases) if micro is None else Pipeline(c.phases, micro, ahead)
             busy_before = _busy_totals(c)
             batch_prompts = [prompts[i % len(prompts)] for i in range(batch * s.requests_per_client)]
             drafter = "none" if label == "none" else s.drafter
             tokens, wall = engine.loop.run_until_complete(_closed_loop(c, batch_prompts, batch, drafter, s, label))
             busy = {key: (v - busy_before.get(key, 0.0)) / wall for key, v in _busy_totals(c).items()
                     if v > busy_before.get(key, 0.0)}
-            chosen = c.pipeline.state.micro_batches.get(cfg.drafter(s.drafter).worker) if c.pipeline else None
+            chosen = (c.loop.chosen_micro_batches.get(cfg.drafter(s.drafter).worker) if isinstance(c.loop, Pipeline)
+                      else None)
             rows.append({"batch": batch, "mode": label, "micro_batches": micro if micro else chosen,
                          "tokens": tokens, "wall_s": wall, "goodput": tokens / wall, "occupancy": busy})
             progress.step(f"batch {batch} {label}: {tokens / wall:.1f} tokens/s")
     finally:
         engine.close()
-    profile = c.profile.to_json() if c.profile else None
+    profile = c.phases.profile.to_json() if c.phases.profile else None
     return {"settings": asdict(s), "profile": profile, "rows": add_ratios(rows),
-            "heuristic": {b: choose_micro_batches(c.profile.verify_ms, b) if c.profile else None
+            "heuristic": {b: choose_micro_batches(c.phases.profile.verify_ms, b) if c.phases.profile else None
                           for b in s.batch_sizes}}
 
 

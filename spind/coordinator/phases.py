@@ -1,40 +1,140 @@
-"""The phases of a time slot, each over an explicit batch: what the coordinator's synchronous slot
-(`Coordinator.step`) and its pipelined loop (`spind.coordinator.pipeline`) are both made of.
+"""The request tables and the phases of a time slot, each over an explicit batch: what both of the coordinator's
+loops are made of (its lockstep slot, `spind.coordinator.lockstep`, and its pipeline, `spind.coordinator.pipeline`).
 
-    _schedule()                 finish aborted requests, admit waiting ones, plan this slot's prefill chunks
-    _select(ready)              an Arm per request: the selector, then each worker's own limit
-    _prefill(chunks)            target: write the chunks' KV (sent before the verify, runs while drafters draft)
-    _propose(worker, items)     one drafter worker's drafts (items from _propose_item, per request)
-    _verify(batch, arms, ...)   target: inline drafts, one verify forward, accept, roll back
-    _update(batch, ...)         commit tokens, stop rules, selector feedback, stream deltas
+    schedule(busy)              finish aborted requests, admit waiting ones, plan this slot's prefill chunks
+    select(ready, held)         decide: an Arm per request (the selector, then each worker's own limit), and the
+                                precompute and shadow work that implies; send_side_work(selection) does that work
+    prefill(chunks)             target: write the chunks' KV (sent before the verify, runs while drafters draft)
+    propose(worker, items)      one drafter worker's drafts (items from propose_item, per request)
+    verify_isolating(batch...)  target: inline drafts, one verify forward, accept, roll back; a verify that fails
+                                without naming its culprits is split until they are found
+    update(outcome, ...)        commit tokens, stop rules, selector feedback, stream deltas
+
+and what goes around them: finishing and failing requests, restarting dead workers, the slot's timings.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+from collections import deque
+from dataclasses import dataclass, field
 
 from spind import protocol as P
-from spind.config import TARGET_WORKER
-from spind.coordinator.interface import Delta
-from spind.coordinator.transport.pool import WorkerError
+from spind.config import TARGET_WORKER, SpindConfig
+from spind.coordinator.history import History
+from spind.coordinator.interface import Delta, Usage
+from spind.coordinator.metrics import EngineMetrics, SlotTimes
+from spind.coordinator.profile import SystemProfile
+from spind.coordinator.recovery import RestartPolicy
 from spind.coordinator.request import RequestState, SpecStats
-from spind.coordinator.scheduler import num_admissible, plan_prefill, visible_len
-from spind.coordinator.selection.protocol import AUTO, PLAIN, PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
+from spind.coordinator.scheduler import KVBudget, num_admissible, plan_prefill, visible_len
+from spind.coordinator.selection.protocol import (AUTO, PLAIN, PLAIN_ARM, Arm, Capacity, RequestInfo, Selector,
+                                                  SlotFeedback)
+from spind.coordinator.selection.shadow import ShadowDrafts
+from spind.coordinator.transport.pool import WorkerDied, WorkerError, WorkerPool
 
 log = logging.getLogger(__name__)
 
+Chunks = list[tuple[RequestState, int]]  # (request, prompt tokens the target prefills for it this slot)
+
+
+@dataclass
+class Selection:
+    """What select decided: the arms, and the side work they imply (send_side_work sends it)."""
+
+    arms: dict[str, Arm] = field(default_factory=dict)
+    precompute: list[tuple[RequestState, str]] = field(default_factory=list)  # (request, model drafter): queue its KV
+    shadow: list[tuple[RequestState, str | None]] = field(default_factory=list)  # (greedy request, its arm's drafter)
+
+
+@dataclass
+class VerifyOutcome:
+    """A verify pass's results, in batch order: the requests verified (those whose data failed the target were
+    failed alone and are left out), their results, and the pass's wall seconds."""
+
+    batch: list[RequestState] = field(default_factory=list)
+    results: list[P.VerifyResult] = field(default_factory=list)
+    verify_s: float = 0.0
+
 
 class SlotPhases:
-    """Mixed into the Coordinator, whose state these methods read and write."""
+    """The coordinator's request tables (`requests`, `waiting`, `running`, the KV budget) and the phases that move
+    requests through them. Owned by the Coordinator; both loops call it only through these public methods."""
 
-    # ---- phases: each takes the requests it works on and returns its result ---------------------------------------------------------------------------------
-    def _schedule(self, busy: frozenset[str] = frozenset()) -> list[tuple[RequestState, int]]:
+    def __init__(self, cfg: SpindConfig, pool: WorkerPool, call_timeout_s: float = 300.0,
+                 restarts: RestartPolicy | None = None) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.call_timeout_s = call_timeout_s
+        self.restarts = restarts or RestartPolicy()
+        self.selector: Selector | None = None  # set before the first slot (Coordinator.start)
+        self.profile: SystemProfile | None = None  # the measured costs, when measured
+        self.metrics = EngineMetrics()
+        self.history = History()  # busy intervals, per-second throughput, latencies: for the dashboard
+        self.times = SlotTimes()
+        self.budget = KVBudget(cfg.runtime.kv_num_blocks, cfg.runtime.kv_block_size)
+        self.max_batch_size = cfg.runtime.max_batch_size
+        self.requests: dict[str, RequestState] = {}  # waiting + running
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
+        self.slot_id = 0
+        self.drafter_counters = {d.name: SpecStats() for d in cfg.drafters}
+        self.drafter_worker = {d.name: d.worker for d in cfg.drafters}
+        self.capacity = Capacity({d.name: cfg.drafter_capacity(d.name) for d in cfg.drafters})
+        self.worker_capacity = {w: cfg.worker_capacity(w) for w in set(self.drafter_worker.values())}
+        self.model_drafters = {d.name for d in cfg.drafters if d.kind != "ngram"}
+        self.shadows = ShadowDrafts({d.name: (d.ngram_max, d.ngram_min) for d in cfg.drafters if d.kind == "ngram"})
+        self.num_cores = os.cpu_count() or 1
+        self.failure: str | None = None  # why the engine gave up (a worker that cannot be restarted)
+        self.failed = asyncio.Event()  # set with failure
+        self.idle = asyncio.Event()  # set while no request is waiting or running
+        self.idle.set()
+        self.wait_s = 0.0  # time of the current lockstep slot spent awaiting workers
+        self._held: list[tuple[RequestState, Delta]] | None = None  # deltas held back (hold_deltas), in order
+
+    # ---- the request tables -------------------------------------------------------------------------------------
+    def add(self, st: RequestState) -> None:
+        """A checked request joins the queue."""
+        self.requests[st.req_id] = st
+        self.waiting.append(st)
+        self.idle.clear()
+
+    def workers_alive(self) -> bool:
+        return all(self.pool.is_alive(n) for n in self.pool.names)
+
+    def next_slot(self) -> int:
+        """A new verify pass: its slot id (drafts and their probabilities are keyed by it)."""
+        self.slot_id += 1
+        return self.slot_id
+
+    def record_slot(self, slot_s: float, overhead_s: float) -> None:
+        """A slot's wall time and the part of it the coordinator itself spent (not awaiting workers)."""
+        self.times.record(slot_s, overhead_s)
+        self.metrics.slot.observe(slot_s)
+        self.metrics.overhead.observe(overhead_s)
+
+    def on_busy(self, worker: str, b: P.BusyInterval) -> None:
+        """A worker reported what it was busy with (the pool's hook)."""
+        self.metrics.busy.labels(worker=worker, kind=b.kind).inc(max(0.0, b.end - b.start))
+        self.history.add_busy(worker, b)
+
+    async def await_workers(self, aw):
+        """Await worker replies, counting the time as the slot's waiting (not the coordinator's own) time."""
+        t0 = time.perf_counter()
+        try:
+            return await aw
+        finally:
+            self.wait_s += time.perf_counter() - t0
+
+    # ---- schedule -----------------------------------------------------------------------------------------------
+    def schedule(self, busy: frozenset[str] = frozenset()) -> Chunks:
         """Finish aborted requests (but those in `busy`, in an op still in flight), admit waiting ones, plan this
         slot's prefill chunks."""
         for st in [s for s in self.running if s.is_abort_requested and s.req_id not in busy]:
-            self._finish(st, "abort", detail="the client went away")
+            self.finish(st, "abort", detail="the client went away")
         n = num_admissible([st.num_blocks for st in self.waiting], len(self.running), self.max_batch_size,
                            self.budget)
         for _ in range(n):
@@ -43,7 +143,7 @@ class SlotPhases:
                 self._admit(st)
             except Exception as e:  # this request's data cannot even be sent (it passed the checks): it alone fails
                 log.exception("admitting request %s", st.req_id)
-                self._fail_requests(WorkerError(TARGET_WORKER, f"cannot send the request: {e}", [st.req_id]))
+                self.fail_requests(WorkerError(TARGET_WORKER, f"cannot send the request: {e}", [st.req_id]))
         pending = [st for st in self.running if not st.is_prefilled]
         sizes = plan_prefill([st.num_prefill_left for st in pending], self.cfg.runtime.max_prefill_tokens)
         return [(st, size) for st, size in zip(pending, sizes) if size]
@@ -55,20 +155,15 @@ class SlotPhases:
         self.metrics.prompt_tokens.inc(st.seq.num_prompt_tokens)
         self.history.add_prompt_tokens(st.seq.num_prompt_tokens)
         self._add_to_target(st)
-        hint = self._first_drafter(st)
-        if hint is not None:
-            self._precompute(st, hint)
+        name = st.req.drafter if st.req.drafter != AUTO else self.selector.precompute_hint(st.req_id)
+        if name in self.model_drafters:  # the drafter it will most likely draft with: its KV is worth precomputing
+            self._precompute(st, name)
 
     def _add_to_target(self, st: RequestState) -> None:
         tokens = list(st.seq.token_ids)  # a snapshot: an in-process worker may read it after more commits
         self.pool.cast(TARGET_WORKER, P.AddRequest(0, st.req_id, tokens, st.seq.params, True))
         st.synced[TARGET_WORKER] = len(tokens)
         st.num_target_kv = 0
-
-    def _first_drafter(self, st: RequestState) -> str | None:
-        """The model drafter a new request will most likely draft with (its KV is worth precomputing)."""
-        name = st.req.drafter if st.req.drafter != AUTO else self.selector.precompute_hint(st.req_id)
-        return name if name in self.model_drafters else None
 
     def _precompute(self, st: RequestState, drafter: str) -> None:
         """Queue a drafter's KV of this request on its worker, to run in that worker's idle time."""
@@ -86,11 +181,14 @@ class SlotPhases:
             self.pool.cast(worker, P.AddRequest(0, st.req_id, tokens, st.seq.params, False))
             st.synced[worker] = len(tokens)
 
-    def _select(self, ready: list[RequestState], held: dict[str, Arm] | None = None) -> dict[str, Arm]:
+    # ---- select -------------------------------------------------------------------------------------------------
+    def select(self, ready: list[RequestState], held: dict[str, Arm] | None = None) -> Selection:
         """Arms for `ready`, within each drafter's B_j and each worker's limit less what `held` (the arms other
-        requests still run with: the pipeline selects some requests while others are mid-cycle) takes."""
-        infos = [RequestInfo(st.req_id, st.req.drafter, st.req.k, st.arm, st.seq.num_prompt_tokens,
-                             st.seq.num_output_tokens, st.prompt_repetition) for st in ready]
+        requests still run with: the pipeline selects some requests while others are mid-cycle) takes; and the
+        precompute and shadow work they imply. Decides only: nothing is sent."""
+        infos = [RequestInfo(req_id=st.req_id, requested=st.req.drafter, requested_k=st.req.k, current=st.arm,
+                             num_prompt_tokens=st.seq.num_prompt_tokens, num_output_tokens=st.seq.num_output_tokens,
+                             prompt_repetition=st.prompt_repetition) for st in ready]
         used: dict[str, int] = {}  # per worker
         capacity = self.capacity
         if held:
@@ -102,22 +200,32 @@ class SlotPhases:
                     used[w] = used.get(w, 0) + 1
             capacity = Capacity({d: max(0, b - taken.get(d, 0)) for d, b in capacity.per_drafter.items()})
         arms = self.selector.select(infos, capacity) if infos else []
-        out = {}
+        out = Selection()
         for st, arm in zip(ready, arms):  # a worker's own limit, over all the drafters it hosts
             if arm.drafter is not None:
                 w = self.drafter_worker[arm.drafter]
                 used[w] = used.get(w, 0) + 1
                 if used[w] > self.worker_capacity[w]:
                     arm = PLAIN_ARM
-            out[st.req_id] = arm
+            out.arms[st.req_id] = arm
             if st.seq.params.is_greedy:
-                self.shadows.draft(st.req_id, st.seq.token_ids, exclude=arm.drafter)
+                out.shadow.append((st, arm.drafter))
             hint = self.selector.precompute_hint(st.req_id)
             if hint is not None and hint in self.model_drafters and hint not in st.precomputed:
-                self._precompute(st, hint)
+                out.precompute.append((st, hint))
         return out
 
-    def _prefill(self, chunks: list[tuple[RequestState, int]], threads: int = 0) -> asyncio.Future:
+    def send_side_work(self, selection: Selection) -> None:
+        """The counterfactual n-gram drafts of the greedy requests, and the drafter KV worth precomputing."""
+        for st, drafter in selection.shadow:
+            self.shadows.draft(st.req_id, st.seq.token_ids, exclude=drafter)
+        for st, drafter in selection.precompute:
+            if drafter not in st.precomputed:
+                self._precompute(st, drafter)
+
+    # ---- prefill, speculate, verify -----------------------------------------------------------------------------
+    def prefill(self, chunks: Chunks, threads: int = 0) -> asyncio.Future:
+        """Send the chunks' prefill to the target (at once); the future settles when it wrote their KV."""
         if not chunks:
             fut = asyncio.get_running_loop().create_future()
             fut.set_result(None)
@@ -125,17 +233,20 @@ class SlotPhases:
         items = [P.PrefillItem(st.req_id, n) for st, n in chunks]
         return self.pool.cast(TARGET_WORKER, P.Prefill(0, items, threads))
 
-    def _prefilled(self, chunks: list[tuple[RequestState, int]]) -> None:
+    def prefilled(self, chunks: Chunks) -> None:
         """The target wrote these chunks' KV."""
         for st, n in chunks:
             st.num_target_kv += n
 
-    def _needs_draft(self, st: RequestState, arm: Arm) -> bool:
+    def needs_draft(self, st: RequestState, arm: Arm) -> bool:
         """Drafted on a drafter worker (not plain, not inline beside the target, room left to draft)."""
         w = self.drafter_worker.get(arm.drafter)
         return w is not None and w != TARGET_WORKER and st.seq.max_draft(arm.k) > 0
 
-    def _propose_item(self, st: RequestState, arm: Arm, assume: list[int] | None = None) -> tuple[str, P.ProposeItem]:
+    def drafter_worker_of(self, arm: Arm) -> str:
+        return self.drafter_worker[arm.drafter]
+
+    def propose_item(self, st: RequestState, arm: Arm, assume: list[int] | None = None) -> P.ProposeItem:
         """The Propose item of a request that needs a draft, on its drafter's worker; sends the mirror first if
         the worker never saw the request. `assume`: draft ahead, k + 1 tokens past these tentative ones (the
         first is the drafter's guess of the bonus token)."""
@@ -145,9 +256,10 @@ class SlotPhases:
         base, tokens = st.synced[w], st.seq.token_ids
         st.synced[w] = len(tokens)
         st.precomputed.add(arm.drafter)
-        return w, P.ProposeItem(st.req_id, arm.drafter, base, tokens[base:], k, assume or [])
+        return P.ProposeItem(req_id=st.req_id, drafter=arm.drafter, base_len=base, new_tokens=tokens[base:], k=k,
+                             assume=assume or [])
 
-    async def _propose(self, worker: str, items: list[P.ProposeItem]) -> dict[str, P.DraftRecord]:
+    async def propose(self, worker: str, items: list[P.ProposeItem]) -> dict[str, P.DraftRecord]:
         """One Propose on one drafter worker; if it fails as a whole its requests just go without drafts."""
         try:
             reply = await self.pool.call(worker, P.Propose(0, self.slot_id, items), self.call_timeout_s)
@@ -158,28 +270,47 @@ class SlotPhases:
             return {}
         return {d.req_id: d for d in reply.drafts}
 
-    async def _speculate(self, ready: list[RequestState], arms: dict[str, Arm]) -> dict[str, P.DraftRecord]:
-        """Drafts from the drafter workers, all concurrently (drafters on the target worker draft inline)."""
+    async def prefill_and_speculate(self, chunks: Chunks, ready: list[RequestState], arms: dict[str, Arm],
+                                    threads: int = 0) -> dict[str, P.DraftRecord]:
+        """The lockstep slot's first half: the target prefills the chunks while the drafter workers draft, all
+        concurrently. The prefill is accounted for whatever happened to the drafters; a drafter's failure is
+        raised first, then the target's."""
+        prefill = self.prefill(chunks, threads)  # sent first
         proposes: dict[str, list[P.ProposeItem]] = {}
         for st in ready:
-            if self._needs_draft(st, arms[st.req_id]):
-                w, item = self._propose_item(st, arms[st.req_id])
-                proposes.setdefault(w, []).append(item)
+            if self.needs_draft(st, arms[st.req_id]):
+                proposes.setdefault(self.drafter_worker[arms[st.req_id].drafter], []).append(
+                    self.propose_item(st, arms[st.req_id]))
+        *parts, prefilled = await self.await_workers(asyncio.gather(
+            *(self.propose(w, items) for w, items in proposes.items()), prefill, return_exceptions=True))
+        if not isinstance(prefilled, BaseException):
+            self.prefilled(chunks)
         drafts: dict[str, P.DraftRecord] = {}
-        for part in await self._await_workers(asyncio.gather(*(self._propose(w, it) for w, it in proposes.items()))):
+        for part in parts:
+            if isinstance(part, BaseException):
+                raise part
             drafts.update(part)
+        if isinstance(prefilled, BaseException):
+            raise prefilled
         return drafts
 
-    def _target_threads(self, arms: dict[str, Arm]) -> int:
+    def target_threads(self, arms: dict[str, Arm]) -> int:
         """All cores for the target while nothing drafts on another worker meanwhile, else its own share."""
         if not self.cfg.runtime.adaptive_threads or self.pool.info(TARGET_WORKER).device != "cpu":
             return 0
         drafting = any(self.drafter_worker.get(a.drafter, TARGET_WORKER) != TARGET_WORKER for a in arms.values())
         return 0 if drafting else self.num_cores
 
+    async def prefill_then_verify(self, chunks: Chunks, batch: list[RequestState], arms: dict[str, Arm],
+                                  drafts: dict[str, P.DraftRecord], threads: int = 0) -> VerifyOutcome:
+        """The pipeline's target pass: the chunks' prefill, then the batch's verify."""
+        await self.await_workers(self.prefill(chunks, threads))
+        self.prefilled(chunks)
+        return await self.verify_isolating(batch, arms, drafts, threads) if batch else VerifyOutcome()
+
     async def _verify(self, batch: list[RequestState], arms: dict[str, Arm], drafts: dict[str, P.DraftRecord],
-                      threads: int = 0) -> tuple[list[P.VerifyResult], float]:
-        """One verify forward on the target: results in batch order, and its wall time."""
+                      threads: int = 0) -> VerifyOutcome:
+        """One verify forward on the target."""
         items = []
         for st in batch:
             arm = arms.get(st.req_id, PLAIN_ARM)
@@ -191,77 +322,173 @@ class SlotPhases:
             else:
                 items.append(P.VerifyItem(st.req_id, []))
         if not items:
-            return [], 0.0
-        reply = await self._await_workers(
+            return VerifyOutcome()
+        reply = await self.await_workers(
             self.pool.call(TARGET_WORKER, P.Verify(0, self.slot_id, items, threads), self.call_timeout_s))
         if [r.req_id for r in reply.results] != [st.req_id for st in batch]:
             raise WorkerError(TARGET_WORKER, "verify results do not match the batch")
-        return reply.results, reply.verify_s
+        return VerifyOutcome(list(batch), reply.results, reply.verify_s)
 
-    async def _verify_isolating(self, batch: list[RequestState], arms: dict[str, Arm], drafts: dict[str, P.DraftRecord],
-                                threads: int = 0) -> tuple[list[RequestState], list[P.VerifyResult], float]:
-        """_verify, but a verify that fails without naming its culprits (the target changed nothing) is retried
-        on each half of the batch, down to the single requests that fail; those are failed alone. Returns the
-        requests verified, their results and the verify seconds."""
+    async def verify_isolating(self, batch: list[RequestState], arms: dict[str, Arm],
+                               drafts: dict[str, P.DraftRecord], threads: int = 0) -> VerifyOutcome:
+        """One verify forward; but a verify that fails without naming its culprits (the target changed nothing)
+        is retried on each half of the batch, down to the single requests that fail; those are failed alone."""
         try:
-            results, verify_s = await self._verify(batch, arms, drafts, threads)
-            return batch, results, verify_s
+            return await self._verify(batch, arms, drafts, threads)
         except WorkerError as e:
             if e.req_ids:
                 raise
             if len(batch) == 1:
-                self._fail_requests(WorkerError(e.name, str(e), [batch[0].req_id]))
-                return [], [], 0.0
+                self.fail_requests(WorkerError(e.name, str(e), [batch[0].req_id]))
+                return VerifyOutcome()
+        out = VerifyOutcome()
         mid = len(batch) // 2
-        kept, results, verify_s = [], [], 0.0
         for half in (batch[:mid], batch[mid:]):
-            k, r, s = await self._verify_isolating(half, arms, drafts, threads)
-            kept, results, verify_s = kept + k, results + r, verify_s + s
-        return kept, results, verify_s
+            part = await self.verify_isolating(half, arms, drafts, threads)
+            out.batch += part.batch
+            out.results += part.results
+            out.verify_s += part.verify_s
+        return out
 
-    def _update(self, batch: list[RequestState], arms: dict[str, Arm], drafts: dict[str, P.DraftRecord],
-                results: list[P.VerifyResult], verify_s: float) -> None:
+    # ---- update -------------------------------------------------------------------------------------------------
+    def update(self, outcome: VerifyOutcome, arms: dict[str, Arm], drafts: dict[str, P.DraftRecord]) -> None:
+        """Commit what the verify accepted (stop rules), feed the selector, stream a delta per request."""
         now = time.perf_counter()
-        feedback = []
-        for st, r in zip(batch, results):
-            seq = st.seq
-            arm = arms.get(st.req_id, PLAIN_ARM)
-            seq.stats.record(r.num_drafted, r.num_accepted)
-            name = arm.drafter or PLAIN
-            if arm.drafter is not None and r.num_drafted:
-                st.per_drafter.setdefault(name, SpecStats()).record(r.num_drafted, r.num_accepted)
-                self.drafter_counters[name].record(r.num_drafted, r.num_accepted)
-                self.metrics.record_verify(name, r.num_drafted, r.num_accepted)
-            kept = seq.append(r.tokens)
-            st.num_target_kv = len(seq.token_ids) - 1
-            st.synced[TARGET_WORKER] = len(seq.token_ids)
-            d = drafts.get(st.req_id)
-            draft_s = d.draft_s if d is not None else r.draft_s
-            st.draft_s += draft_s
-            st.verify_s += verify_s
-            st.arms_used.append(arm.name)
-            if st.req_id in arms:
-                st.arm = arm
-                shadow = tuple(self.shadows.resolve(st.req_id, seq.token_ids, seq.is_finished))
-                feedback.append(SlotFeedback(st.req_id, arm, r.num_drafted, r.num_accepted, len(kept), draft_s,
-                                             verify_s, d.switch_s if d is not None else 0.0, len(batch),
-                                             shadow))
-            self.metrics.generation_tokens.inc(len(kept))
-            self.history.add_step(name, len(kept), r.num_drafted, r.num_accepted)
-            if kept and st.first_token_at is None:
-                st.first_token_at = now
-                self.metrics.ttft.observe(now - st.arrival)
-                self.history.add_ttft(now - st.arrival)
-            if seq.is_finished:
-                self._finish(st, seq.finish_reason, kept)
-            else:
-                self._emit(st, Delta(kept, self._text_delta(st, visible_len(seq.text, seq.params.stop))))
+        feedback = [f for st, r in zip(outcome.batch, outcome.results)
+                    if (f := self._commit(st, r, arms, drafts, outcome, now)) is not None]
         self.history.add_queue(len(self.running), len(self.waiting))
         if feedback:
             self.selector.observe(feedback)
+
+    def _commit(self, st: RequestState, r: P.VerifyResult, arms: dict[str, Arm], drafts: dict[str, P.DraftRecord],
+                outcome: VerifyOutcome, now: float) -> SlotFeedback | None:
+        seq = st.seq
+        arm = arms.get(st.req_id, PLAIN_ARM)
+        seq.stats.record(r.num_drafted, r.num_accepted)
+        name = arm.drafter or PLAIN
+        if arm.drafter is not None and r.num_drafted:
+            st.per_drafter.setdefault(name, SpecStats()).record(r.num_drafted, r.num_accepted)
+            self.drafter_counters[name].record(r.num_drafted, r.num_accepted)
+            self.metrics.record_verify(name, r.num_drafted, r.num_accepted)
+        kept = seq.append(r.tokens)
+        st.num_target_kv = len(seq.token_ids) - 1
+        st.synced[TARGET_WORKER] = len(seq.token_ids)
+        d = drafts.get(st.req_id)
+        draft_s = d.draft_s if d is not None else r.draft_s
+        st.draft_s += draft_s
+        st.verify_s += outcome.verify_s
+        st.arms_used.append(arm.name)
+        feedback = None
+        if st.req_id in arms:
+            st.arm = arm
+            feedback = SlotFeedback(
+                req_id=st.req_id, arm=arm, num_drafted=r.num_drafted, num_accepted=r.num_accepted,
+                num_committed=len(kept), draft_s=draft_s, verify_s=outcome.verify_s,
+                switch_s=d.switch_s if d is not None else 0.0, batch_size=len(outcome.batch),
+                shadow=tuple(self.shadows.resolve(st.req_id, seq.token_ids, seq.is_finished)))
+        self.metrics.generation_tokens.inc(len(kept))
+        self.history.add_step(name, len(kept), r.num_drafted, r.num_accepted)
+        if kept and st.first_token_at is None:
+            st.first_token_at = now
+            self.metrics.ttft.observe(now - st.arrival)
+            self.history.add_ttft(now - st.arrival)
+        if seq.is_finished:
+            self.finish(st, seq.finish_reason, kept)
+        else:
+            self._emit(st, Delta(kept, self._text_delta(st, visible_len(seq.text, seq.params.stop))))
+        return feedback
+
+    # ---- streaming ----------------------------------------------------------------------------------------------
+    def _emit(self, st: RequestState, delta: Delta) -> None:
+        """A delta onto its request's stream, or held back in order while `hold_deltas` is on."""
+        if self._held is None:
+            st.queue.put_nowait(delta)
+        else:
+            self._held.append((st, delta))
+
+    def hold_deltas(self) -> None:
+        """Hold the deltas of what completes now until `flush_deltas`: waking the front ends (an SSE chunk per request
+        and token) is then scheduled after the next verify pass was dispatched, not before it, so the target does not
+        idle while the tokens are written (~0.3-1 ms a slot on a 2-core CPU)."""
+        if self._held is None:
+            self._held = []
+
+    def flush_deltas(self) -> None:
+        held, self._held = self._held, None
+        for st, delta in held or ():
+            st.queue.put_nowait(delta)
 
     def _text_delta(self, st: RequestState, end: int) -> str:
         text = st.seq.text[st.num_streamed_chars:end]
         st.num_streamed_chars = max(st.num_streamed_chars, end)
         return text
 
+    # ---- finishing, faults --------------------------------------------------------------------------------------
+    def finish(self, st: RequestState, reason: str, token_ids: list[int] | None = None, detail: str = "") -> None:
+        """Last delta (with usage) to the consumer; free the request everywhere; release its KV."""
+        if st.status == "finished":
+            return
+        if st.status == "running":
+            self.running.remove(st)
+            self.budget.release(st.num_blocks)
+            for name in st.synced:
+                self.pool.cast(name, P.FreeRequests(0, [st.req_id]))
+            self.selector.remove(st.req_id)
+            self.shadows.remove(st.req_id)
+        elif st in self.waiting:
+            self.waiting.remove(st)
+        st.status = "finished"
+        st.seq.finish_reason = st.seq.finish_reason or reason
+        st.finish_detail = st.finish_detail or detail
+        self.requests.pop(st.req_id, None)
+        if not self.requests:
+            self.idle.set()
+        s = st.seq.stats
+        usage = Usage(prompt_tokens=st.seq.num_prompt_tokens, completion_tokens=st.seq.num_output_tokens,
+                      drafters={n: {"drafted": c.num_drafted, "accepted": c.num_accepted}
+                                for n, c in st.per_drafter.items()},
+                      num_steps=s.num_steps, mean_accepted_length=s.mean_accepted_length,
+                      finish_detail=st.finish_detail, draft_s=st.draft_s, verify_s=st.verify_s, arms=st.arms_used)
+        self._emit(st, Delta(token_ids or [], self._text_delta(st, len(st.seq.text)), st.seq.finish_reason, usage))
+        self.metrics.requests.labels(status=st.seq.finish_reason).inc()
+        latency_s = time.perf_counter() - st.arrival
+        self.metrics.latency.observe(latency_s)
+        self.history.add_latency(latency_s)
+
+    def finish_all(self, detail: str, running_only: bool = False) -> None:
+        """Abort every running (and, unless running_only, waiting) request."""
+        for st in list(self.running) + ([] if running_only else list(self.waiting)):
+            self.finish(st, "abort", detail=detail)
+
+    def fail_requests(self, e: WorkerError) -> None:
+        """A worker op failed and changed nothing: fail the requests it names alone (the others run again
+        next slot); an op that failed as a whole fails the slot's requests."""
+        victims = [self.requests[r] for r in e.req_ids if r in self.requests] if e.req_ids else list(self.running)
+        log.error("%s; failing %d request(s)", e, len(victims))
+        for st in victims:
+            self.metrics.failed.inc()
+            self.finish(st, "abort", detail=f"the request failed: {e}")
+
+    async def recover(self) -> None:
+        """Restart dead workers (within the restart policy); re-add the target's requests from the committed
+        sequences, to be re-prefilled chunk by chunk; drafter mirrors resync lazily on their next use. A worker
+        that cannot be restarted fails the engine: every request is aborted."""
+        for name in [n for n in self.pool.names if not self.pool.is_alive(n)]:
+            self.metrics.restarts.labels(worker=name).inc()
+            try:
+                if not self.restarts.allow(name, time.monotonic()):
+                    raise WorkerDied(name, f"restarted {self.restarts.max_restarts} times within "
+                                           f"{self.restarts.window_s:.0f} s; giving up")
+                await self.pool.restart(name)
+            except Exception as e:
+                log.error("cannot restart worker %s: %s; failing all requests", name, e)
+                self.failure = f"worker {name!r} cannot be restarted: {e}"
+                self.failed.set()
+                self.finish_all(self.failure)
+                return
+            hosted = set(self.pool.info(name).drafters)
+            for st in self.running:
+                st.synced.pop(name, None)
+                st.precomputed -= hosted
+                if name == TARGET_WORKER:
+                    self._add_to_target(st)

@@ -1,10 +1,10 @@
 """The speculative decoding pipeline (paper §VI-B): drafter workers draft while the target verifies.
 
-Requests flow through the workers instead of moving in lockstep:
+Requests flow through the workers instead of moving in lockstep; each one's `Stage` says where it is:
 
-    fresh ──select──► draft queue (its drafter's worker) ──► drafting ──► drafted ──┐
-      ▲        └──► needs no draft (plain decoding, n-gram inline on the target) ───┤
-      └──────────────────────────── verifying ◄── one verify pass: all that is ready ◄┘
+    READY ──select──► SELECTED (its drafter worker's queue) ──► DRAFTING ──► DRAFTED ──┐
+      ▲         └──► needs no draft (plain decoding, n-gram inline on the target) ───────┤
+      └──────────────────────────── VERIFYING ◄── one verify pass: all that is ready ◄───┘
 
 - Each drafter worker drafts its queue in micro-batches of ceil(n / b) requests, b chosen by the paper's
   heuristic over the target's profile (`microbatch.py`) or fixed by [runtime].micro_batches, so it drafts
@@ -15,8 +15,9 @@ Requests flow through the workers instead of moving in lockstep:
 - Draft ahead (beyond the paper, after PEARL): a drafter worker with nothing queued drafts for requests under
   verification, k + 1 tokens past their drafts as if all will be accepted (the first is its guess of the
   bonus token). If the verify accepts them all and the bonus is the guess, the next draft is ready when the
-  verify ends; otherwise it is dropped, at no cost to the output. Greedy requests only.
-- The target takes every core while nothing drafts beside it (`SlotPhases._target_threads`).
+  verify ends (the request goes straight to DRAFTED); otherwise it is dropped, at no cost to the output. A
+  verify that ends before its draft ahead lands leaves the request AWAITING_AHEAD. Greedy requests only.
+- The target takes every core while nothing drafts beside it (`SlotPhases.target_threads`).
 """
 
 from __future__ import annotations
@@ -29,66 +30,55 @@ from dataclasses import dataclass, field
 
 from spind import protocol as P
 from spind.coordinator.microbatch import B0, choose_micro_batches
-from spind.coordinator.transport.pool import WorkerDied, WorkerError
-from spind.coordinator.request import RequestState
+from spind.coordinator.phases import Chunks, SlotPhases, VerifyOutcome
+from spind.coordinator.request import Ahead, RequestState, Stage
 from spind.coordinator.selection.protocol import Arm
+from spind.coordinator.transport.pool import WorkerDied, WorkerError
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Ahead:
-    assume: list[int]  # the draft under verification it was drafted past
-    draft: P.DraftRecord | None = None  # None while the Propose is in flight
+class _DraftOp:
+    """A Propose in flight on one drafter worker: its requests, and for a draft ahead the Ahead of each."""
+
+    task: asyncio.Task
+    requests: list[RequestState]
+    aheads: list[Ahead] | None = None  # None: drafts for the next verify pass
 
 
 @dataclass
 class _VerifyPass:
-    chunks: list[tuple[RequestState, int]]
+    chunks: Chunks
     batch: list[RequestState]
     arms: dict[str, Arm]
-    drafts: dict[str, P.DraftRecord]
-
-
-@dataclass
-class PipelineState:
-    arms: dict[str, Arm] = field(default_factory=dict)  # arm of each request's current cycle
-    drafts: dict[str, P.DraftRecord] = field(default_factory=dict)  # drafted, waiting for a verify pass
-    drafting: dict[str, str] = field(default_factory=dict)  # req_id -> worker drafting it
-    verifying: set[str] = field(default_factory=set)
-    ahead: dict[str, _Ahead] = field(default_factory=dict)
-    awaiting: dict[str, list[int]] = field(default_factory=dict)  # verified, its ahead still in flight: tokens
-    micro_batches: dict[str, int] = field(default_factory=dict)  # worker -> count last chosen
-
-    def in_flight(self) -> set[str]:
-        return set(self.drafting) | self.verifying | set(self.awaiting)
+    drafts: dict[str, P.DraftRecord] = field(default_factory=dict)
 
 
 class Pipeline:
     """The coordinator's loop body while [runtime].pipeline is on."""
 
-    def __init__(self, coordinator, micro_batches: int | None = None, draft_ahead: bool | None = None) -> None:
-        self.c = coordinator
-        r = coordinator.cfg.runtime
+    def __init__(self, phases: SlotPhases, micro_batches: int | None = None, draft_ahead: bool | None = None) -> None:
+        self.phases = phases
+        r = phases.cfg.runtime
         self.micro_batches = r.micro_batches if micro_batches is None else micro_batches  # 0: the heuristic
         self.draft_ahead = r.draft_ahead if draft_ahead is None else draft_ahead
-        self.state = PipelineState()
+        self.chosen_micro_batches: dict[str, int] = {}  # worker -> count last chosen
         self.target_task: asyncio.Task | None = None
-        self.draft_tasks: dict[str, asyncio.Task] = {}  # worker -> its Propose in flight
         self._pass: _VerifyPass | None = None
-        self._ahead_batch: dict[str, list[str]] = {}  # worker -> req_ids of its draft-ahead Propose
+        self.draft_ops: dict[str, _DraftOp] = {}  # worker -> its Propose in flight
         self._last_pass_end = time.perf_counter()
         self._overhead_s = 0.0  # coordinator time since the last verify pass ended (not awaiting workers)
 
     @property
     def is_busy(self) -> bool:
-        return self.target_task is not None or bool(self.draft_tasks)
+        return self.target_task is not None or bool(self.draft_ops)
 
     # ---- one turn of the loop -------------------------------------------------------------------
     async def tick(self) -> None:
-        c = self.c
+        ph = self.phases
         start = time.perf_counter()
-        if not all(c.pool.is_alive(n) for n in c.pool.names):
+        if not ph.workers_alive():
             await self.reset_and_recover()
             return
         self._dispatch()
@@ -101,7 +91,7 @@ class Pipeline:
         start = time.perf_counter()
         # What completed streams its tokens only after the next passes are dispatched: their sends are scheduled
         # first, so the target computes while the front ends write (the deltas are never dropped: `finally`).
-        c.hold_deltas()
+        ph.hold_deltas()
         try:
             try:
                 self._complete_all(done)
@@ -109,30 +99,35 @@ class Pipeline:
                 log.warning("%s; restarting and re-prefilling", e)
                 await self.reset_and_recover()
             else:
-                if all(c.pool.is_alive(n) for n in c.pool.names):
+                if ph.workers_alive():
                     self._dispatch()
         finally:
-            c.flush_deltas()
+            ph.flush_deltas()
         self._overhead_s += time.perf_counter() - start
 
     def _dispatch(self) -> None:
         """Schedule and select when the target is free, then send what can go: drafts, the verify pass, drafts
         ahead."""
-        c, s = self.c, self.state
-        chunks: list[tuple[RequestState, int]] = []
+        ph = self.phases
+        chunks: Chunks = []
         if self.target_task is None:
-            chunks = c._schedule(busy=frozenset(s.in_flight()))
-            self._purge()
-            fresh = [st for st in c.running if st.is_prefilled and st.req_id not in s.arms
-                     and st.req_id not in s.in_flight()]
-            s.arms.update(c._select(fresh, held=s.arms))
+            chunks = ph.schedule(busy=frozenset(st.req_id for st in ph.running if st.stage.is_in_flight))
+            fresh = [st for st in ph.running if st.is_prefilled and st.stage is Stage.READY]
+            selection = ph.select(fresh, held=self._arms())
+            ph.send_side_work(selection)
+            for st in fresh:
+                st.cycle_arm, st.stage = selection.arms[st.req_id], Stage.SELECTED
         self._dispatch_drafts()
         if self.target_task is None:
             self._dispatch_verify(chunks)
         self._dispatch_ahead()
 
+    def _arms(self) -> dict[str, Arm]:
+        """The arm of every request mid-cycle."""
+        return {st.req_id: st.cycle_arm for st in self.phases.running if st.cycle_arm is not None}
+
     def _tasks(self) -> list[asyncio.Task]:
-        return [t for t in (self.target_task, *self.draft_tasks.values()) if t is not None]
+        return [t for t in (self.target_task, *(op.task for op in self.draft_ops.values())) if t is not None]
 
     def _complete_all(self, done: set[asyncio.Task]) -> None:
         """The target's results first: whatever else failed, what the target did must be accounted for."""
@@ -145,91 +140,80 @@ class Pipeline:
         if died is not None:
             raise died
 
-    def _purge(self) -> None:
-        """Forget the pipeline state of requests that finished (aborted, failed) while it was held."""
-        s, live = self.state, self.c.requests
-        for d in (s.arms, s.drafts, s.ahead, s.awaiting):
-            for req_id in [r for r in d if r not in live]:
-                del d[req_id]
-
     # ---- dispatch -------------------------------------------------------------------------------
     def _micro_batch_size(self, worker: str, num_requests: int) -> int:
-        fixed = self.micro_batches
-        profile = self.c.profile
-        if fixed:
-            b = fixed
+        profile = self.phases.profile
+        if self.micro_batches:
+            b = self.micro_batches
         elif profile is not None and profile.verify_ms:
             b = choose_micro_batches(profile.verify_ms, num_requests)
         else:
             b = min(B0, num_requests)
-        self.state.micro_batches[worker] = max(1, min(b, num_requests))
-        return math.ceil(num_requests / self.state.micro_batches[worker])
+        self.chosen_micro_batches[worker] = max(1, min(b, num_requests))
+        return math.ceil(num_requests / self.chosen_micro_batches[worker])
 
     def _dispatch_drafts(self) -> None:
-        c, s = self.c, self.state
+        """Each idle drafter worker drafts the next micro-batch of its queue (its SELECTED requests)."""
+        ph = self.phases
         queues: dict[str, list[RequestState]] = {}
-        assigned: dict[str, int] = {}
-        for st in c.running:
-            arm = s.arms.get(st.req_id)
-            if arm is None or not c._needs_draft(st, arm):
+        assigned: dict[str, int] = {}  # per worker: its requests mid-cycle that draft there
+        for st in ph.running:
+            if st.cycle_arm is None or not ph.needs_draft(st, st.cycle_arm):
                 continue
-            w = c.drafter_worker[arm.drafter]
+            w = ph.drafter_worker_of(st.cycle_arm)
             assigned[w] = assigned.get(w, 0) + 1
-            if st.req_id not in s.drafts and st.req_id not in s.in_flight():
+            if st.stage is Stage.SELECTED:
                 queues.setdefault(w, []).append(st)
         for w, queue in queues.items():
-            if w in self.draft_tasks:
+            if w in self.draft_ops:
                 continue  # busy: the next micro-batch goes when this one is drafted
             take = queue[:self._micro_batch_size(w, assigned[w])]
-            items = [c._propose_item(st, s.arms[st.req_id])[1] for st in take]
+            items = [ph.propose_item(st, st.cycle_arm) for st in take]
             for st in take:
-                s.drafting[st.req_id] = w
-            self.draft_tasks[w] = asyncio.create_task(c._propose(w, items), name=f"draft-{w}")
+                st.stage = Stage.DRAFTING
+            self.draft_ops[w] = _DraftOp(asyncio.create_task(ph.propose(w, items), name=f"draft-{w}"), take)
 
     def _dispatch_ahead(self) -> None:
         """Idle drafter workers draft ahead for the greedy requests under verification."""
-        c, s = self.c, self.state
+        ph = self.phases
         if not self.draft_ahead or self._pass is None:
             return
-        by_worker: dict[str, list[tuple[RequestState, list[int]]]] = {}
+        by_worker: dict[str, list[RequestState]] = {}
         for st in self._pass.batch:
-            arm, d = s.arms.get(st.req_id), self._pass.drafts.get(st.req_id)
-            if (arm is None or d is None or not d.tokens or st.req_id in s.ahead or not st.seq.params.is_greedy
-                    or not c._needs_draft(st, arm)):
+            arm, d = st.cycle_arm, self._pass.drafts.get(st.req_id)
+            if (st.status != "running" or arm is None or d is None or not d.tokens or st.ahead is not None
+                    or not st.seq.params.is_greedy or not ph.needs_draft(st, arm)):
                 continue
-            w = c.drafter_worker[arm.drafter]
-            if w not in self.draft_tasks:
-                by_worker.setdefault(w, []).append((st, list(d.tokens)))
+            w = ph.drafter_worker_of(arm)
+            if w not in self.draft_ops:
+                by_worker.setdefault(w, []).append(st)
         for w, reqs in by_worker.items():
             items = []
-            for st, assume in reqs:
-                s.ahead[st.req_id] = _Ahead(assume)
-                items.append(c._propose_item(st, s.arms[st.req_id], assume)[1])
-            self._ahead_batch[w] = [st.req_id for st, _ in reqs]
-            self.draft_tasks[w] = asyncio.create_task(c._propose(w, items), name=f"ahead-{w}")
+            for st in reqs:
+                st.ahead = Ahead(list(self._pass.drafts[st.req_id].tokens))
+                items.append(ph.propose_item(st, st.cycle_arm, st.ahead.assume))
+            self.draft_ops[w] = _DraftOp(asyncio.create_task(ph.propose(w, items), name=f"ahead-{w}"), reqs,
+                                         [st.ahead for st in reqs])
 
-    def _dispatch_verify(self, chunks: list[tuple[RequestState, int]]) -> None:
-        c, s = self.c, self.state
-        completing = [st for st, n in chunks if n == st.num_prefill_left]  # their first token, no draft
-        batch = [st for st in c.running if st.req_id in s.arms and st.req_id not in s.in_flight()
-                 and (st.req_id in s.drafts or not c._needs_draft(st, s.arms[st.req_id]))]
+    def _dispatch_verify(self, chunks: Chunks) -> None:
+        """One verify pass on the target: everything drafted (or needing no draft), this slot's prefill chunks,
+        and the requests whose prefill they complete (their first token, without a draft)."""
+        ph = self.phases
+        completing = [st for st, n in chunks if n == st.num_prefill_left]
+        batch = [st for st in ph.running if st.stage is Stage.DRAFTED
+                 or st.stage is Stage.SELECTED and not ph.needs_draft(st, st.cycle_arm)]
         batch += [st for st in completing if st not in batch]
         if not batch and not chunks:
             return
-        arms = {st.req_id: s.arms[st.req_id] for st in batch if st.req_id in s.arms}
-        drafts = {st.req_id: s.drafts.pop(st.req_id) for st in batch if st.req_id in s.drafts}
-        s.verifying.update(st.req_id for st in batch)
-        c.slot_id += 1
+        arms = {st.req_id: st.cycle_arm for st in batch if st.cycle_arm is not None}
+        drafts = {st.req_id: st.draft for st in batch if st.draft is not None}
+        for st in batch:
+            st.stage, st.draft = Stage.VERIFYING, None
+        ph.next_slot()
         self._pass = _VerifyPass(chunks, batch, arms, drafts)
-        threads = c._target_threads(s.arms)
-        self.target_task = asyncio.create_task(self._verify_pass(self._pass, threads), name="verify")
-
-    async def _verify_pass(self, vp: _VerifyPass, threads: int):
-        await self.c._prefill(vp.chunks, threads)
-        self.c._prefilled(vp.chunks)
-        if not vp.batch:
-            return [], [], 0.0
-        return await self.c._verify_isolating(vp.batch, vp.arms, vp.drafts, threads)
+        threads = ph.target_threads(self._arms())
+        self.target_task = asyncio.create_task(ph.prefill_then_verify(chunks, batch, arms, drafts, threads),
+                                               name="verify")
 
     # ---- completions ----------------------------------------------------------------------------
     def _complete(self, task: asyncio.Task) -> None:
@@ -238,78 +222,70 @@ class Pipeline:
             vp, self._pass = self._pass, None
             self._verified(vp, task)
             return
-        w = next(name for name, t in self.draft_tasks.items() if t is task)
-        del self.draft_tasks[w]
-        ahead = self._ahead_batch.pop(w, None)
+        w = next(name for name, op in self.draft_ops.items() if op.task is task)
+        op = self.draft_ops.pop(w)
         try:
             drafts = task.result()
         except WorkerError as e:  # a request's data broke the drafter: fail it alone
-            self.c._fail_requests(e)
+            self.phases.fail_requests(e)
             drafts = {}
-        if ahead is not None:
-            self._drafted_ahead(ahead, drafts)
+        if op.aheads is not None:
+            self._drafted_ahead(op, drafts)
             return
-        for req_id in [r for r, worker in self.state.drafting.items() if worker == w]:
-            del self.state.drafting[req_id]
-            self.state.drafts[req_id] = drafts.get(req_id) or P.DraftRecord(req_id, [])
+        for st in op.requests:
+            if st.status == "running" and st.stage is Stage.DRAFTING:
+                st.draft, st.stage = drafts.get(st.req_id) or P.DraftRecord(st.req_id, []), Stage.DRAFTED
 
     def _verified(self, vp: _VerifyPass, task: asyncio.Task) -> None:
-        c, s = self.c, self.state
-        s.verifying.difference_update(st.req_id for st in vp.batch)
+        ph = self.phases
         try:
-            verified, results, verify_s = task.result()
+            outcome: VerifyOutcome = task.result()
         except WorkerError as e:
-            c._fail_requests(e)  # transactional: the others are as they were, and are verified again
-            s.drafts.update(vp.drafts)
+            ph.fail_requests(e)  # transactional: the others are as they were, and are verified again
             for st in vp.batch:
-                s.ahead.pop(st.req_id, None)
+                st.ahead = None
+                st.draft = vp.drafts.get(st.req_id)
+                st.stage = (Stage.DRAFTED if st.draft is not None else
+                            Stage.SELECTED if st.cycle_arm is not None else Stage.READY)
             return
-        live = [(st, r) for st, r in zip(verified, results) if st.status == "running"]
-        c._update([st for st, _ in live], vp.arms, vp.drafts, [r for _, r in live], verify_s)
+        live = [(st, r) for st, r in zip(outcome.batch, outcome.results) if st.status == "running"]
+        ph.update(VerifyOutcome([st for st, _ in live], [r for _, r in live], outcome.verify_s), vp.arms, vp.drafts)
         now = time.perf_counter()
-        c.times.record(now - self._last_pass_end, self._overhead_s)
-        c.metrics.slot.observe(now - self._last_pass_end)
-        c.metrics.overhead.observe(self._overhead_s)
+        ph.record_slot(now - self._last_pass_end, self._overhead_s)
         self._last_pass_end, self._overhead_s = now, 0.0
         for st, r in live:
-            arm = s.arms.pop(st.req_id, None)
-            ahead = s.ahead.pop(st.req_id, None)
+            arm, ahead = st.cycle_arm, st.ahead
+            st.reset_cycle()
             if ahead is None or st.status != "running":
                 continue
             if ahead.draft is None:  # its draft ahead is still in flight: decide when it lands
-                s.ahead[st.req_id] = ahead
-                s.awaiting[st.req_id] = list(r.tokens)
-                s.arms[st.req_id] = arm
+                ahead.committed = list(r.tokens)
+                st.ahead, st.cycle_arm, st.stage = ahead, arm, Stage.AWAITING_AHEAD
             else:
                 self._use_ahead(st, arm, ahead, r.tokens)
 
-    def _drafted_ahead(self, req_ids: list[str], drafts: dict[str, P.DraftRecord]) -> None:
-        s = self.state
-        for req_id in req_ids:
-            ahead = s.ahead.get(req_id)
-            if ahead is None:
-                continue
-            ahead.draft = drafts.get(req_id) or P.DraftRecord(req_id, [])
-            if req_id in s.awaiting:  # its verify already ended
-                committed = s.awaiting.pop(req_id)
-                del s.ahead[req_id]
-                arm = s.arms.pop(req_id)
-                st = self.c.requests.get(req_id)
-                if st is not None and st.status == "running":
-                    self._use_ahead(st, arm, ahead, committed)
+    def _drafted_ahead(self, op: _DraftOp, drafts: dict[str, P.DraftRecord]) -> None:
+        for st, ahead in zip(op.requests, op.aheads):
+            if st.ahead is not ahead or st.status != "running":
+                continue  # dropped meanwhile (its verify failed, or it finished)
+            ahead.draft = drafts.get(st.req_id) or P.DraftRecord(st.req_id, [])
+            if st.stage is Stage.AWAITING_AHEAD:  # its verify already ended
+                arm = st.cycle_arm
+                st.reset_cycle()
+                self._use_ahead(st, arm, ahead, ahead.committed)
 
-    def _use_ahead(self, st: RequestState, arm: Arm, ahead: _Ahead, committed: list[int]) -> None:
+    def _use_ahead(self, st: RequestState, arm: Arm, ahead: Ahead, committed: list[int]) -> None:
         """If the verify accepted the whole draft and the bonus token is the drafter's guess, the draft ahead
         is the next draft: the request keeps its arm and goes straight to the next verify pass."""
         guess = ahead.draft.tokens
         k = st.seq.max_draft(arm.k)
         if guess and committed == ahead.assume + guess[:1] and len(guess) > 1 and k > 0:
-            self.state.arms[st.req_id] = arm
-            self.state.drafts[st.req_id] = P.DraftRecord(st.req_id, guess[1:1 + k], False, ahead.draft.slot,
-                                                         ahead.draft.draft_s)
-            self.c.metrics.ahead.labels(outcome="used").inc()
+            st.cycle_arm, st.stage = arm, Stage.DRAFTED
+            st.draft = P.DraftRecord(req_id=st.req_id, tokens=guess[1:1 + k], slot=ahead.draft.slot,
+                                     draft_s=ahead.draft.draft_s)
+            self.phases.metrics.ahead.labels(outcome="used").inc()
         else:
-            self.c.metrics.ahead.labels(outcome="dropped").inc()
+            self.phases.metrics.ahead.labels(outcome="dropped").inc()
 
     # ---- faults ---------------------------------------------------------------------------------
     async def reset_and_recover(self) -> None:
@@ -322,19 +298,23 @@ class Pipeline:
                 self._complete_all(done)
             except WorkerDied:
                 pass
-        self.target_task, self.draft_tasks, self._pass, self._ahead_batch = None, {}, None, {}
-        self.state = PipelineState(micro_batches=self.state.micro_batches)
-        await self.c._recover()
+        self.target_task, self.draft_ops, self._pass = None, {}, None
+        for st in self.phases.running:  # its draft and draft ahead went with the drafters' state
+            st.reset_cycle()
+        await self.phases.recover()
 
     async def cancel(self) -> None:
-        """Shutting down: stop waiting for the workers."""
+        """Stop waiting for the workers (shutting down, or the slot failed and its requests were aborted)."""
         tasks = self._tasks()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self.target_task, self.draft_ops, self._pass = None, {}, None
+        for st in self.phases.running:
+            st.reset_cycle()
 
     def describe(self) -> dict:
-        return {"micro_batches": dict(self.state.micro_batches), "drafting": len(self.state.drafting),
-                "drafted": len(self.state.drafts), "verifying": len(self.state.verifying),
-                "ahead": len(self.state.ahead)}
-
+        stages = [st.stage for st in self.phases.running]
+        return {"micro_batches": dict(self.chosen_micro_batches), "drafting": stages.count(Stage.DRAFTING),
+                "drafted": stages.count(Stage.DRAFTED), "verifying": stages.count(Stage.VERIFYING),
+                "ahead": sum(st.ahead is not None for st in self.phases.running)}

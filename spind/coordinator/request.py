@@ -1,4 +1,5 @@
-"""A request's state on the coordinator: its token sequence, stop rules and incremental text.
+"""A request's state on the coordinator: its token sequence, stop rules and incremental text, and where it is in
+the pipeline's cycle (`Stage`).
 
 Per-slot work is proportional to what the slot added, never to the output so far: tokens are appended to
 one list, text is detokenized incrementally over a small window, and stop strings are searched only in
@@ -8,9 +9,11 @@ the new text (plus the few characters before it that a stop string could straddl
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from dataclasses import dataclass, field
 
+from spind import protocol as P
 from spind.coordinator.interface import EngineRequest
 from spind.coordinator.selection.protocol import Arm
 from spind.params import SamplingParams
@@ -148,6 +151,33 @@ def prompt_repetition(ids: list[int], n: int = 3) -> float:
     return repeats / (len(ids) - n + 1)
 
 
+class Stage(enum.Enum):
+    """Where a running request is in its cycle: select -> draft -> verify. The pipeline moves each request through
+    it on its own; a lockstep slot takes every request through the whole cycle within the slot, so between slots
+    they are all READY."""
+
+    READY = "ready"  # no arm for its next cycle yet (new, or its last verify ended)
+    SELECTED = "selected"  # has its cycle's arm; waits for its drafter worker (or, needing no draft, for the target)
+    DRAFTING = "drafting"  # in a Propose in flight
+    DRAFTED = "drafted"  # its draft waits for the next verify pass
+    VERIFYING = "verifying"  # in the verify pass in flight
+    AWAITING_AHEAD = "awaiting_ahead"  # verified; the draft ahead of that verify is still in flight
+
+    @property
+    def is_in_flight(self) -> bool:
+        """In a worker op that is still running: its state may change when the op lands."""
+        return self in (Stage.DRAFTING, Stage.VERIFYING, Stage.AWAITING_AHEAD)
+
+
+@dataclass
+class Ahead:
+    """A draft ahead: drafted past the draft under verification, on the guess that the verify accepts all of it."""
+
+    assume: list[int]  # the draft under verification it was drafted past
+    draft: P.DraftRecord | None = None  # None while its Propose is in flight
+    committed: list[int] | None = None  # what the verify committed, when it ended before the draft ahead landed
+
+
 @dataclass
 class RequestState:
     req: EngineRequest
@@ -169,6 +199,15 @@ class RequestState:
     draft_s: float = 0.0  # drafting and verification time of the batches it took part in
     verify_s: float = 0.0
     arms_used: list[str] = field(default_factory=list)  # the arm of each slot it was verified in ("none" too)
+    # its cycle (the pipeline's; see Stage)
+    stage: Stage = Stage.READY
+    cycle_arm: Arm | None = None  # the arm of its current cycle (SELECTED .. AWAITING_AHEAD)
+    draft: P.DraftRecord | None = None  # DRAFTED: the draft for its next verify pass
+    ahead: Ahead | None = None  # its draft ahead, while one is in flight or waits to be used
+
+    def reset_cycle(self) -> None:
+        """Back to READY with no arm, draft or draft ahead (its workers restarted, or its cycle ended)."""
+        self.stage, self.cycle_arm, self.draft, self.ahead = Stage.READY, None, None, None
 
     @property
     def req_id(self) -> str:

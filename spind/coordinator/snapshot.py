@@ -1,49 +1,47 @@
-"""The coordinator's state as a `spind.state.SpindState` (GET /v1/spind/state): built on demand from what the
-coordinator, its selector and its `History` hold; nothing here runs per slot."""
+"""The coordinator's state as a `spind.state.SpindState` (GET /v1/spind/state): built on demand from what its
+`SlotPhases`, selector and `History` hold; nothing here runs per slot."""
 
 from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
 
 from spind.coordinator.history import WINDOW_S
+from spind.coordinator.phases import SlotPhases
 from spind.coordinator.selection.protocol import PLAIN
 from spind.state import DrafterState, RequestSummary, SelectionState, SpindState, WorkerState
-
-if TYPE_CHECKING:
-    from spind.coordinator.engine import Coordinator
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def build_state(c: Coordinator) -> SpindState:
+def build_state(ph: SlotPhases, *, model_name: str, accepting: bool, loop: dict | None) -> SpindState:
+    """`loop`: what the loop body describes of itself (the pipeline's occupancy; None in lockstep)."""
     now = time.monotonic()
-    described = c.selector.describe() if c.selector else None
+    described = ph.selector.describe() if ph.selector else None
     return SpindState(
-        model=c.model_name, accepting=c.is_accepting, failure=c.failure, now=now, window_s=WINDOW_S,
-        num_waiting=len(c.waiting), num_running=len(c.running), workers=_workers(c, now), requests=_requests(c),
-        drafters=_drafters(c), selection=_selection(c, described), selector=described,
-        throughput=c.history.throughput(now), latency=c.history.latency(), slots=c.times.describe(),
-        kv={"num_blocks": c.budget.num_blocks, "num_reserved": c.budget.num_reserved},
-        profile=c.profile.to_json() if c.profile else None,
-        pipeline=c.pipeline.describe() if c.pipeline else None)
+        model=model_name, accepting=accepting, failure=ph.failure, now=now, window_s=WINDOW_S,
+        num_waiting=len(ph.waiting), num_running=len(ph.running), workers=_workers(ph, now), requests=_requests(ph),
+        drafters=_drafters(ph), selection=_selection(ph, described), selector=described,
+        throughput=ph.history.throughput(now), latency=ph.history.latency(), slots=ph.times.describe(),
+        kv={"num_blocks": ph.budget.num_blocks, "num_reserved": ph.budget.num_reserved},
+        profile=ph.profile.to_json() if ph.profile else None,
+        pipeline=loop)
 
 
-def _workers(c: Coordinator, now: float) -> list[WorkerState]:
+def _workers(ph: SlotPhases, now: float) -> list[WorkerState]:
     out = []
-    for w in c.pool.describe():  # the workers that exist now (none after a stop)
+    for w in ph.pool.describe():  # the workers that exist now (none after a stop)
         name = w["name"]
-        spans = c.history.busy_spans(name, now)
-        models = [f"{d.name} ({d.variant or d.kind})" for d in c.cfg.drafters if d.worker == name]
+        spans = ph.history.busy_spans(name, now)
+        models = [f"{d.name} ({d.variant or d.kind})" for d in ph.cfg.drafters if d.worker == name]
         if w["is_target"]:
-            models.insert(0, f"{c.cfg.model.target} ({c.cfg.model.dtype})")
+            models.insert(0, f"{ph.cfg.model.target} ({ph.cfg.model.dtype})")
         out.append(WorkerState(
             name=name, is_target=w["is_target"], model=", ".join(models), drafters=list(w["drafters"]),
             device=w["device"], dtype=w["dtype"], threads=w["threads"], pid=w["pid"], alive=w["alive"],
             restarts=w["restarts"], rss_bytes=_rss_bytes(w["pid"]), busy=spans,
-            busy_s={k: round(v, 3) for k, v in c.history.busy_s.get(name, {}).items()},
-            utilisation=c.history.utilisation(spans, now)))
+            busy_s={k: round(v, 3) for k, v in ph.history.busy_s.get(name, {}).items()},
+            utilisation=ph.history.utilisation(spans, now)))
     return out
 
 
@@ -57,27 +55,27 @@ def _rss_bytes(pid: int | None) -> int | None:
         return None
 
 
-def _requests(c: Coordinator) -> list[RequestSummary]:
+def _requests(ph: SlotPhases) -> list[RequestSummary]:
     return [RequestSummary(req_id=st.req_id, status=st.status, drafter=(st.arm.drafter if st.arm else None) or PLAIN,
                            k=st.arm.k if st.arm else 0, requested_drafter=st.req.drafter,
                            num_prompt_tokens=st.seq.num_prompt_tokens, num_output_tokens=st.seq.num_output_tokens,
                            num_steps=st.seq.stats.num_steps, prefill_left=st.num_prefill_left)
-            for st in list(c.running) + list(c.waiting)]
+            for st in list(ph.running) + list(ph.waiting)]
 
 
-def _drafters(c: Coordinator) -> dict[str, DrafterState]:
-    return {n: DrafterState(worker=c.drafter_worker[n], capacity=c.capacity.of(n), drafted=s.num_drafted,
+def _drafters(ph: SlotPhases) -> dict[str, DrafterState]:
+    return {n: DrafterState(worker=ph.drafter_worker[n], capacity=ph.capacity.of(n), drafted=s.num_drafted,
                             accepted=s.num_accepted, accepted_at=list(s.accepted_at), num_steps=s.num_steps,
                             acceptance_rate=s.num_accepted / max(s.num_drafted, 1))
-            for n, s in c.drafter_counters.items()}
+            for n, s in ph.drafter_counters.items()}
 
 
-def _selection(c: Coordinator, d: dict | None) -> SelectionState | None:
+def _selection(ph: SlotPhases, d: dict | None) -> SelectionState | None:
     """The policy-independent view of selector.describe() (d): LBSS's fields where it has them."""
     if d is None:
         return None
-    precompute_s = sum(kinds.get("precompute", 0.0) for kinds in c.history.busy_s.values())
-    capacity = {n: c.capacity.of(n) for n in c.drafter_counters} | d.get("capacity", {})  # B_j at the last slot
+    precompute_s = sum(kinds.get("precompute", 0.0) for kinds in ph.history.busy_s.values())
+    capacity = {n: ph.capacity.of(n) for n in ph.drafter_counters} | d.get("capacity", {})  # B_j at the last slot
     return SelectionState(
         policy=d["policy"], epoch=d.get("epoch"), stage=d.get("stage"), slot_in_stage=d.get("slot_in_stage"),
         stage_slots=d.get("stage_slots"), arms=d.get("arms", []),

@@ -33,7 +33,7 @@ class GenRequest:
     k: int | None = None  # None = the selector's / config's
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GenResult:
     req_id: str
     text: str
@@ -82,10 +82,10 @@ class LocalEngine:
             for name in drafters:
                 cfg.drafter(name)  # unknown -> ConfigError before anything loads
             cfg = dataclasses.replace(cfg, drafters=tuple(d for d in cfg.drafters if d.name in drafters))
-            policy = cfg.selection.policy
-            if not drafters or policy.startswith("fixed:") and policy[6:].partition("@")[0] not in drafters:
-                policy = "none" if not drafters else "lbss"  # auto selects among what is loaded
-                cfg = dataclasses.replace(cfg, selection=dataclasses.replace(cfg.selection, policy=policy))
+            policy = cfg.selection.parsed_policy
+            if not drafters or policy.is_fixed and policy.drafter not in drafters:
+                fallback = "none" if not drafters else "lbss"  # auto selects among what is loaded
+                cfg = dataclasses.replace(cfg, selection=dataclasses.replace(cfg.selection, policy=fallback))
         if make_worker is None:
             from spind.worker.probs import LocalProbsChannel
             from spind.worker.worker import Worker
@@ -126,13 +126,13 @@ class LocalEngine:
         return self.loop.run_until_complete(self._generate(requests, max_batch))
 
     async def _generate(self, requests: list[GenRequest], max_batch: int | None) -> list[GenResult]:
-        c = self.coordinator
-        saved = c.max_batch_size
-        c.max_batch_size = max_batch or saved
+        ph = self.coordinator.phases
+        saved = ph.max_batch_size
+        ph.max_batch_size = max_batch or saved
         try:
             return list(await asyncio.gather(*(self._one(r) for r in requests)))
         finally:
-            c.max_batch_size = saved
+            ph.max_batch_size = saved
 
     async def _one(self, r: GenRequest) -> GenResult:
         start = time.perf_counter()
@@ -144,10 +144,12 @@ class LocalEngine:
             text.append(d.text)
             if d.finish_reason is not None:
                 u = d.usage
-                return GenResult(r.req_id, "".join(text), token_ids, d.finish_reason, r.drafter, len(r.prompt_ids),
-                                 u.num_steps, sum(v["drafted"] for v in u.drafters.values()),
-                                 sum(v["accepted"] for v in u.drafters.values()), time.perf_counter() - start,
-                                 u.draft_s, u.verify_s, u.drafters, u.finish_detail)
+                return GenResult(req_id=r.req_id, text="".join(text), token_ids=token_ids,
+                                 finish_reason=d.finish_reason, drafter=r.drafter, num_prompt_tokens=len(r.prompt_ids),
+                                 num_steps=u.num_steps, num_drafted=sum(v["drafted"] for v in u.drafters.values()),
+                                 num_accepted=sum(v["accepted"] for v in u.drafters.values()),
+                                 elapsed_s=time.perf_counter() - start, draft_s=u.draft_s, verify_s=u.verify_s,
+                                 drafters=u.drafters, finish_detail=u.finish_detail)
         raise RuntimeError(f"{r.req_id}: the coordinator ended the stream without a finish")
 
     def close(self) -> None:

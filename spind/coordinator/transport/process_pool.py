@@ -74,8 +74,9 @@ class WorkerProcess:
                  load_timeout_s: float) -> None:
         self.ctx, self.name, self.cfg = ctx, name, cfg
         self.run_dir, self.probs_endpoint = run_dir, probs_endpoint
-        self.info = WorkerInfo(name, name == TARGET_WORKER, [d.name for d in cfg.drafters if d.worker == name],
-                               cfg.worker(name).device, threads_for(cfg, name))
+        self.info = WorkerInfo(name=name, is_target=name == TARGET_WORKER,
+                               drafters=[d.name for d in cfg.drafters if d.worker == name],
+                               device=cfg.worker(name).device, threads=threads_for(cfg, name))
         self.load_timeout_s = load_timeout_s
         self.proc: subprocess.Popen | None = None
         self.sock: zmq.asyncio.Socket | None = None
@@ -156,6 +157,11 @@ class WorkerProcess:
         self._fail_all("killed")
 
     # ---- calls ----------------------------------------------------------------------------------
+    @property
+    def num_pending(self) -> int:
+        """Calls sent and not answered yet."""
+        return len(self._pending)
+
     def cast(self, msg: object) -> asyncio.Future:
         fut = quiet_future(asyncio.get_running_loop())
         if not self.is_alive or self.sock is None:

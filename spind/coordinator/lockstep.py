@@ -1,0 +1,61 @@
+"""The coordinator's loop body while [runtime].pipeline is off: one synchronous time slot per tick, every request
+through the whole cycle within it (paper §IV).
+
+    schedule -> select -> (prefill || speculate) -> verify -> update
+
+The target's prefill is sent first and runs while the drafter workers draft; the verify waits for both.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from spind.coordinator.phases import SlotPhases
+from spind.coordinator.transport.pool import WorkerDied, WorkerError
+
+log = logging.getLogger(__name__)
+
+
+class Lockstep:
+    def __init__(self, phases: SlotPhases) -> None:
+        self.phases = phases
+
+    @property
+    def is_busy(self) -> bool:
+        return False  # nothing is in flight between ticks
+
+    async def tick(self) -> None:
+        """One time slot for everything waiting and running."""
+        ph = self.phases
+        start, ph.wait_s = time.perf_counter(), 0.0
+        if not ph.workers_alive():
+            await ph.recover()  # a worker died between slots
+            return
+        chunks = ph.schedule()
+        ready = [st for st in ph.running if st.is_prefilled]
+        selection = ph.select(ready)
+        ph.send_side_work(selection)
+        arms = selection.arms
+        ph.next_slot()
+        completing = [st for st, n in chunks if n == st.num_prefill_left]  # their first token, without a draft
+        threads = ph.target_threads(arms)
+        try:
+            drafts = await ph.prefill_and_speculate(chunks, ready, arms, threads)
+            outcome = await ph.verify_isolating(ready + completing, arms, drafts, threads)
+        except WorkerDied as e:
+            log.warning("%s; restarting and re-prefilling", e)
+            await ph.recover()
+            return
+        except WorkerError as e:
+            ph.fail_requests(e)
+            return
+        ph.update(outcome, arms, drafts)
+        slot_s = time.perf_counter() - start
+        ph.record_slot(slot_s, slot_s - ph.wait_s)
+
+    async def cancel(self) -> None:
+        """Nothing to stop between ticks."""
+
+    def describe(self) -> dict | None:
+        return None
