@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+import time
 from contextlib import aclosing
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -16,6 +18,7 @@ from spind.config import (DrafterConfig, ModelConfig, RuntimeConfig, SelectionCo
                           WorkerConfig, validate)
 from spind.coordinator.engine import Coordinator
 from spind.coordinator.interface import Delta, EngineRequest
+from spind.coordinator.pipeline import Pipeline
 from spind.coordinator.placement import worker_names
 from spind.coordinator.transport.pool import InProcessPool
 from spind.coordinator.selection.protocol import StaticSelector
@@ -424,3 +427,37 @@ def test_the_pipeline_sends_the_next_verify_before_it_streams_the_last_ones_toke
     # the n-th delta (the n-th pass's token; the last pass's is the request's end) arrives after pass n + 1 was sent
     assert all(sent >= n + 1 for n, sent in enumerate(verifies_before[:-1], start=1)), events
     assert verifies_before[-1] == 6 and events.count("verify") == 6, events
+
+
+def test_replacing_the_loop_waits_for_the_ops_the_old_one_has_in_flight(tmp_path, mode):
+    """A draft ahead may outlive its request; a loop body put in place meanwhile must not run beside the old one (both
+    would prefill the next request: the target refuses a second prefill of the same tokens)."""
+    if not mode:
+        pytest.skip("draft ahead is part of the pipeline")
+    env = Env(tmp_path, make_cfg())
+    propose = ScriptedWorker.handle
+
+    def slow_drafts(self, msg):  # drafts ahead land well after their verify
+        if isinstance(msg, P.Propose) and msg.items[0].assume:
+            time.sleep(0.2)
+        return propose(self, msg)
+
+    async def go():
+        c = env.coordinator
+        await c.start()
+        try:
+            first = await collect(c, request("a", PROMPTS[0], "good", 4))
+            await asyncio.sleep(0.05)  # the old loop body now awaits that draft ahead in its turn
+            assert c.loop.is_busy
+            await c.replace_loop(Pipeline(c.phases, 1, True))
+            second = await collect(c, request("b", PROMPTS[1], "good", 4))
+            return first, second
+        finally:
+            await c.shutdown(drain=False)
+
+    with mock.patch.object(ScriptedWorker, "handle", slow_drafts):
+        first, second = asyncio.run(go())
+    assert tokens_of(first) == continuation(PROMPTS[0], 4)
+    assert tokens_of(second) == continuation(PROMPTS[1], 4) and second[-1].finish_reason == "length"
+    prefills = [i.num_tokens for m in env.ops("target", P.Prefill) for i in m.items if i.req_id == "b"]
+    assert prefills == [len(PROMPTS[1]) - 1]  # one loop prefilled it, once

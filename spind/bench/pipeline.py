@@ -79,7 +79,8 @@ def run_pipeline_bench(cfg: SpindConfig, s: PipelineBenchSettings, texts: list[P
     rows = []
     try:
         for batch, (label, micro, ahead) in runs:
-            c.loop = Lockstep(c.phases) if micro is None else Pipeline(c.phases, micro, ahead)
+            engine.loop.run_until_complete(
+                c.replace_loop(Lockstep(c.phases) if micro is None else Pipeline(c.phases, micro, ahead)))
             busy_before = _busy_totals(c)
             batch_prompts = [prompts[i % len(prompts)] for i in range(batch * s.requests_per_client)]
             drafter = "none" if label == "none" else s.drafter

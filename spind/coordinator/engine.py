@@ -282,6 +282,14 @@ class Coordinator:
                 self._wakeup.set()
 
     # ---- the time-slot loop ---------------------------------------------------------------------
+    async def replace_loop(self, loop: Lockstep | Pipeline) -> None:
+        """Drive the slots with another loop body (the pipeline bench compares them on one engine): once no request
+        is left and nothing the current one sent is in flight (a draft ahead may outlive its request), so the two
+        never run side by side."""
+        while self.phases.requests or self.loop.is_busy:
+            await asyncio.sleep(0.005)
+        self.loop = loop
+
     async def _run(self) -> None:
         ph = self.phases
         while True:
