@@ -125,7 +125,8 @@ def test_runner_refuses_forward_past_the_context_limit(engine: LocalEngine) -> N
 
 # ---- the cache's dtype ([runtime].kv_cache_dtype) ---------------------------------------------------------------
 def tiny_model(dtype: torch.dtype = torch.float32):
-    from spind.models.llama import LlamaArgs, LlamaModel
+    from spind.models.layers import LlamaArgs
+    from spind.models.llama import LlamaModel
 
     args = LlamaArgs(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
                      head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0, max_position=256, tie_word_embeddings=False,

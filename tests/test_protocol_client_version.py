@@ -58,6 +58,19 @@ def _version_of(frame: bytes) -> int:
     return msgspec.msgpack.decode(frame)[0]
 
 
+async def _exchange(address: str, frame: bytes) -> bytes:
+    """One raw frame to the server and its answer, as a client of any version would send it."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    try:
+        await sock.send(frame)
+        return await asyncio.wait_for(sock.recv(), 5)
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
 def test_client_frames_carry_the_client_version_and_internal_frames_the_internal_one(monkeypatch):
     monkeypatch.setattr(P, "VERSION", P.VERSION + 7)
     request, reply = make_request("hi"), P.ClientError("r", 400, "bad", "no")
@@ -75,15 +88,7 @@ def test_clients_work_whatever_the_internal_version(monkeypatch):
 
     async def check():
         async with zmq_api() as address:
-            ctx = zmq.asyncio.Context()
-            sock = ctx.socket(zmq.DEALER)
-            sock.connect(address)
-            try:
-                await sock.send(released)
-                raw = msgspec.msgpack.decode(await asyncio.wait_for(sock.recv(), 5))
-            finally:
-                sock.close(0)
-                ctx.term()
+            raw = msgspec.msgpack.decode(await _exchange(address, released))
             async with AsyncSpindClient(address, timeout_s=10) as client:
                 done = await client.complete("hello", max_tokens=2)
                 pieces = [p async for p in client.stream("hello", max_tokens=2)]
@@ -105,15 +110,8 @@ def test_the_daemon_refuses_a_client_of_another_client_version_clearly():
 
     async def check():
         async with zmq_api() as address:
-            ctx = zmq.asyncio.Context()
-            sock = ctx.socket(zmq.DEALER)
-            sock.connect(address)
-            try:
-                await sock.send(msgspec.msgpack.encode([P.CLIENT_PROTOCOL_VERSION + 1, body]))
-                return P.decode(await asyncio.wait_for(sock.recv(), 5), P.ClientOut)
-            finally:
-                sock.close(0)
-                ctx.term()
+            return P.decode(await _exchange(address, msgspec.msgpack.encode([P.CLIENT_PROTOCOL_VERSION + 1, body])),
+                            P.ClientOut)
 
     reply = asyncio.run(check())
     assert isinstance(reply, P.ClientError) and (reply.status, reply.code) == (400, "unsupported_version")

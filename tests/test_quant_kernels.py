@@ -24,7 +24,7 @@ from spind.kernels.metadata import build_metadata
 from spind.kernels.row_attention import context_slots
 from spind.kernels.testing import make_paged_case, reference_attention
 from spind.models.gguf_linear import dequantize, pack
-from spind.models.llama import RMSNorm, apply_rope
+from spind.models.layers import RMSNorm, apply_rope
 from spind.models.loader import GGUFBlocks, load_gguf_blocks
 
 ISAS = cpu_ext.supported_isas()

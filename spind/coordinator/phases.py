@@ -220,8 +220,7 @@ class SlotPhases:
         for st, drafter in selection.shadow:
             self.shadows.draft(st.req_id, st.seq.token_ids, exclude=drafter)
         for st, drafter in selection.precompute:
-            if drafter not in st.precomputed:
-                self._precompute(st, drafter)
+            self._precompute(st, drafter)
 
     # ---- prefill, speculate, verify -----------------------------------------------------------------------------
     def prefill(self, chunks: Chunks, threads: int = 0) -> asyncio.Future:
@@ -242,9 +241,6 @@ class SlotPhases:
         """Drafted on a drafter worker (not plain, not inline beside the target, room left to draft)."""
         w = self.drafter_worker.get(arm.drafter)
         return w is not None and w != TARGET_WORKER and st.seq.max_draft(arm.k) > 0
-
-    def drafter_worker_of(self, arm: Arm) -> str:
-        return self.drafter_worker[arm.drafter]
 
     def propose_item(self, st: RequestState, arm: Arm, assume: list[int] | None = None) -> P.ProposeItem:
         """The Propose item of a request that needs a draft, on its drafter's worker; sends the mirror first if

@@ -160,7 +160,7 @@ class Pipeline:
         for st in ph.running:
             if st.cycle_arm is None or not ph.needs_draft(st, st.cycle_arm):
                 continue
-            w = ph.drafter_worker_of(st.cycle_arm)
+            w = ph.drafter_worker[st.cycle_arm.drafter]
             assigned[w] = assigned.get(w, 0) + 1
             if st.stage is Stage.SELECTED:
                 queues.setdefault(w, []).append(st)
@@ -184,7 +184,7 @@ class Pipeline:
             if (st.status != "running" or arm is None or d is None or not d.tokens or st.ahead is not None
                     or not st.seq.params.is_greedy or not ph.needs_draft(st, arm)):
                 continue
-            w = ph.drafter_worker_of(arm)
+            w = ph.drafter_worker[arm.drafter]
             if w not in self.draft_ops:
                 by_worker.setdefault(w, []).append(st)
         for w, reqs in by_worker.items():

@@ -15,8 +15,7 @@ import torch.nn as nn
 
 from spind.kernels.metadata import AttentionBackend, AttentionMetadata
 from spind.models.kv_cache import KVCache
-# the layers live in spind.models.layers (spind.models.fused needs them without this module); re-exported here
-from spind.models.layers import MLP, Attention, Block, LlamaArgs, RMSNorm, apply_rope, rope_tables  # noqa: F401
+from spind.models.layers import Block, LlamaArgs, RMSNorm, rope_tables
 from spind.models.quant import QUANTIZED_DTYPES, quantize_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
