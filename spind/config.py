@@ -97,6 +97,7 @@ class SelectionConfig:
     prior_strength: float = 4.0
     max_epoch: int = 4
     explore_margin: float = 0.15
+    batch_pricing: bool = True  # choose arms for the batch's goodput (a request's drafts slow everyone's verify)
     population_window: int = 2000
     epsilon: float = 0.2
     seed: int = 0

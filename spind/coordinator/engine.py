@@ -140,7 +140,10 @@ class Coordinator:
         if policy.name == "greedy-length":  # ranks drafters by their measured cost per draft token
             measured = ph.profile.draft_ms_per_token if ph.profile else {}
             costs = {n: measured.get(n, float(i + 1)) / 1e3 for i, n in enumerate(drafters)}
+        verify_points = []
         if policy.name == "lbss" and ph.profile is not None:
+            costs = {n: ms / 1e3 for n, ms in ph.profile.draft_ms_per_token.items() if n in drafters}
+            verify_points = ph.profile.verify_points()
             min_k = min(self.cfg.selection.k_set)
             self.dominated_drafters = [d for d in ph.profile.dominated_drafters(min_k) if d in drafters]
             if self.dominated_drafters:
@@ -149,7 +152,8 @@ class Coordinator:
                          ", ".join(self.dominated_drafters), min_k, min_k + 1, ph.profile.decode_ms)
                 drafters = [d for d in drafters if d not in self.dominated_drafters]
         try:
-            return build_selector(policy, self.cfg.selection, drafters, self.cfg.speculation.k, costs=costs)
+            return build_selector(policy, self.cfg.selection, drafters, self.cfg.speculation.k, costs=costs,
+                                  verify_points=verify_points)
         except ValueError as e:
             raise EngineError(str(e), 500, "bad_config") from None
 

@@ -58,6 +58,13 @@ class VerifyOutcome:
     batch: list[RequestState] = field(default_factory=list)
     results: list[P.VerifyResult] = field(default_factory=list)
     verify_s: float = 0.0
+    num_forwards: int = 1  # more when a failing verify was split to find its culprits
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the verify forward carried (each request's drafts and one more); 0 if it was split (no one
+        forward's shape to learn its cost from)."""
+        return sum(r.num_drafted + 1 for r in self.results) if self.num_forwards == 1 else 0
 
 
 class SlotPhases:
@@ -337,13 +344,14 @@ class SlotPhases:
             if len(batch) == 1:
                 self.fail_requests(WorkerError(e.name, str(e), [batch[0].req_id]))
                 return VerifyOutcome()
-        out = VerifyOutcome()
+        out = VerifyOutcome(num_forwards=0)
         mid = len(batch) // 2
         for half in (batch[:mid], batch[mid:]):
             part = await self.verify_isolating(half, arms, drafts, threads)
             out.batch += part.batch
             out.results += part.results
             out.verify_s += part.verify_s
+            out.num_forwards += part.num_forwards
         return out
 
     # ---- update -------------------------------------------------------------------------------------------------
@@ -381,6 +389,7 @@ class SlotPhases:
                 req_id=st.req_id, arm=arm, num_drafted=r.num_drafted, num_accepted=r.num_accepted,
                 num_committed=len(kept), draft_s=draft_s, verify_s=outcome.verify_s,
                 switch_s=d.switch_s if d is not None else 0.0, batch_size=len(outcome.batch),
+                batch_tokens=outcome.num_tokens,
                 shadow=tuple(self.shadows.resolve(st.req_id, seq.token_ids, seq.is_finished)))
         self.metrics.generation_tokens.inc(len(kept))
         self.history.add_step(name, len(kept), r.num_drafted, r.num_accepted)

@@ -1,5 +1,6 @@
 """What the machine's models cost, as the coordinator plans with it: each drafter's ms per draft token and
-the target's verify latency per batch size. Measured by the workers themselves (`Profile` op) the first time
+the target's verify latency per batch size, with k + 1 tokens per request and with one (plain decoding): the
+points the selection's verify-cost model starts from (`selection/cost.py`). Measured by the workers themselves (`Profile` op) the first time
 something needs it, then cached on disk under a key of everything that changes the numbers (model, dtype,
 devices, threads, drafters, k), so later starts read it in milliseconds. `[runtime].profile` = "auto" (the
 cache, else measure), "measure" (always), "off" (never: what needs it falls back to config order)."""
@@ -14,7 +15,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from spind import protocol as P
@@ -22,7 +23,7 @@ from spind.config import TARGET_WORKER, SpindConfig
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 CONTEXT = 128  # tokens of KV each probe request holds
 REPS = 3
 
@@ -34,16 +35,24 @@ class SystemProfile:
     verify_ms: dict[int, float]  # batch size -> ms of one verify forward of k + 1 tokens per request
     measured_at: float = 0.0
     decode_ms: float | None = None  # ms of the target's 1-token step at batch 1 (plain decoding)
+    decode_batch_ms: dict[int, float] = field(default_factory=dict)  # batch size -> ms of a 1-token step
 
     def to_json(self) -> dict:
-        return {**asdict(self), "verify_ms": {str(b): ms for b, ms in self.verify_ms.items()}}
+        return {**asdict(self), "verify_ms": {str(b): ms for b, ms in self.verify_ms.items()},
+                "decode_batch_ms": {str(b): ms for b, ms in self.decode_batch_ms.items()}}
 
     @classmethod
     def from_json(cls, raw: dict) -> "SystemProfile":
         decode = raw.get("decode_ms")
         return cls(int(raw["k"]), {str(n): float(v) for n, v in raw["draft_ms_per_token"].items()},
                    {int(b): float(v) for b, v in raw["verify_ms"].items()}, float(raw.get("measured_at", 0.0)),
-                   None if decode is None else float(decode))
+                   None if decode is None else float(decode),
+                   {int(b): float(v) for b, v in raw.get("decode_batch_ms", {}).items()})
+
+    def verify_points(self) -> list[tuple[int, int, float]]:
+        """(requests, tokens, seconds) of every verify forward measured: the verify-cost model's prior."""
+        return ([(b, b * (self.k + 1), ms / 1e3) for b, ms in self.verify_ms.items()]
+                + [(b, b, ms / 1e3) for b, ms in self.decode_batch_ms.items()])
 
     def dominated_drafters(self, min_k: int) -> list[str]:
         """Drafters that cannot beat plain decoding whatever they draft. A request's slot with drafter j at draft
@@ -108,11 +117,11 @@ async def load_or_measure(pool, cfg: SpindConfig, timeout_s: float) -> SystemPro
     context = probe_context(cfg.model.max_model_len, k)
     replies = await asyncio.gather(*(pool.call(name, P.Profile(0, k, sizes if name == TARGET_WORKER else [], context,
                                                                 REPS), timeout_s) for name in pool.names))
-    # plain decoding's step: the same probe with no draft (k = 0) at batch 1, on the target alone
-    decode = await pool.call(TARGET_WORKER, P.Profile(0, 0, [1], context, REPS), timeout_s)
+    # plain decoding's step: the same probe with no draft (k = 0), on the target alone
+    decode = await pool.call(TARGET_WORKER, P.Profile(0, 0, sizes, context, REPS), timeout_s)
     profile = SystemProfile(k, {n: ms for r in replies for n, ms in r.draft_ms_per_token.items()},
                             dict(next(r.verify_ms for name, r in zip(pool.names, replies) if name == TARGET_WORKER)),
-                            time.time(), decode.verify_ms.get(1))
+                            time.time(), decode.verify_ms.get(1), dict(decode.verify_ms))
     _write(path, profile)
     return profile
 

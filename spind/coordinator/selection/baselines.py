@@ -186,13 +186,15 @@ class OracleSelector(_Baseline):
 
 
 def build_selector(policy: Policy | str, cfg: SelectionConfig, drafters: Sequence[str], default_k: int, *,
-                   costs: Mapping[str, float] | None = None, oracle: GoodputTable | None = None) -> Selector:
+                   costs: Mapping[str, float] | None = None, oracle: GoodputTable | None = None,
+                   verify_points: Sequence[tuple[int, int, float]] = ()) -> Selector:
     """A selector for a policy: lbss | fixed:NAME[@K] | greedy-length | epsilon-greedy | random | none | oracle
     (text is parsed with Policy.parse: ValueError when malformed). `costs` (seconds per draft token per
-    drafter) is needed by greedy-length, `oracle` by oracle."""
+    drafter) is needed by greedy-length and starts lbss's draft costs, `oracle` by oracle; `verify_points`
+    (measured (requests, tokens, seconds) verify forwards) start lbss's verify-cost model."""
     p = policy if isinstance(policy, Policy) else Policy.parse(policy.strip())
     if p.name == "lbss":
-        return LBSSSelector(cfg, drafters, default_k)
+        return LBSSSelector(cfg, drafters, default_k, verify_points=verify_points, draft_s_per_token=dict(costs or {}))
     if p.is_plain:
         return FixedSelector(None, default_k)
     if p.is_fixed:

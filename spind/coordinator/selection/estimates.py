@@ -44,11 +44,12 @@ class Counts:
     empty: np.ndarray  # slots on the drafter that drafted nothing
     reward: np.ndarray
     slots: np.ndarray
+    tokens: np.ndarray  # tokens committed on the arm (the reward's numerator)
 
     @classmethod
     def zeros(cls, lead: tuple[int, ...], num_drafters: int, num_arms: int) -> Counts:
         d, a = (*lead, num_drafters), (*lead, num_arms)
-        return cls(np.zeros(d), np.zeros(d), np.zeros(d), np.zeros(d), np.zeros(a), np.zeros(a))
+        return cls(np.zeros(d), np.zeros(d), np.zeros(d), np.zeros(d), np.zeros(a), np.zeros(a), np.zeros(a))
 
     def add(self, row: tuple, j: int | None, a: int | None, fb: SlotFeedback, reward: float) -> None:
         """Count one slot; row indexes the leading dimensions (() for a request)."""
@@ -56,6 +57,7 @@ class Counts:
             self.add_acceptance(row, j, fb.num_drafted, fb.num_accepted)
         if a is not None:
             self.reward[(*row, a)] += reward
+            self.tokens[(*row, a)] += fb.num_committed
             self.slots[(*row, a)] += 1
 
     def add_acceptance(self, row: tuple, j: int, num_drafted: int, num_accepted: int) -> None:
@@ -76,6 +78,7 @@ class Counts:
                     x[(*row, j)] *= window / n
         if a is not None and self.slots[(*row, a)] > window:
             self.reward[(*row, a)] *= window / self.slots[(*row, a)]
+            self.tokens[(*row, a)] *= window / self.slots[(*row, a)]
             self.slots[(*row, a)] = window
 
 
@@ -103,12 +106,19 @@ class PopulationStats:
         self.counts = Counts.zeros((NUM_CONTEXTS,), num_drafters, num_arms)
         self.hit_s, self.hit_n, self.drafts = np.zeros(num_arms), np.zeros(num_arms), np.zeros(num_arms)  # [A]
         self.miss_s, self.miss_n = np.zeros(num_arms), np.zeros(num_arms)  # [A]
+        self.draft_s, self.draft_tokens = np.zeros(num_drafters), np.zeros(num_drafters)  # [D] timed drafts
         self._rates: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # context -> rates(), until the next add
 
     def add(self, context: int, j: int | None, a: int | None, fb: SlotFeedback, reward: float) -> None:
         self._rates.clear()
         self.counts.add((context,), j, a, fb, reward)
         self.counts.scale((context,), j, a, self.window)
+        if j is not None and fb.num_drafted > 0:
+            self.draft_s[j] += fb.draft_s
+            self.draft_tokens[j] += fb.num_drafted
+            if self.draft_tokens[j] > self.window * 8:
+                self.draft_s[j] *= self.window * 8 / self.draft_tokens[j]
+                self.draft_tokens[j] = self.window * 8
         if a is None:
             return
         seconds = fb.draft_s + fb.verify_s
@@ -147,6 +157,35 @@ class PopulationStats:
         """[A] everyone's mean reward per arm; nan = never run."""
         return _ratio(self.counts.reward.sum(0), self.counts.slots.sum(0))
 
+    def evidence(self, context: int) -> np.ndarray:
+        """[D] slots the context's requests ran on each drafter (acceptance evidence, shadow drafts included)."""
+        c = self.counts
+        return c.proposed[context] + c.empty[context]
+
+    def draft_s_per_token(self) -> np.ndarray:
+        """[D] seconds a drafter's propose took per token it drafted (its whole batch's call, charged to each
+        request it drafted for: an upper bound at batch > 1); nan = never timed."""
+        return _ratio(self.draft_s, self.draft_tokens)
+
+    def drafts_per_proposal(self) -> np.ndarray:
+        """[A] tokens drafted when the arm proposes at all (<= k: near max_tokens, or a short n-gram match)."""
+        k = np.array([arm.k for arm in self.arm_set.arms], dtype=float)
+        return np.where(self.hit_n > 0, _ratio(self.drafts, self.hit_n), k)
+
+    def model_tokens(self, p: np.ndarray, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[A] expected tokens committed and [A] tokens drafted per slot, for a request with acceptance p and
+        proposal rate h per drafter ([D]): h * (1 - p^(d+1)) / (1 - p) + (1 - h), and h * d; plain decoding
+        commits one token and drafts none. nan where the drafter's p or h is unknown."""
+        committed, drafted = np.ones(len(self.arm_set)), np.zeros(len(self.arm_set))
+        spec = self.arm_set.drafter_of >= 0
+        d = self.arm_set.drafter_of[spec]
+        pa, ha, n = p[d], h[d], self.drafts_per_proposal()[spec]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            tokens = np.where(pa < 1, (1 - pa ** (n + 1)) / (1 - pa), n + 1)
+        committed[spec] = ha * tokens + (1 - ha)
+        drafted[spec] = ha * n
+        return committed, drafted
+
     def model_goodput(self, p: np.ndarray, h: np.ndarray) -> np.ndarray:
         """[A] g^ per arm for a request with acceptance p and proposal rate h per drafter ([D])."""
         s_hit, s_miss = _ratio(self.hit_s, self.hit_n), _ratio(self.miss_s, self.miss_n)
@@ -174,3 +213,18 @@ def estimate(own: Counts, context: int, population: PopulationStats, n0: float) 
     prior = population.model_goodput(p, h)
     return np.where(np.isnan(prior), own_mean, (own.reward + n0 * np.where(np.isnan(prior), 0, prior))
                     / (own.slots + n0))
+
+
+def estimate_tokens(own: Counts, context: int, population: PopulationStats, n0: float) -> tuple[np.ndarray, np.ndarray]:
+    """[A] expected tokens one request commits per slot on each arm (its own mean shrunk towards the model of its
+    shrunk acceptance, as `estimate` does for goodput), and [A] the tokens it would draft there; nan = unknown."""
+    p_ctx, h_ctx = population.rates(context)
+    p = _shrink(own.accepted, own.accepted + own.rejected, p_ctx, n0)
+    h = _shrink(own.proposed, own.proposed + own.empty, h_ctx, n0)
+    prior, drafted = population.model_tokens(p, h)
+    own_mean = _ratio(own.tokens, own.slots)
+    if n0 == 0:
+        return np.where(np.isnan(own_mean), prior, own_mean), drafted
+    known = ~np.isnan(prior)
+    committed = np.where(known, (own.tokens + n0 * np.where(known, prior, 0)) / (own.slots + n0), own_mean)
+    return committed, drafted

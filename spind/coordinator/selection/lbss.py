@@ -57,12 +57,16 @@ import numpy as np
 from spind.config import SelectionConfig
 from spind.coordinator.selection.arms import (PLAIN_INDEX, ArmSet, free_capacity, random_drop, split_bypass, take,
                                     with_requested_k)
-from spind.coordinator.selection.estimates import Counts, PopulationStats, estimate
+from spind.coordinator.selection.cost import VerifyCost
+from spind.coordinator.selection.estimates import Counts, PopulationStats, estimate, estimate_tokens
 from spind.coordinator.selection.features import context_name, context_of
+from spind.coordinator.selection.marginal import choose
 from spind.coordinator.selection.matching import max_weight_assignment
 from spind.coordinator.selection.protocol import Arm, Capacity, RequestInfo, SlotFeedback, fit_capacity
 
 UNKNOWN_WEIGHT = -1e6  # matching weight of an arm nobody has run: exploit only what was observed
+EVIDENCE_SLOTS = 16  # a context's slots on a drafter before its estimate alone may rule the drafter's arms out
+FIT_HISTORY = 64  # verify forwards whose predicted and measured seconds describe() keeps
 EXPLORE, EXPLOIT = "explore", "exploit"
 
 
@@ -79,6 +83,7 @@ class _Request:
     catchup_tokens: int = 0  # tokens its drafter had to catch up this slot (a switch), for the cost rate
     slot_s: float = 0.0  # summed seconds of its slots
     num_slots: int = 0
+    marginal: np.ndarray | None = None  # [A] its marginal gains (tokens) at the last matching that priced it
 
 
 class LBSSSelector:
@@ -86,11 +91,21 @@ class LBSSSelector:
 
     policy = "lbss"
 
-    def __init__(self, cfg: SelectionConfig, drafters: Sequence[str], default_k: int) -> None:
+    def __init__(self, cfg: SelectionConfig, drafters: Sequence[str], default_k: int, *,
+                 verify_points: Sequence[tuple[int, int, float]] = (),
+                 draft_s_per_token: dict[str, float] | None = None) -> None:
+        """verify_points: measured (B, T, seconds) verify forwards (the start-up profile), the cost model's prior;
+        draft_s_per_token: each drafter's measured seconds per draft token, until its own drafts are timed."""
         self.cfg = cfg
         self.default_k = default_k
         self.arm_set = ArmSet(drafters, cfg.k_set)
         self.population = PopulationStats(self.arm_set, cfg.population_window)
+        self.cost = VerifyCost()
+        self.cost.add_prior(verify_points)
+        known = draft_s_per_token or {}
+        self._draft_prior = np.array([known.get(d, np.nan) for d in self.arm_set.drafters], dtype=float)  # [D]
+        self.price = 0.0  # G: the batch's expected tokens per second at the last priced matching
+        self._fit: list[tuple[float, float]] = []  # (predicted, measured) verify seconds, the last FIT_HISTORY
         self.rng = np.random.default_rng(cfg.seed)
         self.epoch, self.stage, self.slot_in_stage, self.stage_slots = 1, EXPLORE, 0, cfg.alpha
         self._reqs: dict[str, _Request] = {}
@@ -114,7 +129,11 @@ class LBSSSelector:
         auto = [r for r, b in zip(reqs, bypass) if b is None]
         for r, b in zip(reqs, bypass):
             self._track(r, is_bypass=b is not None)
-        choice = self._explore(auto, free) if self.stage == EXPLORE else self._exploit(auto, free)
+        if self.stage == EXPLORE:
+            choice = self._explore(auto, free)
+        else:
+            fixed = [(self._reqs[r.req_id], b) for r, b in zip(reqs, bypass) if b is not None]
+            choice = self._exploit(auto, free, fixed)
         arms = [b if b is not None else with_requested_k(self.arm_set.arms[choice[r.req_id]], r)
                 for r, b in zip(reqs, bypass)]
         arms = fit_capacity(arms, capacity)
@@ -125,6 +144,7 @@ class LBSSSelector:
         return arms
 
     def observe(self, feedback: Sequence[SlotFeedback]) -> None:
+        self._observe_cost(feedback)
         slot_s = 0.0
         for fb in feedback:
             st = self._reqs.get(fb.req_id)
@@ -149,6 +169,17 @@ class LBSSSelector:
             st.catchup_tokens = 0
             self._observe_shadow(st, fb)
         self.observed_s += slot_s
+
+    def _observe_cost(self, feedback: Sequence[SlotFeedback]) -> None:
+        """The verify forward the feedback's requests shared: its shape and seconds refine the cost model (only
+        when it was one forward whose tokens are known: batch_tokens > 0)."""
+        if not feedback or feedback[0].batch_tokens <= 0:
+            return
+        fb = feedback[0]
+        predicted = self.cost.predict(fb.batch_size, fb.batch_tokens)
+        if predicted is not None:
+            self._fit = [*self._fit[-(FIT_HISTORY - 1):], (predicted, fb.verify_s)]
+        self.cost.observe(fb.batch_size, fb.batch_tokens, fb.verify_s)
 
     def _observe_shadow(self, st: _Request, fb: SlotFeedback) -> None:
         """Counterfactual drafts of free drafters teach acceptance (never rewards: no slot ran on them)."""
@@ -187,7 +218,11 @@ class LBSSSelector:
         yet removed, so bounded by the running ones; population {arm: everyone's mean reward};
         switch_s_per_token {drafter: learned KV catch-up seconds per token}; num_slots; num_switches
         (drafter changes); observed_s (summed slot seconds, from the feedback); switches_per_minute;
-        switch_s (summed KV catch-up seconds fed back); config (the SelectionConfig)."""
+        switch_s (summed KV catch-up seconds fed back); batch_pricing (arms chosen for the batch's goodput,
+        `marginal.py`); price (its tokens per second at the last priced matching); verify_cost (the fitted
+        verify seconds per forward, per request and per token, `cost.py`); verify_fit ([predicted, measured] ms
+        of the last verify forwards); config (the SelectionConfig). A request priced in a matching also has
+        marginal {arm: its marginal gain in tokens per slot}."""
         names = self.arm_set.names
         counts: dict[str, int] = {}
         requests = {}
@@ -198,6 +233,9 @@ class LBSSSelector:
             requests[req_id] = {"arm": arm, "bypass": st.is_bypass, "context": context_name(st.context),
                                 "estimate": _rounded(names, self.estimate(st)),
                                 "observations": {n: int(c) for n, c in zip(names, st.counts.slots) if c}}
+            if st.marginal is not None:
+                requests[req_id]["marginal"] = _rounded(names, np.where(st.marginal <= UNKNOWN_WEIGHT / 2, np.nan,
+                                                                        st.marginal))
         with np.errstate(invalid="ignore", divide="ignore"):
             rate = self._switch_s / self._switch_tokens
         return {
@@ -210,6 +248,8 @@ class LBSSSelector:
             "num_slots": self.num_slots, "num_switches": self.num_switches,
             "observed_s": round(self.observed_s, 3), "switch_s": round(self.switch_s_total, 3),
             "switches_per_minute": round(60 * self.num_switches / self.observed_s, 2) if self.observed_s else None,
+            "batch_pricing": self.prices_batch, "price": round(self.price, 3), "verify_cost": self.cost.describe(),
+            "verify_fit": [[round(p * 1e3, 3), round(m * 1e3, 3)] for p, m in self._fit],
             "config": dataclasses.asdict(self.cfg),
         }
 
@@ -225,10 +265,15 @@ class LBSSSelector:
         w = np.where(np.isnan(g), UNKNOWN_WEIGHT, g)
         if np.isnan(g[PLAIN_INDEX]):
             w[PLAIN_INDEX] = 0.0  # nothing known: plain decoding, never slower than not speculating
+        return w - self.cfg.switch_weight * self._switch_penalty(st, g, remaining_slots)
+
+    def _switch_penalty(self, st: _Request, value: np.ndarray, remaining_slots: int) -> np.ndarray:
+        """[A] what switching to each arm's drafter loses, in `value`'s units per slot: value x the share of the
+        rest of the stage its KV catch-up (c_ij seconds) takes."""
         slot_s = st.slot_s / st.num_slots if st.num_slots else (
             self._slot_s_sum / self._slot_s_num if self._slot_s_num else 0.0)
         if self.cfg.switch_weight == 0 or slot_s == 0:
-            return w
+            return np.zeros(len(self.arm_set))
         with np.errstate(invalid="ignore", divide="ignore"):
             rate = np.where(self._switch_tokens > 0, self._switch_s / self._switch_tokens, 0.0)  # [D]
         d = self.arm_set.drafter_of
@@ -236,8 +281,64 @@ class LBSSSelector:
         is_switch = (d >= 0) & (d != current)
         switch_s = np.zeros(len(self.arm_set))  # [A] c_ij
         switch_s[is_switch] = rate[d[is_switch]] * (st.num_tokens - st.kv_len[d[is_switch]])
-        penalty = np.where(is_switch & ~np.isnan(g), g, 0.0) * switch_s / (max(remaining_slots, 1) * slot_s)
-        return w - self.cfg.switch_weight * penalty
+        return np.where(is_switch & ~np.isnan(value), value, 0.0) * switch_s / (max(remaining_slots, 1) * slot_s)
+
+    # -- pricing the batch's verify (marginal.py) ----------------------------------------------------------
+
+    @property
+    def prices_batch(self) -> bool:
+        """Arms are chosen for the batch's goodput: configured, and the verify's cost is known (the profile, or
+        verifies seen); else each request's own goodput (the paper's weights)."""
+        return self.cfg.batch_pricing and self.cost.is_known
+
+    def _expected(self, st: _Request) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """[A] tokens the request is expected to commit per slot, [A] tokens it drafts, and [A] the seconds its
+        drafter takes for them (measured per drafted token; the profile's until the drafter was timed)."""
+        committed, drafted = estimate_tokens(st.counts, st.context, self.population, self.cfg.prior_strength)
+        delta = self.population.draft_s_per_token()
+        delta = np.where(np.isnan(delta), self._draft_prior, delta)  # [D]
+        d = self.arm_set.drafter_of
+        per_token = np.where(d >= 0, delta[np.maximum(d, 0)], 0.0)
+        with np.errstate(invalid="ignore"):
+            draft_s = np.where(drafted == 0, 0.0, drafted * per_token)
+        return committed, drafted, draft_s
+
+    def _marginal(self, st: _Request, price: float) -> np.ndarray:
+        """[A] the request's marginal gain per arm at a price (tokens per second of slot): expected tokens less
+        price x the seconds its drafts add to the slot (verify and draft); plain decoding's is 1."""
+        committed, drafted, draft_s = self._expected(st)
+        return committed - price * (drafted * self.cost.seconds_per_token + draft_s)
+
+    def _base(self, others: Sequence[tuple[_Request, Arm]], num_new: int) -> tuple[float, float]:
+        """The slot's predicted seconds with `num_new` requests plain and `others` on their arms, and the tokens
+        the others are expected to commit."""
+        tokens, draft_s, committed = float(num_new + len(others)), 0.0, 0.0
+        for st, arm in others:
+            a = self.arm_set.index.get(arm)
+            if a is None:  # outside the arm set (a named drafter, its own k): k more tokens, one committed
+                tokens, committed = tokens + arm.k, committed + 1.0
+                continue
+            c, d, s = (x[a] for x in self._expected(st))
+            known = not (np.isnan(c) or np.isnan(d) or np.isnan(s))
+            tokens += d if known else arm.k
+            draft_s += s if known else 0.0
+            committed += c if known else 1.0
+        return self.cost.predict(num_new + len(others), tokens) + draft_s, committed
+
+    def _priced_matching(self, states: list[_Request], others: Sequence[tuple[_Request, Arm]],
+                         room: dict[str | None, int | None], remaining_slots: int) -> np.ndarray:
+        """[n] arms for `states` maximising the batch's goodput with `others` as they are (marginal.choose)."""
+        rows = [self._expected(st) for st in states]
+        committed = np.stack([c for c, _, _ in rows])
+        cost_s = np.stack([d * self.cost.seconds_per_token + s for _, d, s in rows])
+        adjust = -self.cfg.switch_weight * np.stack(
+            [self._switch_penalty(st, c, remaining_slots) for st, c in zip(states, committed)])
+        base_s, base_tokens = self._base(others, len(states))
+        choice = choose(committed, cost_s, adjust, self.arm_set, room, base_s, base_tokens, UNKNOWN_WEIGHT)
+        self.price = choice.price
+        for st, w in zip(states, choice.weights):
+            st.marginal = w
+        return choice.arms
 
     def _best_other_drafter(self, g: np.ndarray, current: str | None) -> str | None:
         """The drafter, other than `current`, of the arm with the highest g~ ([A]); None if none is known."""
@@ -293,21 +394,30 @@ class LBSSSelector:
 
     def _worth_exploring(self, st: _Request, available: list[list[int]]) -> list[list[int]]:
         """The available arms (per drafter) the request draws from: all of them (the paper), or with an
-        explore_margin, not those it has itself shown to be clearly worse: arms of a drafter it has run whose
-        g~ is below (1 - margin) x its best g~. The prior alone never rules an arm out."""
+        explore_margin, not those shown to be clearly worse: below (1 - margin) x its best. Without batch
+        pricing the measure is g~ and only arms of a drafter the request has itself run may go (the prior
+        alone never rules an arm out); with it, the request's marginal gain at the batch's last price, and a
+        drafter its context's requests have run EVIDENCE_SLOTS slots counts as shown too: exploration is not
+        paid where the population already shows an arm loses at the current load."""
         if self.cfg.explore_margin == 0:
             return available
-        g = self.estimate(st)
+        tried = np.append(st.counts.slots[PLAIN_INDEX] > 0, st.counts.proposed + st.counts.empty > 0)  # [1 + D]
+        if self.prices_batch and self.price > 0:  # marginal gains at the batch's last price; the population's
+            g = self._marginal(st, self.price)  # evidence in its context may rule an arm out too
+            tried |= np.append(True, self.population.evidence(st.context) >= EVIDENCE_SLOTS)
+        else:
+            g = self.estimate(st)
         if np.isnan(g).all():
             return available
-        tried = np.append(st.counts.slots[PLAIN_INDEX] > 0, st.counts.proposed + st.counts.empty > 0)
         is_worse = tried[self.arm_set.drafter_of + 1] & (g < (1 - self.cfg.explore_margin) * np.nanmax(g))  # [A]
         kept = [[a for a in arms if not is_worse[a]] for arms in available]
         return [arms for arms in kept if arms] or available
 
-    def _exploit(self, auto: list[RequestInfo], free: dict[str | None, int | None]) -> dict[str, int]:
-        """The stage's matching, made at its first slot; newcomers are matched into the room left. A capacity
-        that shrank below the assignment forces a full re-matching."""
+    def _exploit(self, auto: list[RequestInfo], free: dict[str | None, int | None],
+                 bypass: Sequence[tuple[_Request, Arm]] = ()) -> dict[str, int]:
+        """The stage's matching, made at its first slot; newcomers are matched into the room left (priced with
+        the batch's other requests as they are: those already matched and the `bypass` ones). A capacity that
+        shrank below the assignment forces a full re-matching."""
         for r in auto:
             self._reqs[r.req_id].next_arm = None
         room = dict(free)
@@ -322,8 +432,14 @@ class LBSSSelector:
             remaining = self.stage_slots - self.slot_in_stage
             states = [self._reqs[r.req_id] for r in newcomers]
             estimates = [self.estimate(st) for st in states]
-            weights = np.stack([self._weights(st, g, remaining) for st, g in zip(states, estimates)])  # [n, A]
-            for r, g, a in zip(newcomers, estimates, max_weight_assignment(weights, self.arm_set, room)):
+            if self.prices_batch:
+                others = [*bypass, *((self._reqs[r.req_id], self.arm_set.arms[self._assigned[r.req_id]])
+                                     for r in auto if r.req_id in self._assigned)]
+                chosen = self._priced_matching(states, others, room, remaining)
+            else:
+                weights = np.stack([self._weights(st, g, remaining) for st, g in zip(states, estimates)])  # [n, A]
+                chosen = max_weight_assignment(weights, self.arm_set, room)
+            for r, g, a in zip(newcomers, estimates, chosen):
                 self._assigned[r.req_id] = int(a)
                 self._hints[r.req_id] = self._best_other_drafter(g, self.arm_set.arms[a].drafter)
         return {r.req_id: self._assigned[r.req_id] for r in auto}

@@ -80,6 +80,8 @@ class SlotFeedback:
     verify_s: float  # wall time of the verify forward it took part in (the whole batch)
     switch_s: float = 0.0  # KV catch-up its drafter ran before drafting, beyond the last slot's tokens
     batch_size: int = 1  # requests in that verify forward
+    batch_tokens: int = 0  # tokens that verify forward carried (every request's drafts + 1); 0 = not one shared
+    #                        forward (the simulator's per-request slots): no verify cost is learned from it
     # counterfactual drafts of free drafters it did not run, decided by what greedy decoding committed:
     # (drafter, drafted, accepted) each; acceptance evidence only, no timing (spind.coordinator.selection.shadow)
     shadow: tuple[tuple[str, int, int], ...] = ()

@@ -1,0 +1,255 @@
+"""Selection that prices the batch's verify: the verify-cost model, the marginal-gain choice (Dinkelbach over
+the matching) and LBSS with them, all with scripted costs (no clock, no model)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from spind.config import SelectionConfig
+from spind.coordinator.phases import VerifyOutcome
+from spind.coordinator.profile import SystemProfile
+from spind.coordinator.selection.arms import ArmSet
+from spind.coordinator.selection.cost import VerifyCost
+from spind.coordinator.selection.lbss import LBSSSelector
+from spind.coordinator.selection.marginal import choose
+from spind import protocol as P
+from spind.coordinator.selection.protocol import PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
+
+C0, C_REQ, C_TOK = 0.004, 0.0005, 0.002  # a CPU-like verify: 2 ms per token carried
+
+
+def cpu_verify(batch: int, tokens: int) -> float:
+    return C0 + C_REQ * batch + C_TOK * tokens
+
+
+def profile_points(max_batch: int = 16, k: int = 4) -> list[tuple[int, int, float]]:
+    sizes = [1, 2, 4, 8, max_batch]
+    return [(b, t, cpu_verify(b, t)) for b in sizes for t in (b, b * (k + 1))]
+
+
+# ---- the cost model ----------------------------------------------------------------------------------------------
+
+def test_cost_model_fits_the_profile_and_follows_the_machine():
+    cost = VerifyCost()
+    assert not cost.is_known and cost.predict(1, 1) is None and cost.seconds_per_token == 0
+    cost.add_prior(profile_points())
+    assert cost.seconds_per_token == pytest.approx(C_TOK, rel=1e-3)
+    assert cost.predict(8, 40) == pytest.approx(cpu_verify(8, 40), rel=1e-3)
+    for _ in range(400):  # the machine got twice as slow per token (other load): serving's forwards say so
+        for b, t in ((4, 4), (4, 12), (4, 20)):
+            cost.observe(b, t, C0 + C_REQ * b + 2 * C_TOK * t)
+    assert cost.seconds_per_token == pytest.approx(2 * C_TOK, rel=0.15)
+
+
+def test_cost_model_reads_a_flat_gpu_profile_as_flat():
+    cost = VerifyCost()
+    rng = np.random.default_rng(0)
+    cost.add_prior([(b, t, 0.010 + rng.normal(0, 1e-5)) for b in (1, 2, 4, 8) for t in (b, 5 * b)])
+    assert 0 <= cost.seconds_per_token < 1e-5
+    line = cost.line
+    assert line.c_req >= 0 and line.c0 == pytest.approx(0.010, abs=1e-4)
+
+
+def test_cost_model_without_a_profile_learns_from_forwards_and_ignores_bad_ones():
+    cost = VerifyCost()
+    cost.observe(0, 0, 1.0)
+    cost.observe(2, 2, float("nan"))
+    assert not cost.is_known
+    for b, t in ((1, 1), (1, 5), (2, 2), (2, 10), (4, 8)):
+        cost.observe(b, t, cpu_verify(b, t))
+    assert cost.seconds_per_token == pytest.approx(C_TOK, rel=0.05)
+
+
+# ---- the choice --------------------------------------------------------------------------------------------------
+
+ARMS = ArmSet(["ngram", "int8"], (2, 4, 8))
+ROOM = {None: None, "ngram": None, "int8": 16}
+
+
+def scripted(committed_by_drafter: list[dict[str, float]], draft_s_per_token: dict[str, float]):
+    """[n, A] committed and cost_s for requests whose drafts are all proposed, with per-token acceptance p per
+    drafter (expected tokens (1 - p^(k+1)) / (1 - p)), costing C_TOK per verified token plus the drafter's."""
+    n = len(committed_by_drafter)
+    committed, cost = np.ones((n, len(ARMS))), np.zeros((n, len(ARMS)))
+    for i, per_drafter in enumerate(committed_by_drafter):
+        for a, arm in enumerate(ARMS.arms):
+            if arm.drafter is None:
+                continue
+            p = per_drafter[arm.drafter]
+            committed[i, a] = (1 - p ** (arm.k + 1)) / (1 - p)
+            cost[i, a] = arm.k * (C_TOK + draft_s_per_token[arm.drafter])
+    return committed, cost
+
+
+def test_a_batch_where_no_drafts_pay_gets_none():
+    committed, cost = scripted([{"ngram": 0.1, "int8": 0.2}] * 8, {"ngram": 0.0, "int8": 0.003})
+    got = choose(committed, cost, np.zeros_like(cost), ARMS, ROOM, base_s=cpu_verify(8, 8))
+    assert (got.arms == 0).all()
+    assert got.price == pytest.approx(8 / cpu_verify(8, 8))
+
+
+def test_a_batch_where_one_requests_drafts_pay_gets_exactly_that_one():
+    reqs = [{"ngram": 0.1, "int8": 0.2}] * 7 + [{"ngram": 0.95, "int8": 0.2}]  # the last one copies its prompt
+    committed, cost = scripted(reqs, {"ngram": 0.0, "int8": 0.003})
+    got = choose(committed, cost, np.zeros_like(cost), ARMS, ROOM, base_s=cpu_verify(8, 8))
+    assert (got.arms[:7] == 0).all()
+    assert ARMS.arms[got.arms[7]].drafter == "ngram"
+    base_rate = 8 / cpu_verify(8, 8)
+    assert got.price > base_rate  # the batch is faster than plain decoding
+
+
+def test_per_request_goodput_would_speculate_where_the_batch_loses():
+    """The failure this fixes: each request alone gains from ngram@2 (1.75 tokens for 1.6x the seconds at batch
+    1), but at batch 8 every token it adds slows all eight."""
+    committed, cost = scripted([{"ngram": 0.5, "int8": 0.0}] * 8, {"ngram": 0.0, "int8": 0.01})
+    a = ARMS.index[Arm("ngram", 2)]
+    alone = committed[0, a] / (cpu_verify(1, 1) + cost[0, a])
+    assert alone > 1 / cpu_verify(1, 1)  # pays at batch 1 ...
+    assert (choose(committed[:1], cost[:1], np.zeros((1, len(ARMS))), ARMS, ROOM,
+                   base_s=cpu_verify(1, 1)).arms == a).all()
+    got = choose(committed, cost, np.zeros_like(cost), ARMS, ROOM, base_s=cpu_verify(8, 8))
+    assert (got.arms == 0).all()  # ... not at batch 8
+
+
+def test_the_choice_is_the_best_assignment_by_brute_force():
+    rng = np.random.default_rng(3)
+    small = ArmSet(["ngram"], (2, 8))
+    for _ in range(30):
+        n = 3
+        committed = np.ones((n, 3))
+        committed[:, 1:] = 1 + rng.uniform(0, 4, (n, 2))
+        cost = np.zeros((n, 3))
+        cost[:, 1] = 2 * C_TOK * rng.uniform(0.5, 3)
+        cost[:, 2] = 8 * C_TOK * rng.uniform(0.5, 3)
+        base = cpu_verify(n, n)
+        got = choose(committed, cost, np.zeros_like(cost), small, {None: None, "ngram": None}, base_s=base)
+        best = max(np.ndindex(*(3,) * n), key=lambda arms: sum(committed[i, a] for i, a in enumerate(arms))
+                   / (base + sum(cost[i, a] for i, a in enumerate(arms))))
+        ratio = lambda arms: (sum(committed[i, a] for i, a in enumerate(arms))  # noqa: E731
+                              / (base + sum(cost[i, a] for i, a in enumerate(arms))))
+        assert ratio(got.arms) == pytest.approx(ratio(best), rel=1e-9)
+
+
+def test_the_choice_respects_capacity_and_never_picks_unknown_arms():
+    committed, cost = scripted([{"ngram": 0.0, "int8": 0.9}] * 4, {"ngram": 0.0, "int8": 0.0001})
+    committed[:, ARMS.index[Arm("int8", 8)]] = np.nan  # never observed
+    got = choose(committed, cost, np.zeros_like(cost), ARMS, {None: None, "ngram": None, "int8": 2},
+                 base_s=cpu_verify(4, 4))
+    names = [ARMS.arms[a] for a in got.arms]
+    assert sum(a.drafter == "int8" for a in names) == 2 and Arm("int8", 8) not in names
+
+
+# ---- LBSS with pricing -------------------------------------------------------------------------------------------
+
+def info(req_id: str, n_out: int = 0) -> RequestInfo:
+    return RequestInfo(req_id=req_id, requested="auto", requested_k=None, current=None, num_prompt_tokens=40,
+                       num_output_tokens=n_out)
+
+
+def run_slots(sel: LBSSSelector, p_accept: dict[str, float], num_slots: int, rng: np.random.Generator,
+              batch_pricing_feedback: bool = True, lifetime: int = 0, drafter: str = "ngram") -> list[list[Arm]]:
+    """Drive the selector with scripted outcomes, as the coordinator does: request r accepts each draft token of
+    the drafter with p_accept[r]; one verify forward for all costs cpu_verify(B, T); for n-gram lookup, requests
+    not on it get its counterfactual (shadow) draft of 8. With a lifetime, each request is replaced by a new
+    one (same p) after that many slots."""
+    history = []
+    for t in range(num_slots):
+        generation = t // lifetime if lifetime else 0
+        if lifetime and t and t % lifetime == 0:
+            for r in p_accept:
+                sel.remove(f"{r}-{generation - 1}")
+        names = [f"{r}-{generation}" for r in p_accept]
+        arms = sel.select([info(n, t % lifetime if lifetime else t) for n in names], Capacity({drafter: 16}))
+        history.append(arms)
+        feedback, tokens = [], 0
+        for n, r, arm in zip(names, p_accept, arms):
+            runs = [int(rng.geometric(1 - p_accept[r])) - 1 for _ in range(2)]  # accepted before a rejection
+            accepted = min(runs[0], arm.k)
+            shadow = () if arm.drafter or drafter != "ngram" else (("ngram", 8, min(runs[1], 8)),)
+            tokens += arm.k + 1
+            feedback.append((n, arm, accepted, shadow))
+        verify_s = cpu_verify(len(arms), tokens)
+        sel.observe([SlotFeedback(req_id=n, arm=arm, num_drafted=arm.k, num_accepted=a, num_committed=a + 1,
+                                  draft_s=0.0, verify_s=verify_s, batch_size=len(arms),
+                                  batch_tokens=tokens if batch_pricing_feedback else 0, shadow=shadow)
+                     for n, arm, a, shadow in feedback])
+    return history
+
+
+def test_lbss_with_pricing_decodes_a_batch_plainly_where_drafts_do_not_pay():
+    cfg = SelectionConfig(seed=0)
+    sel = LBSSSelector(cfg, ["ngram"], 4, verify_points=profile_points())
+    assert sel.prices_batch
+    p = {f"r{i}": 0.3 for i in range(8)}
+    history = run_slots(sel, p, 200, np.random.default_rng(0))
+    late = [arm for arms in history[100:] for arm in arms]
+    assert sum(arm == PLAIN_ARM for arm in late) / len(late) > 0.9
+    state = sel.describe()
+    assert state["batch_pricing"] and state["price"] > 0 and state["verify_cost"]["per_token_ms"] > 0
+    assert state["verify_fit"] and all(len(x) == 2 for x in state["verify_fit"])
+    assert any("marginal" in r for r in state["requests"].values())
+
+
+def test_lbss_with_pricing_speculates_for_the_one_request_that_pays():
+    cfg = SelectionConfig(seed=0)
+    sel = LBSSSelector(cfg, ["ngram"], 4, verify_points=profile_points())
+    p = {f"r{i}": 0.3 for i in range(7)} | {"copy": 0.97}
+    history = run_slots(sel, p, 200, np.random.default_rng(1))
+    late = history[100:]
+    copy_arms = [arms[7] for arms in late]
+    others = [arm for arms in late for arm in arms[:7]]
+    assert sum(a.drafter == "ngram" for a in copy_arms) / len(copy_arms) > 0.8
+    assert sum(arm == PLAIN_ARM for arm in others) / len(others) > 0.85
+
+
+def test_without_batch_pricing_lbss_speculates_on_the_same_batch():
+    """The control: the paper's per-request weights speculate where pricing does not (so the test above tests
+    the pricing, not the workload)."""
+    sel = LBSSSelector(SelectionConfig(seed=0, batch_pricing=False), ["ngram"], 4, verify_points=profile_points())
+    assert not sel.prices_batch
+    p = {f"r{i}": 0.3 for i in range(8)}
+    history = run_slots(sel, p, 200, np.random.default_rng(0))
+    late = [arm for arms in history[100:] for arm in arms]
+    assert sum(arm != PLAIN_ARM for arm in late) / len(late) > 0.5
+
+
+def test_exploration_skips_arms_the_population_shows_to_lose_at_this_load():
+    """Requests come and go (20 slots each); a newcomer whose drafts are mostly rejected draws, in exploration, no
+    arm of the (model) drafter that its context's requests already showed to lose at batch 8. The paper's
+    exploration keeps paying for them: each newcomer tries them until its own slots rule them out. (n-gram
+    lookup needs no such rule: its shadow drafts teach every greedy request its acceptance for free.)"""
+    p = {f"r{i}": 0.05 for i in range(8)}
+    share = {}
+    for pricing in (True, False):
+        sel = LBSSSelector(SelectionConfig(seed=0, alpha=4, batch_pricing=pricing), ["int8"], 4,
+                           verify_points=profile_points(), draft_s_per_token={"int8": 0.001})
+        history = run_slots(sel, p, 400, np.random.default_rng(2), lifetime=20, drafter="int8")
+        late = [arm for arms in history[200:] for arm in arms]
+        share[pricing] = sum(arm.drafter is not None for arm in late) / len(late)
+    assert share[True] < 0.01 < share[False], share
+
+
+def test_simulator_feedback_without_batch_tokens_keeps_the_papers_weights():
+    sel = LBSSSelector(SelectionConfig(seed=0), ["ngram"], 4)
+    run_slots(sel, {"a": 0.5, "b": 0.5}, 20, np.random.default_rng(0), batch_pricing_feedback=False)
+    assert not sel.prices_batch and sel.describe()["verify_cost"] is None
+
+
+# ---- where the numbers come from ---------------------------------------------------------------------------------
+
+def test_profile_gives_verify_points_with_and_without_drafts_and_round_trips():
+    prof = SystemProfile(4, {"int8": 3.0}, {1: 10.0, 8: 40.0}, 1.0, 6.0, {1: 6.0, 8: 12.0})
+    again = SystemProfile.from_json(prof.to_json())
+    assert again == prof
+    assert sorted(again.verify_points()) == [(1, 1, 0.006), (1, 5, 0.010), (8, 8, 0.012), (8, 40, 0.040)]
+    old = prof.to_json()
+    del old["decode_batch_ms"]  # a profile cached before the batch decode points: still read
+    assert SystemProfile.from_json(old).decode_batch_ms == {}
+
+
+def test_a_verify_outcome_reports_its_forwards_tokens_unless_it_was_split():
+    results = [P.VerifyResult(req_id="a", tokens=[1, 2], num_drafted=4, num_accepted=1),
+               P.VerifyResult(req_id="b", tokens=[3], num_drafted=0, num_accepted=0)]
+    assert VerifyOutcome([], results, 0.01).num_tokens == 6
+    assert VerifyOutcome([], results, 0.01, num_forwards=2).num_tokens == 0
