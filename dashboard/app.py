@@ -3,7 +3,8 @@
 The sidebar holds the daemon's address and API key (defaults: the config's daemon); the sections below re-read
 GET /v1/spind/state once a second inside one fragment, so only they rerun, in place:
     Selection           epoch, stage and slot of the selector; estimated goodput per request x arm; requests per
-                        drafter against its capacity; switches per minute; KV precompute time
+                        drafter against its capacity; switches per minute; KV precompute time; with lbss, batch
+                        pricing, its price and the verify-cost line, predicted vs measured verify ms per forward
     Pipeline occupancy  what each worker did over the last 30 s, and its busy share
     Throughput          goodput, acceptance rate and mean accepted length per drafter over time; queues; TTFT and
                         latency percentiles
@@ -106,6 +107,31 @@ def selection_section(state: SpindState) -> None:
     with right:
         st.subheader("Assignment vs capacity")
         show(charts.assignment_chart(state))
+    verify_cost_part(state)
+
+
+def verify_cost_part(state: SpindState) -> None:
+    """The learning selector's verify-cost line and how well it predicts; nothing for a selector without one,
+    a caption for an lbss selector of a daemon that reports none."""
+    summary = charts.verify_cost_summary(state)
+    if summary is None:
+        if state.selection is not None and state.selection.policy == "lbss":
+            st.caption("This daemon's selector reports no verify-cost model.")
+        return
+    st.caption(summary)
+    left, right = st.columns(2)
+    with left:
+        st.subheader("Verify cost model (ms vs tokens)")
+        if charts.verify_cost(state) is None:
+            st.info("The verify cost is not fitted yet.")
+        else:
+            show(charts.verify_cost_chart(state))
+    with right:
+        st.subheader("Verify time, predicted vs measured")
+        if charts.verify_fit_frame(state).empty:
+            st.info("No verify forward has been timed yet.")
+        else:
+            show(charts.verify_fit_chart(state))
 
 
 def occupancy_section(state: SpindState) -> None:

@@ -76,6 +76,91 @@ def assignment_chart(state: SpindState) -> alt.Chart:
     return (bars + ticks).properties(height=alt.Step(26))
 
 
+# ---- verify cost (lbss with batch pricing) --------------------------------------------------------------------
+# state.selector (the selector's own describe()) has batch_pricing, price, verify_cost and verify_fit only from
+# the learning selector of a daemon that prices the batch's verify; every function below yields None / an empty
+# frame without them.
+COST_BATCHES = (1, 4, 8, 16)  # B of the drawn lines
+COST_TOKENS_PER_REQUEST = range(1, 10)  # T = B .. 9B: no drafts up to 8 drafted tokens per request
+COST_KEYS = ("c0_ms", "per_request_ms", "per_token_ms")
+PREDICTED_COLOUR = "#f58518"
+
+
+def _number(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and x == x else None
+
+
+def verify_cost(state: SpindState) -> dict | None:
+    """The selector's fitted line verify_ms(B, T) = c0_ms + per_request_ms B + per_token_ms T, or None (another
+    policy, an older daemon, no fit yet)."""
+    cost = (state.selector or {}).get("verify_cost")
+    if not isinstance(cost, dict) or any(_number(cost.get(k)) is None for k in COST_KEYS):
+        return None
+    return cost
+
+
+def verify_cost_frame(state: SpindState, batches: tuple[int, ...] = COST_BATCHES) -> pd.DataFrame:
+    """Predicted verify ms against the forward's tokens T, one line per batch size B (T from B to 9B)."""
+    cost = verify_cost(state)
+    rows = [] if cost is None else [
+        {"requests": b, "tokens": b * m,
+         "predicted_ms": cost["c0_ms"] + cost["per_request_ms"] * b + cost["per_token_ms"] * b * m}
+        for b in batches for m in COST_TOKENS_PER_REQUEST]
+    return pd.DataFrame(rows, columns=["requests", "tokens", "predicted_ms"])
+
+
+def verify_cost_chart(state: SpindState) -> alt.Chart:
+    df = verify_cost_frame(state)
+    return alt.Chart(df).mark_line(point=True).encode(
+        x=alt.X("tokens:Q", title="tokens in the forward (T)"), y=alt.Y("predicted_ms:Q", title="predicted verify ms"),
+        color=alt.Color("requests:O", title="requests (B)", scale=alt.Scale(scheme="blues")),
+        tooltip=["requests:O", "tokens:Q", alt.Tooltip("predicted_ms:Q", format=".2f")]).properties(height=HEIGHT)
+
+
+def verify_fit_frame(state: SpindState) -> pd.DataFrame:
+    """[predicted, measured] ms of the last verify forwards, oldest first; a malformed pair is left out, the
+    others keep their place."""
+    fit = (state.selector or {}).get("verify_fit")
+    rows = []
+    for i, pair in enumerate(fit if isinstance(fit, list) else []):
+        if isinstance(pair, (list, tuple)) and len(pair) == 2:
+            predicted, measured = _number(pair[0]), _number(pair[1])
+            if predicted is not None and measured is not None:
+                rows.append({"forward": i, "predicted_ms": predicted, "measured_ms": measured})
+    return pd.DataFrame(rows, columns=["forward", "predicted_ms", "measured_ms"])
+
+
+def verify_fit_chart(state: SpindState) -> alt.Chart:
+    """Measured verify ms per forward, and what the line predicted for it."""
+    df = verify_fit_frame(state).rename(columns={"predicted_ms": "predicted", "measured_ms": "measured"})
+    return alt.Chart(df).transform_fold(["measured", "predicted"], as_=["series", "ms"]).mark_line(point=True).encode(
+        x=alt.X("forward:Q", title="verify forward (oldest → newest)"), y=alt.Y("ms:Q", title="verify ms"),
+        color=alt.Color("series:N", title=None,
+                        scale=alt.Scale(domain=["measured", "predicted"], range=[VERIFY_COLOUR, PREDICTED_COLOUR])),
+        tooltip=["forward:Q", "series:N", alt.Tooltip("ms:Q", format=".2f")]).properties(height=HEIGHT)
+
+
+def verify_cost_summary(state: SpindState) -> str | None:
+    """One line: batch pricing on/off, the price, the fitted coefficients; None when the selector reports none
+    of them."""
+    sel = state.selector or {}
+    if not any(k in sel for k in ("batch_pricing", "price", "verify_cost")):
+        return None
+    parts = [f"batch pricing **{'on' if sel.get('batch_pricing') else 'off'}**"]
+    price = _number(sel.get("price"))
+    parts.append(f"price {price:,.1f} tok/s" if price else "no price yet")
+    cost = verify_cost(state)
+    if cost is None:
+        parts.append("verify cost not fitted yet")
+    else:
+        basis = [f"{n:g} {what}" for n, what in ((_number(cost.get("prior_points")), "profile points"),
+                                                (_number(cost.get("observations")), "forwards observed"))
+                 if n is not None]
+        line = f"{cost['c0_ms']:.3g} + {cost['per_request_ms']:.3g}·B + {cost['per_token_ms']:.3g}·T"
+        parts.append(f"verify ms = {line}" + (f" ({', '.join(basis)})" if basis else ""))
+    return " · ".join(parts)
+
+
 # ---- pipeline occupancy ---------------------------------------------------------------------------------------
 def activity(kind: str, drafter: str) -> str:
     return f"{kind} {drafter}" if drafter and kind in ("draft", "precompute") else kind

@@ -120,11 +120,82 @@ def test_busy_daemon_shows_every_section_with_its_numbers(stand_in):
     p50, p99 = state.latency.ttft_ms["p50"] / 1e3, state.latency.ttft_ms["p99"] / 1e3
     assert m["TTFT p50 / p99"] == f"{p50:.2f} / {p99:.2f} s" and m["Latency p50 / p99"].endswith(" s")
     assert num_charts(at) == 8  # heatmap, assignment, timeline, utilisation, goodput, acceptance, length, queues
+    assert "This daemon's selector reports no verify-cost model." in [c.value for c in at.caption]  # recorded before
     # workers: one row each, alive, with memory
     workers = at.dataframe[-1].value
     assert list(workers["worker"]) == [w.name for w in state.workers]
     assert set(workers["health"]) == {"alive"} and (workers["memory (MiB)"] > 0).all()
     assert summarize_state(state)[1].startswith(f"selection: lbss, epoch {sel.epoch}")
+
+
+VERIFY_COST = {"c0_ms": 10.0, "per_request_ms": 0.5, "per_token_ms": 0.25, "prior_points": 6, "observations": 42.0}
+VERIFY_FIT = [[11.0, 12.5], [13.25, 12.0], [14.0, 15.5]]
+
+
+def with_pricing(raw: dict, **keys) -> dict:
+    """A recorded snapshot whose lbss selector also reports batch pricing (the keys of a newer daemon)."""
+    priced = {"batch_pricing": True, "price": 812.345, "verify_cost": VERIFY_COST, "verify_fit": VERIFY_FIT} | keys
+    return raw | {"selector": raw["selector"] | priced}
+
+
+def test_verify_cost_frame_is_the_fitted_line_for_each_batch_size():
+    from spind.dashboard import charts
+
+    df = charts.verify_cost_frame(decode_state(with_pricing(snapshot("busy"))))
+    assert list(df.columns) == ["requests", "tokens", "predicted_ms"]
+    assert sorted(set(df["requests"])) == [1, 4, 8, 16]
+    for b, rows in df.groupby("requests"):
+        assert list(rows["tokens"]) == [b * m for m in range(1, 10)]  # T from B to 9B
+        assert list(rows["predicted_ms"]) == pytest.approx([10.0 + 0.5 * b + 0.25 * t for t in rows["tokens"]])
+    assert charts.verify_cost_frame(decode_state(with_pricing(snapshot("busy"))), batches=(2,))[
+        "predicted_ms"].iloc[-1] == pytest.approx(10.0 + 0.5 * 2 + 0.25 * 18)
+
+
+def test_verify_fit_frame_is_predicted_and_measured_per_forward_oldest_first():
+    from spind.dashboard import charts
+
+    df = charts.verify_fit_frame(decode_state(with_pricing(snapshot("busy"))))
+    assert df.to_dict("records") == [{"forward": i, "predicted_ms": p, "measured_ms": m}
+                                     for i, (p, m) in enumerate(VERIFY_FIT)]
+    # a pair with an unknown side (NaN is encoded as null) or of the wrong shape is left out; the rest keep their place
+    odd = decode_state(with_pricing(snapshot("busy"), verify_fit=[[None, 3.0], [1.0], [2.0, 4.0]]))
+    assert charts.verify_fit_frame(odd).to_dict("records") == [{"forward": 2, "predicted_ms": 2.0, "measured_ms": 4.0}]
+
+
+def test_verify_cost_summary_names_pricing_price_and_coefficients():
+    from spind.dashboard import charts
+
+    text = charts.verify_cost_summary(decode_state(with_pricing(snapshot("busy"))))
+    assert text == ("batch pricing **on** · price 812.3 tok/s · verify ms = 10 + 0.5·B + 0.25·T "
+                    "(6 profile points, 42 forwards observed)")
+    unfitted = decode_state(with_pricing(snapshot("busy"), batch_pricing=False, price=0.0, verify_cost=None))
+    assert charts.verify_cost_summary(unfitted) == "batch pricing **off** · no price yet · verify cost not fitted yet"
+    assert charts.verify_cost(unfitted) is None and charts.verify_cost_frame(unfitted).empty
+
+
+def test_verify_cost_is_absent_for_other_selectors_and_older_daemons():
+    from spind.dashboard import charts
+
+    older = snapshot("busy")  # recorded before the selector priced the batch: none of the keys
+    static = older | {"selector": {"policy": "static"}}
+    none = older | {"selector": None}
+    for raw in (older, static, none):
+        state = decode_state(raw)
+        assert charts.verify_cost(state) is None and charts.verify_cost_summary(state) is None
+        assert charts.verify_cost_frame(state).empty and charts.verify_fit_frame(state).empty
+        assert all(c.to_dict() for c in (charts.verify_cost_chart(state), charts.verify_fit_chart(state)))  # they build
+
+
+def test_priced_selector_shows_the_verify_cost_line_and_its_fit(stand_in):
+    at = page(stand_in(with_pricing(snapshot("busy"))).url)
+    assert not at.exception and not at.error
+    subheaders = [s.value for s in at.subheader]
+    assert "Verify cost model (ms vs tokens)" in subheaders and "Verify time, predicted vs measured" in subheaders
+    assert any(c.value.startswith("batch pricing **on** · price 812.3 tok/s") for c in at.caption)
+    assert num_charts(at) == 10  # the busy page's 8, the cost line, predicted vs measured
+    at = page(stand_in(with_pricing(snapshot("busy"), verify_cost=None, verify_fit=[])).url)
+    assert not at.exception and num_charts(at) == 8
+    assert {"The verify cost is not fitted yet.", "No verify forward has been timed yet."} <= {i.value for i in at.info}
 
 
 def test_idle_daemon_says_nothing_runs(stand_in):

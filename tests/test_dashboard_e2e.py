@@ -118,4 +118,4 @@ def test_the_page_shows_live_selection_occupancy_and_throughput_under_a_mixed_lo
     for key in LIVE:
         assert first[key] != second[key], f"the {key} section did not change between two looks:\n{first[key]}"
     assert "Traceback" not in body, body[body.index("Traceback") - 500:][:3000]
-    assert num_charts == 8 and num_tables == 1
+    assert num_charts == 10 and num_tables == 1  # 8, and the verify-cost line and its fit (lbss, profiled)

@@ -178,12 +178,9 @@ class PopulationStats:
         commits one token and drafts none. nan where the drafter's p or h is unknown."""
         committed, drafted = np.ones(len(self.arm_set)), np.zeros(len(self.arm_set))
         spec = self.arm_set.drafter_of >= 0
-        d = self.arm_set.drafter_of[spec]
-        pa, ha, n = p[d], h[d], self.drafts_per_proposal()[spec]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            tokens = np.where(pa < 1, (1 - pa ** (n + 1)) / (1 - pa), n + 1)
-        committed[spec] = ha * tokens + (1 - ha)
-        drafted[spec] = ha * n
+        ha = h[self.arm_set.drafter_of[spec]]
+        committed[spec] = ha * self._tokens_if_proposed(p) + (1 - ha)
+        drafted[spec] = ha * self.drafts_per_proposal()[spec]
         return committed, drafted
 
     def model_goodput(self, p: np.ndarray, h: np.ndarray) -> np.ndarray:
@@ -192,14 +189,19 @@ class PopulationStats:
         g = np.full(len(self.arm_set), 1 / s_miss[PLAIN_INDEX])  # plain decoding: one token a slot
         s_miss = np.where(np.isnan(s_miss), s_miss[PLAIN_INDEX], s_miss)  # a miss verifies one token, as plain
         spec = self.arm_set.drafter_of >= 0  # [A] the drafters' arms
-        d = self.arm_set.drafter_of[spec]
-        k = np.array([arm.k for arm in self.arm_set.arms], dtype=float)[spec]
-        drafts = np.where(self.hit_n[spec] > 0, _ratio(self.drafts, self.hit_n)[spec], k)  # <= k per proposal
-        pa, ha = p[d], h[d]
+        ha = h[self.arm_set.drafter_of[spec]]
+        tokens = self._tokens_if_proposed(p)
         with np.errstate(invalid="ignore", divide="ignore"):
-            tokens = np.where(pa < 1, (1 - pa ** (drafts + 1)) / (1 - pa), drafts + 1)  # E[committed | proposal]
             g[spec] = ha * tokens / s_hit[spec] + np.where(ha < 1, (1 - ha) / s_miss[spec], 0.0)
         return g
+
+    def _tokens_if_proposed(self, p: np.ndarray) -> np.ndarray:
+        """[A_spec] E[committed | the arm proposed] for the drafters' arms: (1 - p^(d+1)) / (1 - p), d the drafts
+        per proposal."""
+        spec = self.arm_set.drafter_of >= 0
+        pa, n = p[self.arm_set.drafter_of[spec]], self.drafts_per_proposal()[spec]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(pa < 1, (1 - pa ** (n + 1)) / (1 - pa), n + 1)
 
 
 def estimate(own: Counts, context: int, population: PopulationStats, n0: float) -> np.ndarray:

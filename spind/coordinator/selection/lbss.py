@@ -39,6 +39,16 @@ drafters on GPUs, where verifying more tokens costs little. Every k added is one
 exploration draws the drafter first, so it is not explored less for it, but the matching has more to
 tell apart.
 
+Batch pricing (`batch_pricing`, on by default; the paper's weights where it is off or nothing is known of the
+verify's cost). The slot's requests share one verify forward whose seconds grow with the tokens it carries
+(`cost.py`), so a request's drafts slow everyone's slot, which per-request goodputs never charge it for. The
+exploitation matching then maximises the batch's expected tokens per second instead (`marginal.py`): each
+request's weight on an arm is its expected committed tokens less the batch's price (tokens per second) x the
+seconds its drafts add, re-priced until the assignment settles. Plain decoding weighs exactly 1, so a request
+speculates only where that pays the whole batch. Exploration skips, besides the arms a request itself showed to
+lose, those its context's requests showed to lose at that price (EVIDENCE_SLOTS), so a loaded server does not
+keep paying to re-learn them. The g~ estimates stay what describe() reports and what precompute hints follow.
+
 Config: the `[selection]` section of config.toml (`spind.config.SelectionConfig`, defaults documented there).
 
 Beyond the paper, free drafters teach without being explored: under greedy decoding the coordinator checks
