@@ -3,6 +3,7 @@ the matching) and LBSS with them, all with scripted costs (no clock, no model)."
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -185,7 +186,7 @@ def test_lbss_with_pricing_decodes_a_batch_plainly_where_drafts_do_not_pay():
     history = run_slots(sel, p, 200, np.random.default_rng(0))
     late = [arm for arms in history[100:] for arm in arms]
     assert sum(arm == PLAIN_ARM for arm in late) / len(late) > 0.9
-    state = sel.describe()
+    state = msgspec.json.decode(msgspec.json.encode(sel.describe()))  # what /v1/spind/state sends
     assert state["batch_pricing"] and state["price"] > 0 and state["verify_cost"]["per_token_ms"] > 0
     assert state["verify_fit"] and all(len(x) == 2 for x in state["verify_fit"])
     assert any("marginal" in r for r in state["requests"].values())

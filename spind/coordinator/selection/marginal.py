@@ -66,6 +66,7 @@ def choose(committed: np.ndarray, cost_s: np.ndarray, adjust: np.ndarray, arm_se
         arms = max_weight_assignment(w, arm_set, room)
         return BatchChoice(arms, w, 0.0, 0.0, 1)
     arms = plain
+    base_s, base_tokens = float(base_s), float(base_tokens)
     price = (base_tokens + float(committed[rows, arms].sum())) / base_s
     w = np.empty_like(committed)
     for rounds in range(1, MAX_ROUNDS + 1):
@@ -79,4 +80,4 @@ def choose(committed: np.ndarray, cost_s: np.ndarray, adjust: np.ndarray, arm_se
             break
         arms, price = new, price_new
     slot_s = base_s + float(cost_s[rows, arms].sum())
-    return BatchChoice(arms, w, price, slot_s, rounds)
+    return BatchChoice(arms, w, float(price), float(slot_s), rounds)
