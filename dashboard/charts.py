@@ -112,7 +112,8 @@ def verify_cost_frame(state: SpindState, batches: tuple[int, ...] = COST_BATCHES
 def verify_cost_chart(state: SpindState) -> alt.Chart:
     df = verify_cost_frame(state)
     return alt.Chart(df).mark_line(point=True).encode(
-        x=alt.X("tokens:Q", title="tokens in the forward (T)"), y=alt.Y("predicted_ms:Q", title="predicted verify ms"),
+        x=alt.X("tokens:Q", title="tokens in the forward (T)"),
+        y=alt.Y("predicted_ms:Q", title="predicted verify ms"),
         color=alt.Color("requests:O", title="requests (B)", scale=alt.Scale(scheme="blues")),
         tooltip=["requests:O", "tokens:Q", alt.Tooltip("predicted_ms:Q", format=".2f")]).properties(height=HEIGHT)
 
@@ -133,7 +134,8 @@ def verify_fit_frame(state: SpindState) -> pd.DataFrame:
 def verify_fit_chart(state: SpindState) -> alt.Chart:
     """Measured verify ms per forward, and what the line predicted for it."""
     df = verify_fit_frame(state).rename(columns={"predicted_ms": "predicted", "measured_ms": "measured"})
-    return alt.Chart(df).transform_fold(["measured", "predicted"], as_=["series", "ms"]).mark_line(point=True).encode(
+    folded = alt.Chart(df).transform_fold(["measured", "predicted"], as_=["series", "ms"])
+    return folded.mark_line(point=True).encode(
         x=alt.X("forward:Q", title="verify forward (oldest → newest)"), y=alt.Y("ms:Q", title="verify ms"),
         color=alt.Color("series:N", title=None,
                         scale=alt.Scale(domain=["measured", "predicted"], range=[VERIFY_COLOUR, PREDICTED_COLOUR])),

@@ -1,9 +1,10 @@
 """What the machine's models cost, as the coordinator plans with it: each drafter's ms per draft token and
 the target's verify latency per batch size, with k + 1 tokens per request and with one (plain decoding): the
-points the selection's verify-cost model starts from (`selection/cost.py`). Measured by the workers themselves (`Profile` op) the first time
-something needs it, then cached on disk under a key of everything that changes the numbers (model, dtype,
-devices, threads, drafters, k), so later starts read it in milliseconds. `[runtime].profile` = "auto" (the
-cache, else measure), "measure" (always), "off" (never: what needs it falls back to config order)."""
+points the selection's verify-cost model starts from (`selection/cost.py`). Measured by the workers themselves
+(`Profile` op) the first time something needs it, then cached on disk under a key of everything that changes
+the numbers (model, dtype, devices, threads, drafters, k), so later starts read it in milliseconds.
+`[runtime].profile` = "auto" (the cache, else measure), "measure" (always), "off" (never: what needs it falls
+back to config order)."""
 
 from __future__ import annotations
 

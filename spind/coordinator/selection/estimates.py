@@ -209,21 +209,23 @@ def estimate(own: Counts, context: int, population: PopulationStats, n0: float) 
     own_mean = _ratio(own.reward, own.slots)
     if n0 == 0:
         return own_mean
-    p_ctx, h_ctx = population.rates(context)
-    p = _shrink(own.accepted, own.accepted + own.rejected, p_ctx, n0)
-    h = _shrink(own.proposed, own.proposed + own.empty, h_ctx, n0)
-    prior = population.model_goodput(p, h)
+    prior = population.model_goodput(*_rates(own, context, population, n0))
     return np.where(np.isnan(prior), own_mean, (own.reward + n0 * np.where(np.isnan(prior), 0, prior))
                     / (own.slots + n0))
 
 
-def estimate_tokens(own: Counts, context: int, population: PopulationStats, n0: float) -> tuple[np.ndarray, np.ndarray]:
+def _rates(own: Counts, context: int, population: PopulationStats, n0: float) -> tuple[np.ndarray, np.ndarray]:
+    """[D] the request's acceptance and proposal rate per drafter, shrunk towards its context's with n0."""
+    p_ctx, h_ctx = population.rates(context)
+    return (_shrink(own.accepted, own.accepted + own.rejected, p_ctx, n0),
+            _shrink(own.proposed, own.proposed + own.empty, h_ctx, n0))
+
+
+def estimate_tokens(own: Counts, context: int, population: PopulationStats,
+                    n0: float) -> tuple[np.ndarray, np.ndarray]:
     """[A] expected tokens one request commits per slot on each arm (its own mean shrunk towards the model of its
     shrunk acceptance, as `estimate` does for goodput), and [A] the tokens it would draft there; nan = unknown."""
-    p_ctx, h_ctx = population.rates(context)
-    p = _shrink(own.accepted, own.accepted + own.rejected, p_ctx, n0)
-    h = _shrink(own.proposed, own.proposed + own.empty, h_ctx, n0)
-    prior, drafted = population.model_tokens(p, h)
+    prior, drafted = population.model_tokens(*_rates(own, context, population, n0))
     own_mean = _ratio(own.tokens, own.slots)
     if n0 == 0:
         return np.where(np.isnan(own_mean), prior, own_mean), drafted

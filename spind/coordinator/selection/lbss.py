@@ -258,7 +258,8 @@ class LBSSSelector:
             "num_slots": self.num_slots, "num_switches": self.num_switches,
             "observed_s": round(self.observed_s, 3), "switch_s": round(self.switch_s_total, 3),
             "switches_per_minute": round(60 * self.num_switches / self.observed_s, 2) if self.observed_s else None,
-            "batch_pricing": self.prices_batch, "price": round(float(self.price), 3), "verify_cost": self.cost.describe(),
+            "batch_pricing": self.prices_batch, "price": round(float(self.price), 3),
+            "verify_cost": self.cost.describe(),
             "verify_fit": [[round(p * 1e3, 3), round(m * 1e3, 3)] for p, m in self._fit],
             "config": dataclasses.asdict(self.cfg),
         }
