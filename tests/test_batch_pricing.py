@@ -132,6 +132,12 @@ def test_the_choice_is_the_best_assignment_by_brute_force():
         assert ratio(got.arms) == pytest.approx(ratio(best), rel=1e-9)
 
 
+def test_without_a_slot_cost_the_choice_is_plain_decoding():
+    committed, cost = scripted([{"ngram": 0.9, "int8": 0.9}] * 3, {"ngram": 0.0, "int8": 0.001})
+    got = choose(committed, cost, np.zeros_like(cost), ARMS, ROOM, base_s=0.0)
+    assert (got.arms == 0).all() and got.price == 0
+
+
 def test_the_choice_respects_capacity_and_never_picks_unknown_arms():
     committed, cost = scripted([{"ngram": 0.0, "int8": 0.9}] * 4, {"ngram": 0.0, "int8": 0.0001})
     committed[:, ARMS.index[Arm("int8", 8)]] = np.nan  # never observed

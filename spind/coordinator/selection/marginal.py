@@ -61,10 +61,8 @@ def choose(committed: np.ndarray, cost_s: np.ndarray, adjust: np.ndarray, arm_se
     n = committed.shape[0]
     plain = np.zeros(n, dtype=np.int64)
     rows = np.arange(n)
-    if base_s <= 0:  # nothing known about the slot's cost: price nothing (each request's most tokens)
-        w = np.where(np.isnan(committed), unknown_weight, committed + adjust)
-        arms = max_weight_assignment(w, arm_set, room)
-        return BatchChoice(arms, w, 0.0, 0.0, 1)
+    if base_s <= 0:  # no slot cost to price drafts against: decode plainly, never slower than not speculating
+        return BatchChoice(plain, np.where(np.isnan(committed), unknown_weight, committed + adjust), 0.0, 0.0, 0)
     arms = plain
     base_s, base_tokens = float(base_s), float(base_tokens)
     price = (base_tokens + float(committed[rows, arms].sum())) / base_s
