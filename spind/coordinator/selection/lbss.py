@@ -59,6 +59,7 @@ in `SlotFeedback.shadow`; it counts as acceptance evidence for that request and 
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -115,7 +116,7 @@ class LBSSSelector:
         known = draft_s_per_token or {}
         self._draft_prior = np.array([known.get(d, np.nan) for d in self.arm_set.drafters], dtype=float)  # [D]
         self.price = 0.0  # G: the batch's expected tokens per second at the last priced matching
-        self._fit: list[tuple[float, float]] = []  # (predicted, measured) verify seconds, the last FIT_HISTORY
+        self._fit: deque[tuple[float, float]] = deque(maxlen=FIT_HISTORY)  # (predicted, measured) verify seconds
         self.rng = np.random.default_rng(cfg.seed)
         self.epoch, self.stage, self.slot_in_stage, self.stage_slots = 1, EXPLORE, 0, cfg.alpha
         self._reqs: dict[str, _Request] = {}
@@ -188,7 +189,7 @@ class LBSSSelector:
         fb = feedback[0]
         predicted = self.cost.predict(fb.batch_size, fb.batch_tokens)
         if predicted is not None:
-            self._fit = [*self._fit[-(FIT_HISTORY - 1):], (predicted, fb.verify_s)]
+            self._fit.append((predicted, fb.verify_s))
         self.cost.observe(fb.batch_size, fb.batch_tokens, fb.verify_s)
 
     def _observe_shadow(self, st: _Request, fb: SlotFeedback) -> None:

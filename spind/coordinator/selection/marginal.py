@@ -39,13 +39,6 @@ class BatchChoice:
     arms: np.ndarray  # [n] arm index per request
     weights: np.ndarray  # [n, A] marginal gains at the final price
     price: float  # G: the batch's expected tokens per second at that assignment
-    slot_s: float  # the predicted slot seconds of that assignment
-    rounds: int
-
-
-def marginal_weights(committed: np.ndarray, cost_s: np.ndarray, price: float) -> np.ndarray:
-    """[n, A] E[committed] - price * cost (nan where either is unknown)."""
-    return committed - price * cost_s
 
 
 def choose(committed: np.ndarray, cost_s: np.ndarray, adjust: np.ndarray, arm_set: ArmSet,
@@ -58,24 +51,19 @@ def choose(committed: np.ndarray, cost_s: np.ndarray, adjust: np.ndarray, arm_se
     capacity per drafter; base_s: S_0, the slot's seconds with these n requests plain (and the others in the
     batch as they are); base_tokens: what the others in the batch are expected to commit.
     """
-    n = committed.shape[0]
-    plain = np.zeros(n, dtype=np.int64)
-    rows = np.arange(n)
+    rows = np.arange(committed.shape[0])
+    arms = np.zeros(len(rows), dtype=np.int64)  # plain decoding
     if base_s <= 0:  # no slot cost to price drafts against: decode plainly, never slower than not speculating
-        return BatchChoice(plain, np.where(np.isnan(committed), unknown_weight, committed + adjust), 0.0, 0.0, 0)
-    arms = plain
+        return BatchChoice(arms, np.where(np.isnan(committed), unknown_weight, committed + adjust), 0.0)
     base_s, base_tokens = float(base_s), float(base_tokens)
     price = (base_tokens + float(committed[rows, arms].sum())) / base_s
-    w = np.empty_like(committed)
-    for rounds in range(1, MAX_ROUNDS + 1):
-        w = marginal_weights(committed, cost_s, price)
+    for _ in range(MAX_ROUNDS):
+        w = committed - price * cost_s  # the marginal gains at this price
         w = np.where(np.isnan(w), unknown_weight, w + adjust)
         new = max_weight_assignment(w, arm_set, room)
-        slot_s = base_s + float(cost_s[rows, new].sum())
-        price_new = (base_tokens + float(committed[rows, new].sum())) / slot_s
+        price_new = (base_tokens + float(committed[rows, new].sum())) / (base_s + float(cost_s[rows, new].sum()))
         if np.array_equal(new, arms) or price_new <= price:
             arms = new if price_new >= price else arms
             break
         arms, price = new, price_new
-    slot_s = base_s + float(cost_s[rows, arms].sum())
-    return BatchChoice(arms, w, float(price), float(slot_s), rounds)
+    return BatchChoice(arms, w, float(price))
