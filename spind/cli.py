@@ -41,7 +41,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     names = ", ".join(d.name for d in cfg.drafters) if drafters is None else ", ".join(drafters) or "no drafter"
     # the tokenizer alone (no torch, no weights) checks the prompt, so a prompt over the limit fails at once
     tok = Tokenizer(resolve_model_dir(cfg.model.target, cfg.cache_path))
-    prompt = tok.apply_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    prompt = tok.apply_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode_prompt(args.prompt)
     check_prompt_fits(len(prompt), cfg.model.max_model_len)
     print(f"spind: loading {cfg.model.target} ({cfg.model.dtype}) with {names} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()

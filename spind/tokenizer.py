@@ -44,13 +44,30 @@ class Tokenizer:
         self.chat_template: str | None = template.read_text() if template.is_file() else cfg.get("chat_template")
         self._special = tuple(t.content for t in self.tk.get_added_tokens_decoder().values() if t.special)
         self._compiled = None
+        self.prompt_prefix: tuple[int, ...] = self._prompt_prefix()
 
     @property
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)
 
     def encode(self, text: str) -> list[int]:
+        """The text's tokens alone (chat templates and callers place their own special tokens)."""
         return self.tk.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A completion prompt as the model's own tokenizer encodes it: with BOS where that adds one (LLaMA-2 and
+        LLaMA-3 base models degrade without it). Never with a trailing EOS, where the template appends one: a prompt to
+        continue must not end the document."""
+        return [*self.prompt_prefix, *self.encode(text)]
+
+    def _prompt_prefix(self) -> tuple[int, ...]:
+        """The special tokens transformers puts before a text (AutoTokenizer(dir)(text).input_ids): those of
+        tokenizer.json's post-processor template. transformers 5 drops tokenizer_config.json's add_bos_token and
+        add_eos_token when tokenizer.json exists (its LLaMA-class tokenizers of 4.x rebuilt the template from them
+        instead; LLaMA-2, LLaMA-3 and Mistral checkpoints ship both in agreement)."""
+        enc = self.tk.encode("a", add_special_tokens=True)  # the template's own tokens are flagged special
+        lead = next((i for i, special in enumerate(enc.special_tokens_mask) if not special), None)
+        return () if lead is None else tuple(enc.ids[:lead])  # None: "a" has no token here, nothing to tell
 
     def decode(self, ids: list[int]) -> str:
         return self.tk.decode(ids, skip_special_tokens=True)

@@ -2,7 +2,7 @@
 the target's verify latency per batch size, with k + 1 tokens per request and with one (plain decoding): the
 points the selection's verify-cost model starts from (`selection/cost.py`). Measured by the workers themselves
 (`Profile` op) the first time something needs it, then cached on disk under a key of everything that changes
-the numbers (model, dtype, devices, threads, drafters, k), so later starts read it in milliseconds.
+the numbers (model, dtype, devices by name, threads, drafters, k), so later starts read it in milliseconds.
 `[runtime].profile` = "auto" (the cache, else measure), "measure" (always), "off" (never: what needs it falls
 back to config order)."""
 
@@ -96,18 +96,26 @@ def kernels_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def profile_key(cfg: SpindConfig, workers: list[dict]) -> str:
+def served_context(cfg: SpindConfig, pool) -> int:
+    """The longest sequence the target serves: [model].max_model_len, or less where the model caps it (a sliding
+    window spind keeps from binding, spind/models/layers.py)."""
+    return min(cfg.model.max_model_len, pool.info(TARGET_WORKER).max_model_len or cfg.model.max_model_len)
+
+
+def profile_key(cfg: SpindConfig, workers: list[dict], max_model_len: int) -> str:
     what = {"version": PROFILE_VERSION, "kernels": kernels_digest(), "model": cfg.model.target,
             "dtype": cfg.model.dtype, "k": cfg.speculation.k,
-            "context": probe_context(cfg.model.max_model_len, cfg.speculation.k),
+            "context": probe_context(max_model_len, cfg.speculation.k),
             "attention": cfg.runtime.attention, "batch": batch_sizes(cfg.runtime.max_batch_size),
             "drafters": [asdict(d) for d in cfg.drafters],
-            "workers": sorted((w["name"], w["device"], w["threads"]) for w in workers)}
+            "workers": sorted((w["name"], w["device"], w.get("device_name", ""), w.get("dtype", ""), w["threads"])
+                              for w in workers)}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 async def load_or_measure(pool, cfg: SpindConfig, timeout_s: float) -> SystemProfile:
-    path = cfg.cache_path / "profiles" / f"{profile_key(cfg, pool.describe())}.json"
+    max_model_len = served_context(cfg, pool)
+    path = cfg.cache_path / "profiles" / f"{profile_key(cfg, pool.describe(), max_model_len)}.json"
     if cfg.runtime.profile == "auto" and path.is_file():
         try:
             return SystemProfile.from_json(json.loads(path.read_text()))
@@ -115,7 +123,7 @@ async def load_or_measure(pool, cfg: SpindConfig, timeout_s: float) -> SystemPro
             log.warning("ignoring an unreadable profile cache %s", path)
     log.info("profiling the models (once per model, device and threads; cached in %s)", path.parent)
     k, sizes = cfg.speculation.k, batch_sizes(cfg.runtime.max_batch_size)
-    context = probe_context(cfg.model.max_model_len, k)
+    context = probe_context(max_model_len, k)
     replies = await asyncio.gather(*(pool.call(name, P.Profile(0, k, sizes if name == TARGET_WORKER else [], context,
                                                                 REPS), timeout_s) for name in pool.names))
     # plain decoding's step: the same probe with no draft (k = 0), on the target alone

@@ -7,7 +7,10 @@ one matmul each. Linear layers are plain `nn.Linear` so that a drafter can swap 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -16,7 +19,10 @@ import torch.nn as nn
 from spind.kernels.metadata import AttentionBackend, AttentionMetadata
 from spind.models.kv_cache import KVCache
 from spind.models.layers import Block, LlamaArgs, RMSNorm, rope_tables
+from spind.models.loader import read_tensors, weight_files
 from spind.models.quant import QUANTIZED_DTYPES, quantize_target
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -25,7 +31,10 @@ class LlamaModel(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # uninitialised, as every weight is loaded: Embedding's own normal_ init has no C++ meta kernel, and the first
+        # Python one imports torch's meta registrations (~150 MB resident for the process's life)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
+                                         _weight=torch.empty(args.vocab_size, args.hidden_size))
         self.layers = nn.ModuleList(Block(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -77,57 +86,89 @@ class LlamaModel(nn.Module):
 
 def load_llama(model_dir: Path, dtype: str = "float32", device: str = "cpu",
                layers: tuple[int, ...] | None = None) -> LlamaModel:
-    """Build our module from an HF-style directory (config.json + *.safetensors).
+    """Build our module from an HF-style directory (config.json + safetensors or torch .bin weights, sharded or not).
 
-    `layers` keeps only those decoder layers (a layer-subset self-draft).
+    The module is created on the meta device and materialised in `dtype` on `device`; weights then stream in one
+    tensor at a time, converted as they are copied into place. Loading peaks at the model's size in `dtype` plus one
+    checkpoint tensor, never a whole state dict or an fp32 copy. Quantized dtypes build an fp32 master first
+    (quant.quantize_target swaps its linears). `layers` keeps only those decoder layers (a layer-subset self-draft).
     """
-    from safetensors.torch import load_file
-
+    if dtype not in DTYPES and dtype not in QUANTIZED_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join([*DTYPES, *QUANTIZED_DTYPES])}")
     cfg = json.loads((model_dir / "config.json").read_text())
     args = LlamaArgs.from_hf(cfg)
+    if args.sliding_window is not None:
+        log.warning("%s: attention window of %d tokens (max_position_embeddings %d); spind's attention has no window, "
+                    "so it serves sequences of at most %d tokens, where the window never binds", model_dir,
+                    args.sliding_window, cfg.get("max_position_embeddings", 2048), args.max_position)
     keep = list(range(args.num_layers)) if layers is None else list(layers)
     if any(not 0 <= i < args.num_layers for i in keep):
         raise ValueError(f"layer subset {keep} out of range 0..{args.num_layers - 1}")
-    args = LlamaArgs(**{**args.__dict__, "num_layers": len(keep)})
-    sd: dict[str, torch.Tensor] = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        sd.update(load_file(str(f)))
+    args = dataclasses.replace(args, num_layers=len(keep))
+    files = weight_files(model_dir)
+    if not files:
+        raise ValueError(f"{model_dir} has no safetensors or pytorch_model*.bin weights")
+
     with torch.device("meta"):
         model = LlamaModel(args)
-    model.to_empty(device=device)
+    model.requires_grad_(False).to(DTYPES.get(dtype, torch.float32))  # quantized: fp32 activations, norms and KV
+    tied = args.tie_word_embeddings
+    if tied:  # before materialising, so the head is never allocated apart
+        model.lm_head.weight = model.embed_tokens.weight
+    _materialise(model, device)
     cos, sin = rope_tables(args, args.max_position)
-    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)  # tables stay fp32
 
-    def get(name: str) -> torch.Tensor:
-        try:
-            return sd[name]
-        except KeyError:
-            raise ValueError(f"{model_dir}: weight {name} missing") from None
-
-    if dtype not in DTYPES and dtype not in QUANTIZED_DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join([*DTYPES, *QUANTIZED_DTYPES])}")
-    torch_dtype = DTYPES.get(dtype, torch.float32)  # quantized targets keep fp32 activations, norms and KV
+    todo = _destinations(model, keep, tied)
     with torch.no_grad():
-        model.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
-        model.norm.weight.copy_(get("model.norm.weight"))
-        for new_i, old_i in enumerate(keep):
-            p, layer = f"model.layers.{old_i}.", model.layers[new_i]
-            attn = layer.self_attn
-            attn.qkv_proj.weight.copy_(torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
-            if args.attention_bias:
-                attn.qkv_proj.bias.copy_(torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-            attn.o_proj.weight.copy_(get(p + "self_attn.o_proj.weight"))
-            layer.mlp.gate_up_proj.weight.copy_(torch.cat([get(p + "mlp.gate_proj.weight"),
-                                                           get(p + "mlp.up_proj.weight")]))
-            layer.mlp.down_proj.weight.copy_(get(p + "mlp.down_proj.weight"))
-            layer.input_layernorm.weight.copy_(get(p + "input_layernorm.weight"))
-            layer.post_attention_layernorm.weight.copy_(get(p + "post_attention_layernorm.weight"))
-        if args.tie_word_embeddings or "lm_head.weight" not in sd:
-            model.lm_head.weight = model.embed_tokens.weight
-        else:
-            model.lm_head.weight.copy_(get("lm_head.weight"))
-    model.to(torch_dtype)
+        for name, w in read_tensors(files, todo.keys(), device):
+            for dst in todo.pop(name):
+                if w.shape != dst.shape:
+                    raise ValueError(f"{model_dir}: {name} has shape {tuple(w.shape)}, config.json implies "
+                                     f"{tuple(dst.shape)}")
+                dst.copy_(w)  # converts to the model's dtype (and device) on the fly
+            del w  # before the next read maps its tensor: one source tensor resident at a time
+    if todo.pop("lm_head.weight", None) is not None:  # untied in config.json, but the checkpoint has no head
+        model.lm_head.weight = model.embed_tokens.weight
+    if todo:
+        raise ValueError(f"{model_dir}: weight {next(iter(todo))} missing ({len(todo)} in all)")
     if dtype in QUANTIZED_DTYPES:
         quantize_target(model, model_dir, dtype, keep)
-    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)  # tables stay fp32
     return model.eval().requires_grad_(False)
+
+
+def _materialise(model: nn.Module, device: str) -> None:
+    """Module.to_empty, with shared parameters kept shared; and by shape, since torch.empty_like of a meta tensor
+    imports sympy and torch's symbolic shapes (~35 MB resident for the process's life)."""
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) not in done:
+                done[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=False)
+            setattr(module, name, done[id(p)])
+
+
+def _destinations(model: LlamaModel, keep: list[int], tied: bool) -> dict[str, list[torch.Tensor]]:
+    """Checkpoint name -> the parameters (or rows of a fused one) it is copied into: one each, unless `keep` (the
+    checkpoint layer each model layer holds) names a layer twice."""
+    out: dict[str, list[torch.Tensor]] = defaultdict(list)
+
+    def put(names: list[str], params: list[torch.Tensor]) -> None:
+        for name, param in zip(names, params, strict=True):
+            out[name].append(param)
+
+    put(["model.embed_tokens.weight", "model.norm.weight"], [model.embed_tokens.weight, model.norm.weight])
+    if not tied:
+        put(["lm_head.weight"], [model.lm_head.weight])
+    for layer, old in zip(model.layers, keep):
+        p, attn, mlp = f"model.layers.{old}.", layer.self_attn, layer.mlp
+        qkv_rows = [attn.q_size, attn.kv_size, attn.kv_size]
+        put([p + f"self_attn.{n}_proj.weight" for n in "qkv"], attn.qkv_proj.weight.split(qkv_rows))
+        if attn.qkv_proj.bias is not None:
+            put([p + f"self_attn.{n}_proj.bias" for n in "qkv"], attn.qkv_proj.bias.split(qkv_rows))
+        put([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], mlp.gate_up_proj.weight.split(mlp.inter))
+        put([p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight", p + "input_layernorm.weight",
+             p + "post_attention_layernorm.weight"],
+            [attn.o_proj.weight, mlp.down_proj.weight, layer.input_layernorm.weight,
+             layer.post_attention_layernorm.weight])
+    return out

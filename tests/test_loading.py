@@ -1,0 +1,152 @@
+"""Loading checkpoints: which weight files are read (safetensors or torch .bin, single or sharded with an index, as
+transformers picks them), the model materialised straight in its dtype (layer subsets, tied heads, a mismatched
+checkpoint refused), and the peak memory of loading, measured in a fresh process: at most 1.2x the model's bytes in
+the target dtype, where a whole-state-dict load of an fp32 file into bfloat16 peaks at ~4x."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from spind.models.llama import load_llama
+from spind.models.loader import ModelNotFoundError, resolve_model_dir, weight_files
+from test_families import GQA2, make_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint("llama", GQA2, "safetensors", tmp_path_factory.mktemp("llama"))
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters())
+
+
+def test_weight_files_are_the_ones_transformers_reads(llama: Path, tmp_path: Path) -> None:
+    d = tmp_path / "d"
+    shutil.copytree(llama, d)
+    (d / "gguf-blocks.safetensors").write_bytes(b"")  # the GGUF cache's quantized blocks are not weights
+    (d / "training_args.bin").write_bytes(b"")
+    torch.save({}, d / "pytorch_model.bin")
+    assert weight_files(d) == [d / "model.safetensors"]  # safetensors before .bin
+    (d / "model.safetensors").unlink()
+    assert weight_files(d) == [d / "pytorch_model.bin"] and resolve_model_dir(str(d), tmp_path) == d
+    (d / "pytorch_model.bin").unlink()
+    assert weight_files(d) == [] and not (d / "model.safetensors").exists()
+    with pytest.raises(ModelNotFoundError, match="safetensors or pytorch_model"):
+        resolve_model_dir(str(d), tmp_path)
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelNotFoundError, match="model-00001-of-00002.safetensors, model-00002-of-00002"):
+        weight_files(d)
+
+
+def test_a_model_loads_straight_into_its_dtype(llama: Path) -> None:
+    fp32, bf16 = load_llama(llama, "float32"), load_llama(llama, "bfloat16")
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16} and bf16.rope_cos.dtype == torch.float32
+    for name, p in params(fp32).items():
+        assert torch.equal(params(bf16)[name], p.to(torch.bfloat16)), name
+    assert not any(p.requires_grad for p in bf16.parameters())
+
+
+def test_layer_subsets_take_the_named_layers(llama: Path) -> None:
+    full, sub = load_llama(llama, "float32"), load_llama(llama, "float32", layers=(1, 1, 0))
+    assert sub.args.num_layers == 3
+    for i, old in enumerate((1, 1, 0)):
+        for name, p in sub.layers[i].named_parameters():
+            assert torch.equal(p, full.layers[old].get_parameter(name)), (i, name)
+    with pytest.raises(ValueError, match="out of range"):
+        load_llama(llama, "float32", layers=(2,))
+
+
+def test_tied_and_headless_checkpoints_share_the_embedding(llama: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(llama / "model.safetensors"))
+    config = json.loads((llama / "config.json").read_text())
+    for name, tie in (("tied", True), ("headless", False)):  # headless: untied in config.json, no lm_head stored
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": tie}))
+        save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, str(d / "model.safetensors"))
+        model = load_llama(d, "bfloat16")
+        assert model.lm_head.weight is model.embed_tokens.weight, name
+
+
+def test_a_checkpoint_that_does_not_fit_its_config_is_refused(llama: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(llama / "model.safetensors"))
+    for name, broken, error in (("short", {"model.layers.1.mlp.up_proj.weight": None}, "weight .* missing"),
+                                ("shape", {"model.norm.weight": torch.ones(3)}, r"model.norm.weight has shape \(3,\)")):
+        d = tmp_path / name
+        d.mkdir()
+        shutil.copy(llama / "config.json", d / "config.json")
+        save_file({k: broken.get(k, v) for k, v in state.items() if broken.get(k, v) is not None},
+                  str(d / "model.safetensors"))
+        with pytest.raises(ValueError, match=error):
+            load_llama(d, "float32")
+
+
+PEAK_SCRIPT = """
+import json, sys
+from pathlib import Path
+import safetensors.torch, torch
+from spind.models.llama import load_llama
+
+def kib(key):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key + ":"))
+
+try:
+    open("/proc/self/clear_refs", "w").write("5")  # the peak so far (imports) := the current RSS
+except OSError:
+    pass
+before = kib("VmRSS")
+model = load_llama(Path(sys.argv[1]), "bfloat16")
+print(json.dumps({"before": before * 1024, "peak": kib("VmHWM") * 1024,
+                  "bytes": sum(p.numel() * p.element_size() for p in model.parameters())}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads VmRSS / VmHWM from /proc")
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_loading_peaks_at_the_model_size_in_its_dtype(fmt: str, tmp_path: Path) -> None:
+    """A ~250 MB fp32 checkpoint loaded as bfloat16 (target: ~125 MB) in a fresh process; mapped file pages count."""
+    from safetensors.torch import save_file
+
+    hidden, inter, layers, vocab, kv = 768, 2048, 8, 4096, 256
+    config = dict(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                  num_hidden_layers=layers, num_attention_heads=12, num_key_value_heads=4,
+                  max_position_embeddings=256, tie_word_embeddings=False)
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
+                       p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
+                       p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                       p + "mlp.down_proj.weight": (hidden, inter), p + "input_layernorm.weight": (hidden,),
+                       p + "post_attention_layernorm.weight": (hidden,)})
+    state = {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if fmt == "safetensors":
+        save_file(state, str(tmp_path / "model.safetensors"))
+    else:
+        torch.save(state, tmp_path / "pytorch_model.bin")
+    file_bytes = sum(t.numel() * 4 for t in state.values())
+    del state
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                         cwd=ROOT, check=True)
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    assert m["bytes"] == file_bytes // 2
+    growth = (m["peak"] - m["before"]) / m["bytes"]
+    assert growth <= 1.2, f"loading grew RSS by {growth:.2f}x the model's bfloat16 bytes"
