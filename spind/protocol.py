@@ -168,8 +168,10 @@ class Ready(_Msg, tag="ready", kw_only=True):
     drafters: list[Name]
     max_model_len: int
     num_threads: int
-    device: str = "cpu"
-    dtype: str = ""
+    device: str = "cpu"  # as configured ([[workers]] device)
+    dtype: str = ""  # [model].dtype as this worker resolved it
+    device_name: str = ""  # the GPU's or the CPU's model name: cost profiles are kept per device
+    kv_num_blocks: Count = 0  # blocks free to requests in each of its KV pools (0: it hosts none)
 
 
 class Ack(_Msg, tag="ack"):

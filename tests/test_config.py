@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from spind.config import DEFAULT_CONFIG_PATH, ConfigError, SpindConfig, from_dict, load_config
+from spind.config import (DEFAULT_CONFIG_PATH, ConfigError, SpindConfig, checkpoint_dtype, from_dict, load_config,
+                          max_kv_blocks, resolve_dtype)
 
 NGRAM = {"name": "ng", "kind": "ngram"}
 
@@ -14,7 +15,8 @@ NGRAM = {"name": "ng", "kind": "ngram"}
 def test_embedded_default_loads() -> None:
     cfg = load_config()
     assert [d.name for d in cfg.drafters] == ["ngram", "int8", "dyn8", "bf16"]
-    assert cfg.model.dtype == "gguf-q16" and cfg.runtime.attention == "invariant"
+    assert cfg.model.dtype == "auto" and cfg.runtime.attention == "invariant"
+    assert cfg.runtime.kv_num_blocks == 0 and max_kv_blocks(cfg) == 2048  # "auto" on CPU: the 2048 it shipped with
     assert cfg.selection.policy == "lbss" and cfg.selection.k_set == (2, 4, 8)
     assert cfg.drafter("int8").variant == "int8-weight-only"
     assert cfg.worker("target").device == "cpu" and cfg.worker("unlisted").name == "unlisted"
@@ -42,7 +44,10 @@ BAD_CONFIGS = [
     ({"model": {"max_model_len": 8}}, r"\[model\] max_model_len must be >= 16"),
     ({"model": {"colour": "red"}}, r"\[model\] unknown key\(s\): colour"),
     ({"runtime": {"attention": "flash"}}, r"\[runtime\] attention must be one of"),
-    ({"runtime": {"kv_block_size": 0}}, r"\[runtime\] kv_block_size, kv_num_blocks, max_batch_size must be >= 1"),
+    ({"runtime": {"kv_block_size": 0}}, r"\[runtime\] kv_block_size, max_batch_size must be >= 1"),
+    ({"runtime": {"kv_num_blocks": -1}}, r"kv_num_blocks >= 0 \(0: auto\)"),
+    ({"runtime": {"gpu_memory_utilization": 0.0}}, r"gpu_memory_utilization must be in \(0, 1\]"),
+    ({"runtime": {"gpu_memory_utilization": 1.5}}, r"gpu_memory_utilization must be in \(0, 1\]"),
     ({"runtime": {"threads": -1}}, r"threads >= 0"),
     ({"speculation": {"k": 33}}, r"\[speculation\] k must be in 0..32"),
     ({"speculation": {"k": 4.0}}, r"\[speculation\] k must be int, got 4.0"),
@@ -108,3 +113,80 @@ def test_a_written_config_round_trips(tmp_path: Path) -> None:
     path.write_text(DEFAULT_CONFIG_PATH.read_text().replace("k = 4", "k = 7"))
     cfg: SpindConfig = load_config(path)
     assert cfg.speculation.k == 7 and cfg == load_config(overrides={"speculation": {"k": 7}})
+
+
+# ---- what runs where: refused at load, naming the fix --------------------------------------------------------------
+def on(device: str, **sections) -> dict:
+    """A config whose target worker and "draft" worker are on `device`."""
+    return {"workers": [{"name": "target", "device": device}, {"name": "draft", "device": device}], **sections}
+
+
+GPU = {"runtime": {"attention": "packed"}}
+DEVICE_REFUSALS = [
+    ({"workers": [{"name": "target", "device": "gpu0"}]}, r"\[\[workers\]\] target: device must be \"cpu\", \"cuda\""),
+    (on("cuda", model={"dtype": "gguf-q16"}, **GPU),
+     r"\[model\] dtype 'gguf-q16' runs on CPU only .* target worker is on cuda: use dtype = \"auto\""),
+    (on("cuda:1", model={"dtype": "int4"}, **GPU), r"dtype 'int4' runs on CPU only"),
+    (on("cuda:0", runtime={"attention": "invariant"}),
+     r"attention \"invariant\" is spind's batch-invariant CPU kernel.* use attention = \"packed\""),
+    ({"runtime": {"cuda_graphs": True, "attention": "triton-packed"}},
+     r"cuda_graphs = true needs the target worker on a CUDA device \(it is on cpu\)"),
+    (on("cuda", runtime={"cuda_graphs": True, "attention": "packed"}),
+     r"cuda_graphs = true needs an attention mode a CUDA graph can capture"),
+    (on("cuda", drafters=[{"name": "dyn8", "kind": "self", "variant": "int8-dynamic", "worker": "draft"}], **GPU),
+     r"dyn8: variant 'int8-dynamic' cannot run on worker 'draft' \(cuda\).* use variant = \"int8-weight-only\""),
+    (on("cuda", drafters=[{"name": "q", "kind": "self", "variant": "gguf-q16", "worker": "draft"}], **GPU),
+     r"q: variant 'gguf-q16' .*spind's GGUF kernels run on CPU only; use variant = \"bf16\""),
+    ({"model": {"dtype": "gguf-q16"}, "workers": [{"name": "draft", "device": "cuda"}],
+      "drafters": [{"name": "l", "kind": "self", "variant": "layers", "layers": [0, 1], "worker": "draft"}]},
+     r"l loads at \[model\] dtype 'gguf-q16', which runs on CPU only, on worker 'draft' \(cuda\)"),
+]
+
+
+@pytest.mark.parametrize("raw, message", DEVICE_REFUSALS, ids=[m for _, m in DEVICE_REFUSALS])
+def test_what_cannot_run_on_its_device_is_refused_at_load(raw: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        from_dict(raw)
+
+
+def test_a_gpu_config_loads(tmp_path: Path) -> None:
+    """The shipped config on GPUs: "auto" dtype follows the device, and only the CPU-only drafter must move."""
+    text = (DEFAULT_CONFIG_PATH.read_text().replace('device = "cpu"', 'device = "cuda"')
+            .replace('attention = "invariant"', 'attention = "packed"'))
+    (tmp_path / "gpu.toml").write_text(text)
+    with pytest.raises(ConfigError, match="dyn8: variant 'int8-dynamic' cannot run on worker 'draft'"):
+        load_config(tmp_path / "gpu.toml")
+    (tmp_path / "gpu.toml").write_text(text.replace('variant = "int8-dynamic"', 'variant = "bf16"'))
+    cfg = load_config(tmp_path / "gpu.toml")  # int8-weight-only stays: torch's int8 weight-only GEMM runs on CUDA
+    assert cfg.worker("draft").device == "cuda" and cfg.drafter("int8").variant == "int8-weight-only"
+    # a CPU-only drafter may still serve a GPU target from a CPU worker
+    from_dict(on("cuda", drafters=[{"name": "d", "kind": "self", "variant": "int8-dynamic", "worker": "cpu"}],
+                 **GPU))
+
+
+def checkpoint(path: Path, **config) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(__import__("json").dumps(config))
+    return path
+
+
+def test_auto_dtype_follows_the_device_and_the_checkpoint(tmp_path: Path) -> None:
+    gpu = from_dict(on("cuda:0", model={"dtype": "auto"}, **GPU))
+    cpu = load_config()
+    bf16 = checkpoint(tmp_path / "bf16", torch_dtype="bfloat16")
+    fp16 = checkpoint(tmp_path / "fp16", dtype="float16")  # transformers 5 writes `dtype`
+    fp32 = checkpoint(tmp_path / "fp32", torch_dtype="float32")
+    gguf = checkpoint(tmp_path / "gguf", torch_dtype="float32")  # a GGUF's fp32 copy, as the loader caches it
+    (gguf / "complete").write_text("/models/model.Q4_1.gguf")
+    assert checkpoint_dtype(fp16) == "float16" and checkpoint_dtype(tmp_path) is None
+    assert [resolve_dtype(gpu, d) for d in (bf16, fp16, fp32, gguf)] == ["bfloat16", "float16", "bfloat16", "bfloat16"]
+    assert resolve_dtype(gpu, bf16, bf16_supported=False) == "float16"  # a pre-Ampere GPU
+    assert [resolve_dtype(cpu, d) for d in (bf16, fp32, gguf)] == ["float32", "float32", "gguf-q16"]
+    assert resolve_dtype(gpu, bf16, device="cpu") == "float32"  # a CPU drafter worker beside a GPU target
+    explicit = load_config(overrides={"model": {"dtype": "float16"}})
+    assert resolve_dtype(explicit, gguf) == "float16"
+
+
+def test_max_kv_blocks_holds_max_batch_size_requests_of_max_model_len() -> None:
+    cfg = from_dict({"model": {"max_model_len": 1000}, "runtime": {"kv_block_size": 16, "max_batch_size": 3}})
+    assert max_kv_blocks(cfg) == 63 * 3 and max_kv_blocks(cfg, 16) == 3

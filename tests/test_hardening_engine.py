@@ -8,7 +8,9 @@ import asyncio
 import dataclasses
 import threading
 
+import msgspec
 import pytest
+import torch
 
 import test_coordinator as tc
 from scripted_worker import ScriptedWorker, continuation
@@ -152,6 +154,58 @@ def test_restarts_are_limited_over_a_window_then_the_engine_gives_up_and_says_so
     assert all(tokens_of(d) == continuation(PROMPTS[0], 8) for d in served)
     assert gave_up[-1][-1].finish_reason == "abort"
     assert health and "cannot be restarted" in health and "2 times within" in health
+
+
+class LosingDeviceWorker(ScriptedWorker):
+    """The target's third verify loses the device, once over all incarnations: `answer` raises torch's error for it
+    (a real worker does, rather than reply: spind/worker/worker.py)."""
+
+    lost = threading.Event()
+    verifies = 0
+
+    def answer(self, msg: object) -> object:
+        if self.is_target and isinstance(msg, P.Verify) and not self.lost.is_set():
+            LosingDeviceWorker.verifies += 1
+            if LosingDeviceWorker.verifies == 3:
+                self.lost.set()
+                raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+        return super().answer(msg)
+
+
+def test_an_in_process_worker_that_loses_its_device_is_restarted_and_bystanders_finish_untouched(tmp_path,
+                                                                                               monkeypatch):
+    """The in-process pool treats what `answer` raises as a crash: the worker is given up, its calls fail with
+    WorkerDied, the coordinator restarts it (counted) and re-prefills; no request notices."""
+    monkeypatch.setattr(tc, "ScriptedWorker", LosingDeviceWorker)
+    LosingDeviceWorker.lost.clear()
+    LosingDeviceWorker.verifies = 0
+    env = Env(tmp_path, make_cfg())
+
+    async def go(c):
+        out = await asyncio.gather(*(collect(c, r) for r in BYSTANDERS))
+        return out, env.pool.info("target").restarts
+
+    out, restarts = serve(env, go)
+    assert LosingDeviceWorker.lost.is_set() and restarts == 1
+    assert_bystanders_untouched(out)
+
+
+class SizedWorker(ScriptedWorker):
+    """Reports the KV pools it sized itself ([runtime].kv_num_blocks = 0): fewer blocks on the draft worker."""
+
+    def ready(self, num_threads: int) -> P.Ready:
+        return msgspec.structs.replace(super().ready(num_threads), kv_num_blocks=40 if self.name == "target" else 24)
+
+
+def test_the_engine_admits_against_the_smallest_kv_pool_its_workers_report(tmp_path, monkeypatch):
+    monkeypatch.setattr(tc, "ScriptedWorker", SizedWorker)
+    env = Env(tmp_path, make_cfg(kv_blocks=256))
+
+    async def go(c):
+        await collect(c, request("r", PROMPTS[0], "good", 4))
+        return c.phases.budget.num_blocks
+
+    assert serve(env, go) == 24
 
 
 class StallingWorker(ScriptedWorker):

@@ -37,7 +37,7 @@ from spind.bench.datasets import DEFAULT_DATASETS_DIR, encode_prompt, load_promp
 from spind.bench.drafters import PLAIN, Tally, time_target_steps, with_target_dtype
 from spind.bench.quality import compare_quality, memory_bandwidth, quality_windows, time_first_token
 from spind.bench.report import Progress, fmt, format_table, timed
-from spind.config import SpindConfig
+from spind.config import SpindConfig, with_resolved_dtype
 from spind.coordinator.transport.local import GenRequest, LocalEngine
 from spind.kernels import cpu_ext
 from spind.models.llama import LlamaModel
@@ -129,6 +129,7 @@ def check_numerics(models: dict[str, LlamaModel], prompt: list[int], k: int, att
 
 
 def run_decode_bench(cfg: SpindConfig, settings: DecodeBenchSettings) -> dict:
+    cfg = with_resolved_dtype(cfg, resolve_model_dir(cfg.model.target, cfg.cache_path))  # runs are keyed by dtype
     texts = {name: load_prompts(name, settings.num_prompts, settings.datasets_dir) for name in settings.datasets}
     runs, quality = [], None
     for threads in settings.threads:

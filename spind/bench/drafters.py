@@ -22,10 +22,11 @@ import torch
 
 from spind.bench.datasets import DEFAULT_DATASETS_DIR, encode_prompt, load_prompts
 from spind.bench.report import Progress, fmt, format_table, timed
-from spind.config import SpindConfig
+from spind.config import SpindConfig, with_resolved_dtype
 from spind.drafters.model import common_prefix
 from spind.coordinator.transport.local import GenRequest, GenResult, LocalEngine
 from spind.models.llama import LlamaModel
+from spind.models.loader import resolve_model_dir
 from spind.models.runner import ForwardItem, ModelRunner
 from spind.worker.profile import time_draft_tokens
 from spind.params import SamplingParams
@@ -130,6 +131,7 @@ class Tally:
 
 def run_drafter_bench(cfg: SpindConfig, settings: DrafterBenchSettings) -> dict:
     """Run every measurement; returns the JSON-ready results (see the module docstring)."""
+    cfg = with_resolved_dtype(cfg, resolve_model_dir(cfg.model.target, cfg.cache_path))  # passes are keyed by dtype
     texts = {name: load_prompts(name, settings.num_prompts, settings.datasets_dir) for name in settings.datasets}
     rt = LocalEngine.load(cfg, drafters=list(settings.drafters))
     prompts = {name: [encode_prompt(rt.tokenizer, p) for p in ps] for name, ps in texts.items()}

@@ -31,7 +31,7 @@ import torch
 from spind.bench.datasets import encode_prompt, load_prompts
 from spind.bench.report import Progress, fmt, format_table, timed
 from spind.bench.verify_setup import PagedKV, allocate, batch_inputs, prefill, verify_forward
-from spind.config import SpindConfig
+from spind.config import SpindConfig, with_resolved_dtype
 from spind.kernels.attention import get_backend
 from spind.kernels.metadata import AttentionBackend
 from spind.models.llama import load_llama
@@ -56,6 +56,7 @@ class VerifyBenchSettings:
 
 def run_verify_bench(cfg: SpindConfig, settings: VerifyBenchSettings) -> dict:
     model_dir = resolve_model_dir(cfg.model.target, cfg.cache_path)
+    cfg = with_resolved_dtype(cfg, model_dir, settings.device)
     model = load_llama(model_dir, cfg.model.dtype, settings.device)
     tokenizer = Tokenizer(model_dir)
     num_prompts = settings.num_batches * max(settings.batch_sizes)

@@ -103,6 +103,7 @@ class Coordinator:
         ph = self.phases
         try:
             self.max_model_len = self.pool.info(TARGET_WORKER).max_model_len or self.max_model_len
+            ph.sync_kv_budget()
             if ph.selector is None:
                 ph.selector = await self._build_selector()
             r = self.cfg.runtime
@@ -181,7 +182,7 @@ class Coordinator:
             if isinstance(prompt, str):
                 if not prompt:
                     raise ValueError("empty prompt")
-                return self.tokenizer.encode(prompt)
+                return self.tokenizer.encode_prompt(prompt)  # a BOS where the model's own tokenizer adds one
             self._check_ids(prompt)
             return list(prompt)
         except ValueError as e:

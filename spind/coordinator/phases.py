@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from spind import protocol as P
-from spind.config import TARGET_WORKER, SpindConfig
+from spind.config import TARGET_WORKER, SpindConfig, max_kv_blocks
 from spind.coordinator.history import History
 from spind.coordinator.interface import Delta, Usage
 from spind.coordinator.metrics import EngineMetrics, SlotTimes
@@ -82,7 +82,8 @@ class SlotPhases:
         self.metrics = EngineMetrics()
         self.history = History()  # busy intervals, per-second throughput, latencies: for the dashboard
         self.times = SlotTimes()
-        self.budget = KVBudget(cfg.runtime.kv_num_blocks, cfg.runtime.kv_block_size)
+        # until the workers say what they hold (kv_num_blocks = 0: each sizes its pools), the config's number
+        self.budget = KVBudget(cfg.runtime.kv_num_blocks or max_kv_blocks(cfg), cfg.runtime.kv_block_size)
         self.max_batch_size = cfg.runtime.max_batch_size
         self.requests: dict[str, RequestState] = {}  # waiting + running
         self.waiting: deque[RequestState] = deque()
@@ -108,6 +109,13 @@ class SlotPhases:
         self.requests[st.req_id] = st
         self.waiting.append(st)
         self.idle.clear()
+
+    def sync_kv_budget(self) -> None:
+        """Admit against the smallest KV pool any worker holds (as its Ready reported; a restarted worker may have
+        sized its pools anew)."""
+        reported = [n for n in (self.pool.info(w).kv_num_blocks for w in self.pool.names) if n > 0]
+        if reported:
+            self.budget.num_blocks = min(reported)
 
     def workers_alive(self) -> bool:
         return all(self.pool.is_alive(n) for n in self.pool.names)
@@ -485,6 +493,7 @@ class SlotPhases:
                     raise WorkerDied(name, f"restarted {self.restarts.max_restarts} times within "
                                            f"{self.restarts.window_s:.0f} s; giving up")
                 await self.pool.restart(name)
+                self.sync_kv_budget()
             except Exception as e:
                 log.error("cannot restart worker %s: %s; failing all requests", name, e)
                 self.failure = f"worker {name!r} cannot be restarted: {e}"

@@ -35,7 +35,7 @@ def _workers(ph: SlotPhases, now: float) -> list[WorkerState]:
         spans = ph.history.busy_spans(name, now)
         models = [f"{d.name} ({d.variant or d.kind})" for d in ph.cfg.drafters if d.worker == name]
         if w["is_target"]:
-            models.insert(0, f"{ph.cfg.model.target} ({ph.cfg.model.dtype})")
+            models.insert(0, f"{ph.cfg.model.target} ({w['dtype'] or ph.cfg.model.dtype})")  # "auto" as resolved
         out.append(WorkerState(
             name=name, is_target=w["is_target"], model=", ".join(models), drafters=list(w["drafters"]),
             device=w["device"], dtype=w["dtype"], threads=w["threads"], pid=w["pid"], alive=w["alive"],

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spind.config import DrafterConfig, SpindConfig
+from spind.config import DrafterConfig, SpindConfig, max_kv_blocks, resolve_dtype
 from spind.drafters.base import Draft, DraftInput, Drafter
 from spind.drafters.model import ModelDrafter
 from spind.drafters.ngram import NgramDrafter
-from spind.models.llama import load_llama
+from spind.models.llama import LlamaModel, load_llama
 from spind.models.loader import resolve_model_dir
 from spind.models.quant import GGUF_DTYPES, float_dtype_for, quantize_linears, trim_vocab
 from spind.tokenizer import Tokenizer
 
-__all__ = ["Draft", "DraftInput", "Drafter", "build_drafter", "TokenizerMismatchError"]
+__all__ = ["Draft", "DraftInput", "Drafter", "build_drafter", "load_drafter_model", "make_drafter",
+           "TokenizerMismatchError"]
 
 
 class TokenizerMismatchError(ValueError):
@@ -33,30 +34,44 @@ def check_same_tokenizer(name: str, drafter_dir: Path, target_tok: Tokenizer, dr
 
 def build_drafter(dc: DrafterConfig, cfg: SpindConfig, target_dir: Path, target_tok: Tokenizer,
                   device: str = "cpu") -> Drafter:
+    """One drafter, loaded and ready: its model at [model].dtype as resolved on `device`, its KV pool of
+    [runtime].kv_num_blocks (0: as many as max_batch_size requests of max_model_len can fill)."""
+    model = load_drafter_model(dc, cfg, target_dir, target_tok, device, resolve_dtype(cfg, target_dir, device))
+    return make_drafter(dc, cfg, model, cfg.runtime.kv_num_blocks or max_kv_blocks(cfg))
+
+
+def load_drafter_model(dc: DrafterConfig, cfg: SpindConfig, target_dir: Path, target_tok: Tokenizer,
+                       device: str, dtype: str) -> LlamaModel | None:
+    """A drafter's model (None for n-gram lookup); `dtype`: [model].dtype as resolved on `device`. Apart from
+    `make_drafter` so a worker can size the KV pools of all its models once they are loaded."""
     if dc.kind == "ngram":
-        return NgramDrafter(dc.name, dc.ngram_max, dc.ngram_min)
-    dtype = cfg.model.dtype
+        return None
     if dc.kind == "self":
         if dc.variant == "bf16":
-            model = load_llama(target_dir, "bfloat16", device)
-        elif dc.variant == "int8-weight-only":
-            model = quantize_linears(load_llama(target_dir, "bfloat16", device), dc.variant)
-        elif dc.variant == "int8-dynamic":
-            model = quantize_linears(load_llama(target_dir, "float32", device), dc.variant)
-        elif dc.variant in GGUF_DTYPES:
+            return load_llama(target_dir, "bfloat16", device)
+        if dc.variant == "int8-weight-only":
+            return quantize_linears(load_llama(target_dir, "bfloat16", device), dc.variant)
+        if dc.variant == "int8-dynamic":
+            return quantize_linears(load_llama(target_dir, "float32", device), dc.variant)
+        if dc.variant in GGUF_DTYPES:
             model = load_llama(target_dir, dc.variant, device, layers=dc.layers or None)
             if dc.vocab:
                 trim_vocab(model, dc.vocab)
-        else:  # layers
-            model = load_llama(target_dir, float_dtype_for(dtype, target_dir), device, layers=dc.layers)
-    else:
-        drafter_dir = resolve_model_dir(dc.path, cfg.cache_path)
-        model = load_llama(drafter_dir, float_dtype_for(dtype, drafter_dir), device)
-        target_vocab = load_vocab_size(target_dir)
-        check_same_tokenizer(dc.name, drafter_dir, target_tok, model.args.vocab_size, target_vocab)
+            return model
+        return load_llama(target_dir, float_dtype_for(dtype, target_dir), device, layers=dc.layers)  # layers
+    drafter_dir = resolve_model_dir(dc.path, cfg.cache_path)
+    model = load_llama(drafter_dir, float_dtype_for(dtype, drafter_dir), device)
+    target_vocab = load_vocab_size(target_dir)
+    check_same_tokenizer(dc.name, drafter_dir, target_tok, model.args.vocab_size, target_vocab)
+    return model
+
+
+def make_drafter(dc: DrafterConfig, cfg: SpindConfig, model: LlamaModel | None, num_blocks: int) -> Drafter:
+    if model is None:
+        return NgramDrafter(dc.name, dc.ngram_max, dc.ngram_min)
     r = cfg.runtime
-    return ModelDrafter(dc.name, dc.kind, model, r.kv_num_blocks, r.kv_block_size, r.attention,
-                        cfg.model.max_model_len, r.max_batch_size)
+    return ModelDrafter(dc.name, dc.kind, model, num_blocks, r.kv_block_size, r.attention, cfg.model.max_model_len,
+                        r.max_batch_size, cuda_graphs=r.cuda_graphs and model.device.type == "cuda")
 
 
 def load_vocab_size(model_dir: Path) -> int:

@@ -7,13 +7,13 @@ sequence as it now stands (a drafter with a KV cache rolls back to the common pr
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from spind.params import SamplingParams
+from spind.worker.device import DeviceClock
 
 
 @dataclass
@@ -33,8 +33,9 @@ class DraftInput:
 class Drafter(ABC):
     kind: str = ""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, clock: DeviceClock | None = None) -> None:
         self.name = name
+        self.clock = clock or DeviceClock("cpu")  # times its drafting (a model drafter: on its model's device)
         self.params: dict[str, SamplingParams] = {}
         self._ms_per_token: float | None = None  # EMA of measured propose time per drafted token
 
@@ -52,11 +53,11 @@ class Drafter(ABC):
 
     # ---- drafting ----------------------------------------------------------------------------------
     def propose(self, inputs: list[DraftInput]) -> list[Draft]:
-        start = time.perf_counter()
+        start = self.clock.now()
         drafts = self._propose(inputs)
         num = sum(len(d.tokens) for d in drafts)
         if num:
-            ms = (time.perf_counter() - start) * 1e3 / num
+            ms = (self.clock.now() - start) * 1e3 / num
             self._ms_per_token = ms if self._ms_per_token is None else 0.9 * self._ms_per_token + 0.1 * ms
         return drafts
 

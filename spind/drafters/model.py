@@ -9,13 +9,12 @@ call are compared: the committed sequence never changes, it only grows.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from spind.drafters.base import Draft, DraftInput, Drafter
 from spind.models.llama import LlamaModel
 from spind.models.runner import ForwardItem, ModelRunner
+from spind.worker.device import DeviceClock
 from spind.worker.sampling import make_generator, sample, to_probs
 
 
@@ -30,10 +29,13 @@ def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
 
 class ModelDrafter(Drafter):
     def __init__(self, name: str, kind: str, model: LlamaModel, num_blocks: int, block_size: int,
-                 attention: str = "packed", max_model_len: int | None = None, max_batch: int = 16) -> None:
-        super().__init__(name)
+                 attention: str = "packed", max_model_len: int | None = None, max_batch: int = 16,
+                 cuda_graphs: bool = False) -> None:
+        super().__init__(name, DeviceClock(model.device))
         self.kind = kind
-        self.runner = ModelRunner(model, num_blocks, block_size, attention, max_model_len, max_batch)
+        # draft steps feed one token per request: replayed from CUDA graphs (catch-up and prefill run eagerly)
+        self.runner = ModelRunner(model, num_blocks, block_size, attention, max_model_len, max_batch,
+                                  cuda_graphs=cuda_graphs, graph_query_lens=(1,))
         self.synced: dict[str, list[int]] = {}  # tokens whose KV this drafter holds, per request
         self.committed: dict[str, int] = {}  # length of the committed sequence at the last call
         self.generators: dict[str, torch.Generator] = {}
@@ -98,19 +100,23 @@ class ModelDrafter(Drafter):
         switch_s = dict.fromkeys(out, 0.0)
         first = True
         while items:
-            start = time.perf_counter()
+            catching_up = first and sum(caught_up.values()) > 0  # the first step feeds what the request missed
+            start = self.clock.now() if catching_up else 0.0
             logits = self.runner.forward(items)
-            if first and sum(caught_up.values()):
-                spent, total = time.perf_counter() - start, sum(caught_up.values())
+            if catching_up:
+                spent, total = self.clock.now() - start, sum(caught_up.values())
                 switch_s.update((r, spent * n / total) for r, n in caught_up.items())
             first = False
             next_items = []
-            for item, row in zip(items, logits):
+            # every greedy request's next token in one device->host copy (not a sync per request)
+            picks = torch.stack([row[-1] for row in logits]).argmax(-1).tolist() \
+                if any(self.params[it.req_id].is_greedy for it in items) else []
+            for i, (item, row) in enumerate(zip(items, logits)):
                 rid = item.req_id
                 self.synced[rid].extend(item.tokens)
                 params = self.params[rid]
                 if params.is_greedy:
-                    tok = int(row[-1].argmax())
+                    tok = picks[i]
                 else:
                     p = to_probs(row[-1:], params)[0]
                     tok = sample(p, self.generators[rid])

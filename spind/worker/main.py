@@ -6,6 +6,11 @@ and the worker can see whether anything else is waiting; not one shared ROUTER b
 gets a fresh endpoint and thus never receives replies-in-flight meant for the incarnation that died.
 Draft probabilities travel worker to worker (`spind.worker.probs`): the target binds `--probs-endpoint`,
 drafter workers connect to it.
+
+Device: the launcher shows a GPU worker its one GPU (CUDA_VISIBLE_DEVICES) and names it here (`--device cuda:0`);
+the worker pins it before any CUDA work. A lost device (a sticky CUDA error) ends the process with
+EXIT_DEVICE_ERROR instead of a reply: the coordinator restarts it, with a fresh CUDA context, and replays its
+requests, as after a crash.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import zmq
 
 from spind import protocol as P
 from spind.config import from_dict
+from spind.worker.device import EXIT_DEVICE_ERROR, is_fatal_device_error
 
 log = logging.getLogger(__name__)
 
@@ -27,14 +33,12 @@ POLL_MS = 500  # idle poll; between polls the worker checks that its parent is a
 
 
 def serve(worker, sock: zmq.Socket) -> None:
-    """Answer ops in arrival order; run queued precomputes only while nothing else waits."""
+    """Answer ops in arrival order; run queued precomputes only while nothing else waits. What the worker raises
+    (a lost device) ends it."""
     parent = os.getppid()
     while True:
         if worker.precompute_queue and not sock.poll(0):
-            try:
-                worker.run_precompute()
-            except Exception:
-                log.exception("precompute failed on worker %s", worker.name)
+            worker.run_precompute()
             continue
         if not sock.poll(POLL_MS):
             if os.getppid() != parent:  # the coordinator died: do not linger as an orphan
@@ -59,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--endpoint", required=True, help="ipc:// endpoint the coordinator bound for this worker")
     ap.add_argument("--probs-endpoint", required=True, help="ipc:// endpoint of the target's draft-probs channel")
     ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--device", default=None, help="the device as this process sees it (default: the config's)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker[{args.name}] %(levelname)s %(message)s")
     import torch  # after argparse: a bad invocation fails fast
@@ -78,13 +83,21 @@ def main(argv: list[str] | None = None) -> int:
     sock.connect(args.endpoint)
     if args.name == TARGET_WORKER:
         channel = ZmqProbsReceiver(ctx, args.probs_endpoint)
-        worker = Worker(args.name, cfg, probs_in=channel)
+        worker = Worker(args.name, cfg, probs_in=channel, device=args.device)
     else:
         channel = ZmqProbsSender(ctx, args.probs_endpoint)
-        worker = Worker(args.name, cfg, probs_out=channel)
+        worker = Worker(args.name, cfg, probs_out=channel, device=args.device)
     sock.send(P.encode(worker.ready(torch.get_num_threads())))
     try:
         serve(worker, sock)
+    except Exception as e:
+        if not is_fatal_device_error(e):
+            raise
+        # No clean-up: with the CUDA context broken, freeing its memory (torch's allocator, at exit) can hang too.
+        log.critical("worker %s lost its device (%s: %s); exiting with %d to be restarted", args.name,
+                     type(e).__name__, e, EXIT_DEVICE_ERROR)
+        logging.shutdown()
+        os._exit(EXIT_DEVICE_ERROR)
     finally:
         channel.close()
         sock.close()

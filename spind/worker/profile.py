@@ -3,17 +3,18 @@
 - the target: median ms of a verify forward at several batch sizes (k + 1 new tokens per request over a
   fixed context), the throughput profile the pipeline's micro-batch heuristic reads.
 
-Probes run on throw-away requests whose ids cannot clash with real ones, and are freed afterwards.
+Probes run on throw-away requests whose ids cannot clash with real ones, and are freed afterwards. Times come from
+a DeviceClock (each drafter's own, the runner's device's), so a GPU's queued kernels are waited for.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 
 from spind.drafters import Drafter, DraftInput
 from spind.models.runner import ForwardItem, ModelRunner
 from spind.params import SamplingParams
+from spind.worker.device import DeviceClock
 
 PROBE = "\x00profile"  # a request id no client can send (ReqId forbids nothing, but the prefix is reserved)
 
@@ -35,10 +36,10 @@ def time_draft_tokens(drafters: dict[str, Drafter], prompt: list[int], k: int,
     try:
         for _ in range(rounds):
             for name, drafter in drafters.items():  # interleaved: every drafter sees the same machine load
-                start = time.perf_counter()
+                start = drafter.clock.now()
                 tokens = drafter.propose([DraftInput(PROBE, seqs[name], k)])[0].tokens
                 if tokens:
-                    samples[name].append((time.perf_counter() - start) * 1e3 / len(tokens))
+                    samples[name].append((drafter.clock.now() - start) * 1e3 / len(tokens))
                 seqs[name].append(tokens[0] if tokens else prompt[len(seqs[name]) % len(prompt)])
     finally:
         for drafter in drafters.values():
@@ -46,9 +47,11 @@ def time_draft_tokens(drafters: dict[str, Drafter], prompt: list[int], k: int,
     return {name: statistics.median(s) if s else None for name, s in samples.items()}
 
 
-def time_verify(runner: ModelRunner, batch_sizes: list[int], context: int, k: int, reps: int) -> dict[int, float]:
+def time_verify(runner: ModelRunner, batch_sizes: list[int], context: int, k: int, reps: int,
+                clock: DeviceClock | None = None) -> dict[int, float]:
     """Median ms of one forward of k + 1 new tokens for each of B requests holding `context` tokens of KV,
     rolled back after each rep, for each B in batch_sizes."""
+    clock = clock or DeviceClock(runner.model.device)
     vocab = runner.model.args.vocab_size
     ids = [f"{PROBE}-{i}" for i in range(max(batch_sizes, default=0))]
     prompt = probe_prompt(context, vocab)
@@ -60,9 +63,9 @@ def time_verify(runner: ModelRunner, batch_sizes: list[int], context: int, k: in
         for b in batch_sizes:
             samples = []
             for _ in range(reps + 1):  # the first rep warms this shape up
-                start = time.perf_counter()
+                start = clock.now()
                 runner.forward([ForwardItem(rid, prompt[:k + 1], k + 1) for rid in ids[:b]])
-                samples.append((time.perf_counter() - start) * 1e3)
+                samples.append((clock.now() - start) * 1e3)
                 for rid in ids[:b]:
                     runner.truncate(rid, context)
             out[b] = statistics.median(samples[1:])

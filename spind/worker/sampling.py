@@ -53,7 +53,11 @@ class VerifyResult:
 
 def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> VerifyResult:
     """target_logits [k+1, V]: row i is the target's prediction for draft position i (row k: bonus)."""
-    target = target_logits.argmax(-1).tolist()
+    return accept_greedy(target_logits.argmax(-1).tolist(), draft)
+
+
+def accept_greedy(target: list[int], draft: list[int]) -> VerifyResult:
+    """target: the target's argmax at each of the k + 1 positions (read from the device by the caller, batched)."""
     n = 0
     while n < len(draft) and draft[n] == target[n]:
         n += 1

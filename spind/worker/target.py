@@ -19,7 +19,8 @@ import torch
 
 from spind.models.runner import ForwardItem, ModelRunner
 from spind.params import SamplingParams
-from spind.worker.sampling import make_generator, to_probs, verify_greedy, verify_stochastic
+from spind.worker.device import is_fatal_device_error
+from spind.worker.sampling import accept_greedy, make_generator, to_probs, verify_stochastic
 
 
 class RequestFailed(RuntimeError):
@@ -93,11 +94,19 @@ class TargetVerifier:
         rng = {it.req_id: self.generators[it.req_id].get_state() for it in items}
         logits = self.runner.forward(
             [ForwardItem(it.req_id, self.pending[it.req_id] + it.draft, len(it.draft) + 1) for it in items])
+        # the target's argmax of every greedy request's rows in one device->host copy (not a sync per request)
+        greedy = [i for i, it in enumerate(items) if self.params[it.req_id].is_greedy]
+        flat = torch.cat([logits[i].argmax(-1) for i in greedy]).tolist() if greedy else []
+        picks, at = {}, 0
+        for i in greedy:
+            picks[i], at = flat[at:at + len(logits[i])], at + len(logits[i])
         results, failed = [], []
-        for it, rows in zip(items, logits):
+        for i, (it, rows) in enumerate(zip(items, logits)):
             try:
-                results.append(self._accept(it, rows))
+                results.append(self._accept(it, rows, picks.get(i)))
             except (RuntimeError, ValueError) as e:
+                if is_fatal_device_error(e):  # the device, not this request's data: no request is at fault
+                    raise
                 failed.append((it.req_id, f"{type(e).__name__}: {e}"))
         if failed:  # nothing happened: every request's KV back to where it was, pending untouched
             for req_id, length in before.items():
@@ -112,11 +121,12 @@ class TargetVerifier:
             outs.append(VerifyOutput(it.req_id, len(it.draft), num_accepted, tokens))
         return outs
 
-    def _accept(self, it: VerifyItem, rows: torch.Tensor) -> tuple[int, list[int]]:
-        """Accepted drafts + the recovered/bonus token of one request (no state changes)."""
+    def _accept(self, it: VerifyItem, rows: torch.Tensor, argmax: list[int] | None) -> tuple[int, list[int]]:
+        """Accepted drafts + the recovered/bonus token of one request (no state changes); `argmax`: the rows'
+        argmax, for a greedy request."""
         params = self.params[it.req_id]
         if params.is_greedy:
-            res = verify_greedy(rows, it.draft)
+            res = accept_greedy(argmax, it.draft)
         else:
             probs = to_probs(rows, params)
             if not torch.isfinite(probs).all():

@@ -9,26 +9,34 @@ finishes the request). The coordinator owns the truth; a worker never decides wh
 
 Drafters hosted beside the target draft *inline*: a Verify names them and the target worker drafts right
 before verifying, with no round trip and no queueing behind other ops (n-gram lookup, by default).
+
+Device work is timed through one `DeviceClock` (spind/worker/device.py), which waits for the device first. An op
+that loses the device (a sticky CUDA error) is not answered: `answer` raises it, and the process exits to be
+restarted (spind/worker/main.py), since every later op would fail the same way.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import time
 from collections import deque
 from dataclasses import dataclass
 
 from spind import protocol as P
-from spind.config import TARGET_WORKER, SpindConfig
-from spind.drafters import Drafter, DraftInput, build_drafter
+from spind.config import TARGET_WORKER, SpindConfig, canonical_device, resolve_dtype
+from spind.drafters import Drafter, DraftInput, load_drafter_model, make_drafter
 from spind.models.llama import load_llama
 from spind.models.loader import resolve_model_dir
-from spind.models.runner import ModelRunner
+from spind.models.runner import ModelRunner, resolve_kv_dtype
 from spind.params import SamplingParams
 from spind.tokenizer import Tokenizer
+from spind.worker.device import DeviceClock, bf16_supported, device_name, is_fatal_device_error, pin_device
+from spind.worker.memory import memory_baseline, num_kv_blocks
 from spind.worker.probs import ProbsReceiver, ProbsSender
 from spind.worker.profile import probe_prompt, time_draft_tokens, time_verify
 from spind.worker.target import RequestFailed, TargetVerifier, VerifyItem
+
+log = logging.getLogger(__name__)
 
 PRECOMPUTE_CHUNK = 256  # tokens one precompute step feeds, so it never holds up a Propose for long
 PROBS_TIMEOUT_S = 30.0
@@ -44,24 +52,42 @@ class Worker:
     """Everything one worker hosts, and the handling of one op at a time."""
 
     def __init__(self, name: str, cfg: SpindConfig, probs_out: ProbsSender | None = None,
-                 probs_in: ProbsReceiver | None = None) -> None:
+                 probs_in: ProbsReceiver | None = None, device: str | None = None,
+                 clock: DeviceClock | None = None) -> None:
+        """`device`: the worker's device as this process names it (a process worker sees its GPU as cuda:0, see
+        spind/coordinator/transport/process_pool.py); by default the config's. `clock`: tests count its reads."""
         self.name = name
-        self.device = cfg.worker(name).device
-        self.dtype = cfg.model.dtype
+        self.config_device = cfg.worker(name).device  # what the coordinator and the operator call it
+        self.device = canonical_device(device or self.config_device)
+        pin_device(self.device)  # before any CUDA work
+        baseline = memory_baseline(self.device)
+        self.clock = clock or DeviceClock(self.device)
         model_dir = resolve_model_dir(cfg.model.target, cfg.cache_path)
+        self.dtype = resolve_dtype(cfg, model_dir, self.device, bf16_supported(self.device))
         tokenizer = Tokenizer(model_dir)
         r = cfg.runtime
+        # every model first, then their KV pools: "auto" sizes the pools from what the models leave of the device
+        target = load_llama(model_dir, self.dtype, self.device) if name == TARGET_WORKER else None
+        hosted = [d for d in cfg.drafters if d.worker == name]
+        drafter_models = {d.name: load_drafter_model(d, cfg, model_dir, tokenizer, self.device, self.dtype)
+                          for d in hosted}
+        kv = [(m, resolve_kv_dtype("auto", m, r.attention)) for m in drafter_models.values() if m is not None]
+        if target is not None:
+            kv.insert(0, (target, resolve_kv_dtype(r.kv_cache_dtype, target, r.attention)))
+        max_len = min([cfg.model.max_model_len, *(m.args.max_position for m, _ in kv)])
+        num_blocks = num_kv_blocks(cfg, name, self.device, kv, max_len, baseline)
         self.target: TargetVerifier | None = None
-        if name == TARGET_WORKER:
-            model = load_llama(model_dir, cfg.model.dtype, self.device)
+        if target is not None:
             ks = sorted({cfg.speculation.k, *cfg.selection.k_set})
-            self.target = TargetVerifier(ModelRunner(model, r.kv_num_blocks, r.kv_block_size, r.attention,
+            self.target = TargetVerifier(ModelRunner(target, num_blocks, r.kv_block_size, r.attention,
                                                      cfg.model.max_model_len, r.max_batch_size,
                                                      cuda_graphs=r.cuda_graphs,
                                                      graph_query_lens=tuple(sorted({1, *(k + 1 for k in ks)})),
                                                      kv_cache_dtype=r.kv_cache_dtype))
-        self.drafters: dict[str, Drafter] = {
-            d.name: build_drafter(d, cfg, model_dir, tokenizer, self.device) for d in cfg.drafters if d.worker == name}
+        self.drafters: dict[str, Drafter] = {d.name: make_drafter(d, cfg, drafter_models[d.name], num_blocks)
+                                             for d in hosted}
+        for drafter in self.drafters.values():  # they run on this worker's device
+            drafter.clock = self.clock
         self.drafter_reqs: dict[str, set[str]] = {n: set() for n in self.drafters}
         self.mirrors: dict[str, Mirror] = {}
         self.precompute_queue: deque[tuple[str, str]] = deque()  # (req_id, drafter)
@@ -70,22 +96,32 @@ class Worker:
         self.max_model_len = self.target.max_model_len if self.target else cfg.model.max_model_len
         self.threads = self._threads_now = 0  # set by ready(): the worker's own torch thread count
 
+    def _runners(self) -> dict[str, ModelRunner]:
+        runners = {TARGET_WORKER: self.target.runner} if self.target else {}
+        runners.update({n: d.runner for n, d in self.drafters.items() if hasattr(d, "runner")})
+        return runners
+
     def ready(self, num_threads: int) -> P.Ready:
         self.threads = self._threads_now = num_threads
+        free = [r.kv.num_free_blocks for r in self._runners().values()]  # a CUDA graph's padding block is taken
         return P.Ready(name=self.name, pid=os.getpid(), is_target=self.target is not None,
                        drafters=sorted(self.drafters), max_model_len=self.max_model_len, num_threads=num_threads,
-                       device=self.device, dtype=self.dtype)
+                       device=self.config_device, dtype=self.dtype, device_name=device_name(self.device),
+                       kv_num_blocks=min(free, default=0))
 
     # ---- dispatch -------------------------------------------------------------------------------
     def answer(self, msg: object) -> object:
-        """One op -> its reply; a failure becomes an ErrorReply naming the requests at fault, if known."""
+        """One op -> its reply; a failure becomes an ErrorReply naming the requests at fault, if known. A lost
+        device is raised, not answered: the worker cannot go on (see is_fatal_device_error)."""
         seq = getattr(msg, "seq", -1)
         try:
             return self.handle(msg)
         except RequestFailed as e:
             return P.ErrorReply(seq, str(e), e.req_ids)
-        except Exception as e:  # the op failed as a whole; the worker itself lives on
-            return P.ErrorReply(seq, f"{type(e).__name__}: {e}")
+        except Exception as e:
+            if is_fatal_device_error(e):
+                raise
+            return P.ErrorReply(seq, f"{type(e).__name__}: {e}")  # the op failed as a whole; the worker lives on
 
     def handle(self, msg: object) -> object:
         if isinstance(msg, P.AddRequest):
@@ -132,11 +168,15 @@ class Worker:
         return busy
 
     def _timed(self, kind: str, num_reqs: int, fn, drafter: str = ""):
-        start = time.monotonic()
+        """fn(), recorded as a busy interval of the device (self.busy[-1]: its seconds are end - start)."""
+        start = self.clock.now()
         try:
             return fn()
         finally:
-            self.busy.append(P.BusyInterval(kind, start, time.monotonic(), num_reqs, drafter))
+            self.busy.append(P.BusyInterval(kind, start, self.clock.now(), num_reqs, drafter))
+
+    def _last_busy_s(self) -> float:
+        return self.busy[-1].end - self.busy[-1].start
 
     # ---- request lifecycle ----------------------------------------------------------------------
     def add_request(self, msg: P.AddRequest) -> None:
@@ -192,9 +232,8 @@ class Worker:
 
     def _draft(self, name: str, inputs: list[DraftInput]):
         """One drafter's batch -> (drafts, seconds)."""
-        start = time.perf_counter()
         drafts = self._timed("draft", len(inputs), lambda: self.drafters[name].propose(inputs), name)
-        return drafts, time.perf_counter() - start
+        return drafts, self._last_busy_s()
 
     def propose(self, slot: int, items: list[P.ProposeItem]) -> list[P.DraftRecord]:
         groups: dict[str, list[tuple[int, DraftInput]]] = {}  # drafter -> (position in items, input)
@@ -242,9 +281,8 @@ class Worker:
         vitems = [VerifyItem(it.req_id, drafts[it.req_id][0],
                              None if drafts[it.req_id][1] is None else drafts[it.req_id][1].to(device))
                   for it in items]
-        start = time.perf_counter()
         outs = self._timed("verify", len(items), lambda: target.verify(vitems))
-        verify_s = time.perf_counter() - start
+        verify_s = self._last_busy_s()
         for o in outs:
             self.mirrors[o.req_id].tokens.extend(o.tokens)
         return [P.VerifyResult(o.req_id, o.num_drafted, o.num_accepted, o.tokens, draft_s.get(o.req_id, 0.0))
@@ -267,8 +305,14 @@ class Worker:
         if req_id not in self.mirrors or req_id not in self.drafter_reqs[drafter]:
             return
         tokens = self.mirrors[req_id].tokens
-        left = self._timed("precompute", 1, lambda: self.drafters[drafter].precompute(req_id, tokens, PRECOMPUTE_CHUNK),
-                           drafter)
+        try:
+            left = self._timed("precompute", 1,
+                               lambda: self.drafters[drafter].precompute(req_id, tokens, PRECOMPUTE_CHUNK), drafter)
+        except Exception as e:  # nobody waits on a precompute: log it (the propose that needs it catches up)
+            if is_fatal_device_error(e):
+                raise
+            log.exception("precompute of %s for drafter %s failed on worker %s", req_id, drafter, self.name)
+            return
         if left:
             self.precompute_queue.append((req_id, drafter))
 
@@ -279,14 +323,12 @@ class Worker:
         prompt = probe_prompt(msg.context, vocab)
         draft = self._timed("profile", 0, lambda: time_draft_tokens(self.drafters, prompt, msg.k, msg.reps))
         verify = {} if runner is None else self._timed(
-            "profile", 0, lambda: time_verify(runner, list(msg.batch_sizes), msg.context, msg.k, msg.reps))
+            "profile", 0, lambda: time_verify(runner, list(msg.batch_sizes), msg.context, msg.k, msg.reps, self.clock))
         return P.Profiled(msg.seq, {n: ms for n, ms in draft.items() if ms is not None}, verify, self._take_busy())
 
     def stats(self, seq: int) -> P.WorkerStats:
         kv = {}
-        runners = {TARGET_WORKER: self.target.runner} if self.target else {}
-        runners.update({n: d.runner for n, d in self.drafters.items() if hasattr(d, "runner")})
-        for n, r in runners.items():
+        for n, r in self._runners().items():
             kv[n] = P.KVStats(r.kv.num_blocks, r.kv.num_free_blocks, len(r.kv.seqs))
         ms = {n: float(d.ms_per_token) for n, d in self.drafters.items() if d.ms_per_token is not None}
         return P.WorkerStats(seq=seq, name=self.name, pid=os.getpid(), req_ids=sorted(self.mirrors), kv=kv,

@@ -12,7 +12,8 @@ Both keep the semantics the coordinator relies on: a worker handles ops one at a
 were sent; it runs queued precomputes only while no op waits; a reply's busy intervals are reported to
 `on_busy`; an `ErrorReply` fails its call with `WorkerError` (naming the requests at fault, if any); a call
 that gets no reply within its timeout fails with `WorkerDied`, and the worker counts as dead (not alive, its
-calls in flight failed) until `restart`.
+calls in flight failed) until `restart`; so does a worker whose device failed for good (the process exits with
+EXIT_DEVICE_ERROR; an in-process worker raises from `answer`).
 """
 
 from __future__ import annotations
@@ -57,13 +58,21 @@ class WorkerInfo:
     threads: int = 1
     max_model_len: int = 0
     dtype: str = ""
+    device_name: str = ""
+    kv_num_blocks: int = 0  # blocks of each of its KV pools (0: none reported)
     pid: int | None = None
     restarts: int = 0
 
+    def update(self, ready: P.Ready) -> None:
+        """What the worker's greeting says of itself."""
+        self.pid, self.max_model_len, self.threads = ready.pid, ready.max_model_len, ready.num_threads
+        self.device, self.dtype, self.device_name = ready.device, ready.dtype, ready.device_name
+        self.kv_num_blocks = ready.kv_num_blocks
+
     def describe(self, is_alive: bool) -> dict:
-        return {"name": self.name, "device": self.device, "dtype": self.dtype, "pid": self.pid, "alive": is_alive,
-                "restarts": self.restarts, "threads": self.threads, "is_target": self.is_target,
-                "drafters": self.drafters}
+        return {"name": self.name, "device": self.device, "dtype": self.dtype, "device_name": self.device_name,
+                "pid": self.pid, "alive": is_alive, "restarts": self.restarts, "threads": self.threads,
+                "is_target": self.is_target, "drafters": self.drafters, "kv_num_blocks": self.kv_num_blocks}
 
 
 BusyHook = Callable[[str, P.BusyInterval], None]
@@ -158,9 +167,8 @@ class InProcessPool:
         executor = ThreadPoolExecutor(1, thread_name_prefix=f"spind-{name}")
         threads = self._threads_of(name)
         worker, ready = await asyncio.get_running_loop().run_in_executor(executor, self._build, name, threads)
-        info = WorkerInfo(name=name, is_target=ready.is_target, drafters=list(ready.drafters), device=ready.device,
-                          threads=ready.num_threads, max_model_len=ready.max_model_len, dtype=ready.dtype,
-                          pid=ready.pid, restarts=restarts)
+        info = WorkerInfo(name=name, is_target=ready.is_target, drafters=list(ready.drafters), restarts=restarts)
+        info.update(ready)
         local = _Local(worker, info, executor)
         local.task = asyncio.create_task(self._serve(local), name=f"worker-{name}")
         self._local[name] = local
@@ -173,13 +181,18 @@ class InProcessPool:
     async def _serve(self, local: _Local) -> None:
         loop = asyncio.get_running_loop()
         worker = local.worker
-        while True:
-            if local.ops.empty() and worker.precompute_queue:
-                await loop.run_in_executor(local.executor, worker.run_precompute)
-                continue
-            msg, fut = await local.ops.get()
-            reply = await loop.run_in_executor(local.executor, worker.answer, msg)
-            settle(fut, reply, local.info, self.on_busy)
+        try:
+            while True:
+                if local.ops.empty() and worker.precompute_queue:
+                    await loop.run_in_executor(local.executor, worker.run_precompute)
+                    continue
+                msg, fut = await local.ops.get()
+                reply = await loop.run_in_executor(local.executor, worker.answer, msg)
+                settle(fut, reply, local.info, self.on_busy)
+        except Exception as e:  # what `answer` raises (a lost device) or a precompute's failure: as a crash
+            why = f"{type(e).__name__}: {e}"
+            log.error("worker %s failed: %s; giving it up", local.info.name, why)
+            self._give_up(local.info.name, why)
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         for name in list(self._local):

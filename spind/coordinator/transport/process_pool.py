@@ -4,7 +4,14 @@
 with the API key lands on disk), the DEALER socket the coordinator binds for it (a fresh ipc:// endpoint
 per incarnation, in the private run directory), and the replies in flight, matched by `seq`. Its reader
 task notices a dead process (exit) at once and a hung one through the call timeout; either fails every
-call in flight with `WorkerDied`, and the coordinator restarts it and re-prefills what it held.
+call in flight with `WorkerDied`, and the coordinator restarts it and re-prefills what it held. A worker whose
+device failed for good exits by itself (EXIT_DEVICE_ERROR) and is restarted the same way.
+
+Devices: each worker process sees only its own device. A "cuda:N" worker gets CUDA_VISIBLE_DEVICES = that one GPU
+(the Nth of those visible to the daemon) and is told it is "cuda:0", so nothing in it (a library's default device,
+pinned memory) can make a CUDA context, or take memory, on another GPU; a "cpu" worker sees no GPU at all. The
+worker still pins its device (torch.cuda.set_device), as the in-process pool's threads, which share one
+process's GPUs, must.
 """
 
 from __future__ import annotations
@@ -28,12 +35,14 @@ import zmq
 import zmq.asyncio
 
 from spind import protocol as P
-from spind.config import TARGET_WORKER, SpindConfig
+from spind.config import TARGET_WORKER, SpindConfig, is_cuda
 from spind.coordinator.placement import threads_for, worker_names
 from spind.coordinator.transport.pool import BusyHook, WorkerDied, WorkerError, WorkerInfo, quiet_future, settle
+from spind.worker.device import EXIT_DEVICE_ERROR
 
 log = logging.getLogger(__name__)
 
+WORKER_COMMAND = (sys.executable, "-m", "spind.worker.main")  # what runs a worker (tests run one that fails on cue)
 MAX_IPC_PATH = 100  # AF_UNIX paths are limited to 107 bytes on Linux
 SOCKET_NAME = re.compile(r"^(?:w-.+-(\d+)-\d+|probs-(\d+))\.sock$")  # w-NAME-PID-INCARNATION, probs-PID
 
@@ -71,8 +80,9 @@ def _pid_alive(pid: int) -> bool:
 
 class WorkerProcess:
     def __init__(self, ctx: zmq.asyncio.Context, name: str, cfg: SpindConfig, run_dir: Path, probs_endpoint: str,
-                 load_timeout_s: float) -> None:
+                 load_timeout_s: float, command: tuple[str, ...] = WORKER_COMMAND) -> None:
         self.ctx, self.name, self.cfg = ctx, name, cfg
+        self.command = command
         self.run_dir, self.probs_endpoint = run_dir, probs_endpoint
         self.info = WorkerInfo(name=name, is_target=name == TARGET_WORKER,
                                drafters=[d.name for d in cfg.drafters if d.worker == name],
@@ -101,10 +111,11 @@ class WorkerProcess:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
         self._ready_fut = asyncio.get_running_loop().create_future()
+        env, device = worker_env(self.cfg.worker(self.name).device)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "spind.worker.main", "--name", self.name, "--config", "-",
-             "--endpoint", endpoint, "--probs-endpoint", self.probs_endpoint, "--threads", str(self.info.threads)],
-            stdin=subprocess.PIPE, env=worker_env())
+            [*self.command, "--name", self.name, "--config", "-", "--endpoint", endpoint,
+             "--probs-endpoint", self.probs_endpoint, "--threads", str(self.info.threads), "--device", device],
+            stdin=subprocess.PIPE, env=env)
         self.proc.stdin.write(json.dumps(asdict(self.cfg)).encode())
         self.proc.stdin.close()
         self._reader = asyncio.create_task(self._read_loop(self.proc, self.sock), name=f"reader-{self.name}")
@@ -116,8 +127,7 @@ class WorkerProcess:
         if ready.name != self.name:
             await self.kill()
             raise WorkerDied(self.name, f"a worker named {ready.name!r} answered")
-        self.info.pid, self.info.max_model_len = ready.pid, ready.max_model_len
-        self.info.threads, self.info.dtype, self.info.device = ready.num_threads, ready.dtype, ready.device
+        self.info.update(ready)
         self.is_alive = True
         log.info("worker %s ready (pid %d, %d threads)", self.name, self.proc.pid, ready.num_threads)
 
@@ -198,6 +208,8 @@ class WorkerProcess:
                     self._dispatch(await sock.recv())
                 elif proc.poll() is not None:
                     why = f"exit code {proc.returncode}"
+                    if proc.returncode == EXIT_DEVICE_ERROR:
+                        why += " (its device failed; see its log)"
                     level = logging.INFO if self._is_stopping else logging.ERROR
                     log.log(level, "worker %s (pid %d) exited with %s", self.name, proc.pid, proc.returncode)
         except zmq.ZMQError as e:  # the socket broke under us: treat the worker as lost
@@ -232,23 +244,38 @@ class WorkerProcess:
                 fut.set_exception(WorkerDied(self.name, why))
 
 
-def worker_env() -> dict[str, str]:
-    """A worker's environment: OpenMP threads that sleep rather than spin when idle, so a worker waiting
-    on the coordinator does not burn the core another worker needs."""
-    env = dict(os.environ)
+def worker_env(device: str, environ: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
+    """The environment of a worker on `device` and the name it then knows its device by: only its own GPU visible
+    (see the module docstring; "cuda" is "cuda:0", and indices count the GPUs the daemon itself may see), none for
+    a CPU worker; OpenMP threads that sleep rather than spin when idle, so a worker waiting on the coordinator does
+    not burn the core another worker needs."""
+    env = dict(os.environ if environ is None else environ)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return env
+    if not is_cuda(device):
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        return env, device
+    index = int(device.partition(":")[2] or 0)
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [d.strip() for d in visible.split(",") if d.strip()]
+        if index >= len(ids):
+            raise ValueError(f"device {device}: CUDA_VISIBLE_DEVICES={visible!r} shows the daemon {len(ids)} GPU(s)")
+        env["CUDA_VISIBLE_DEVICES"] = ids[index]
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = str(index)
+    return env, "cuda:0"
 
 
 class ProcessPool:
     """All worker processes of one coordinator."""
 
-    def __init__(self, cfg: SpindConfig, run_dir: Path, load_timeout_s: float = 600.0) -> None:
+    def __init__(self, cfg: SpindConfig, run_dir: Path, load_timeout_s: float = 600.0,
+                 command: tuple[str, ...] = WORKER_COMMAND) -> None:
         self.cfg = cfg
         self.run_dir = prepare_run_dir(run_dir)
         self.ctx = zmq.asyncio.Context()
         probs = f"ipc://{self.run_dir / f'probs-{os.getpid()}.sock'}"
-        self.workers = {n: WorkerProcess(self.ctx, n, cfg, self.run_dir, probs, load_timeout_s)
+        self.workers = {n: WorkerProcess(self.ctx, n, cfg, self.run_dir, probs, load_timeout_s, command)
                         for n in worker_names(cfg)}
         self._on_busy: BusyHook | None = None
 
