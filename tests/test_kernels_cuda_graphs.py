@@ -138,4 +138,7 @@ def test_replayed_graphs_match_eager_forwards_on_gpu(name: str) -> None:
         model.backend.plan(case.meta)
         eager = model.forward(tokens, positions, case.meta, k_eager, v_eager)
         torch.testing.assert_close(out, eager, atol=1e-4, rtol=0)
-        torch.testing.assert_close(k_pool[:used], k_eager[:used], atol=0, rtol=0, equal_nan=True)
+        # the K/V written agree to fp32 rounding, not bit for bit: the replay's projections run at the bucket's padded
+        # row count, for which cuBLAS may pick another kernel (seen on an H100: 7e-7 apart)
+        torch.testing.assert_close(k_pool[:used], k_eager[:used], atol=1e-5, rtol=0, equal_nan=True)
+        torch.testing.assert_close(v_pool[:used], v_eager[:used], atol=1e-5, rtol=0, equal_nan=True)

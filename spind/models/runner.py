@@ -9,6 +9,8 @@ which is what CUDA-graph replay needs, and a forward's metadata costs O(batch) h
 
 from __future__ import annotations
 
+import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -113,9 +115,16 @@ class ModelRunner:
         def forward(tokens, positions, meta):
             return self.model(tokens, positions, meta, self.kv, self.attn)
 
-        return CudaGraphForward(forward, self.attn, make_buckets(max_batch, query_lens),
-                                max_blocks_per_seq=self.kv.max_blocks_per_seq, block_size=self.kv.block_size,
-                                pad_block=self.kv.seqs[PAD_SEQ].block_table[0], device=self.model.device)
+        graphs = CudaGraphForward(forward, self.attn, make_buckets(max_batch, query_lens),
+                                  max_blocks_per_seq=self.kv.max_blocks_per_seq, block_size=self.kv.block_size,
+                                  pad_block=self.kv.seqs[PAD_SEQ].block_table[0], device=self.model.device)
+        # every bucket now, at start-up: a capture inside serving would stall the first requests of each shape
+        start = time.perf_counter()
+        graphs.capture()
+        print(f"spind: captured {len(graphs.buckets)} CUDA graphs of {self.model.args.num_layers}-layer forwards "
+              f"(batch x tokens: {', '.join(f'{b.num_seqs}x{b.query_len}' for b in graphs.buckets)}) in "
+              f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        return graphs
 
     # ---- request lifecycle (paired verbs) ------------------------------------------------------
     def add_request(self, req_id: str) -> None:
