@@ -313,7 +313,8 @@ def _validate_devices(cfg: SpindConfig) -> None:
                               f"float16) or \"bfloat16\"")
         if r.attention == "invariant":
             raise ConfigError(f"[runtime] attention \"invariant\" is spind's batch-invariant CPU kernel, and the "
-                              f"target worker is on {target}: use attention = \"packed\" (or \"triton-packed\")")
+                              f"target worker is on {target}: use attention = \"triton-packed\" with cuda_graphs = "
+                              f"true (the fast path, as in configs/llama-7b.toml), or \"packed\"")
     if r.cuda_graphs and not is_cuda(target):
         raise ConfigError(f"[runtime] cuda_graphs = true needs the target worker on a CUDA device (it is on {target}); "
                           f"set cuda_graphs = false")

@@ -128,7 +128,7 @@ DEVICE_REFUSALS = [
      r"\[model\] dtype 'gguf-q16' runs on CPU only .* target worker is on cuda: use dtype = \"auto\""),
     (on("cuda:1", model={"dtype": "int4"}, **GPU), r"dtype 'int4' runs on CPU only"),
     (on("cuda:0", runtime={"attention": "invariant"}),
-     r"attention \"invariant\" is spind's batch-invariant CPU kernel.* use attention = \"packed\""),
+     r"attention \"invariant\" is spind's batch-invariant CPU kernel.* use attention = \"triton-packed\" with cuda_graphs = true"),
     ({"runtime": {"cuda_graphs": True, "attention": "triton-packed"}},
      r"cuda_graphs = true needs the target worker on a CUDA device \(it is on cpu\)"),
     (on("cuda", runtime={"cuda_graphs": True, "attention": "packed"}),

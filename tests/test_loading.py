@@ -67,6 +67,35 @@ def test_layer_subsets_take_the_named_layers(llama: Path) -> None:
         load_llama(llama, "float32", layers=(2,))
 
 
+def test_a_self_draft_beside_its_target_shares_the_targets_weights(llama: Path, tmp_path: Path) -> None:
+    """A `layers` self-draft on the target's worker is a view of the target's modules (no second copy of the weights),
+    computing what the same subset loaded apart computes; elsewhere (or over a quantized target) it loads apart."""
+    from spind.config import DrafterConfig
+    from spind.models.llama import layer_subset
+    from spind.models.runner import ForwardItem, ModelRunner
+    from spind.worker.worker import shared_self_draft
+
+    target = load_llama(llama, "float32")
+    dc = DrafterConfig(name="half", kind="self", variant="layers", layers=(1,))
+    shared = shared_self_draft(dc, target)
+    assert shared is not None and shared.layers[0] is target.layers[1] and shared.lm_head is target.lm_head
+    assert {p.data_ptr() for p in shared.parameters()} <= {p.data_ptr() for p in target.parameters()}
+    apart = load_llama(llama, "float32", layers=(1,))
+    prompt = list(range(3, 40))
+    logits = []
+    for model in (shared, apart):
+        runner = ModelRunner(model, 8, 16, "packed")
+        runner.add_request("r")
+        logits.append(runner.forward([ForwardItem("r", prompt, 4)])[0])
+    torch.testing.assert_close(logits[0], logits[1], atol=0, rtol=0)
+    assert shared_self_draft(dc, None) is None  # hosted on another worker: loaded there
+    assert shared_self_draft(DrafterConfig(name="b", kind="self", variant="bf16"), target) is None
+    target.quantized = "gguf-q16"  # a quantized target's layers run as one fused stack
+    assert shared_self_draft(dc, target) is None
+    with pytest.raises(ValueError, match="fused stack"):
+        layer_subset(target, [1])
+
+
 def test_tied_and_headless_checkpoints_share_the_embedding(llama: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 

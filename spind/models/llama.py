@@ -137,6 +137,23 @@ def load_llama(model_dir: Path, dtype: str = "float32", device: str = "cpu",
     return model.eval().requires_grad_(False)
 
 
+def layer_subset(model: LlamaModel, layers: list[int] | tuple[int, ...]) -> LlamaModel:
+    """A layer-subset self-draft that shares `model`'s weights: its embedding, final norm, head and kept blocks are
+    the target's own modules, so the draft costs no second copy of them (only its own KV cache). Float models only:
+    a quantized target runs its layers as one fused stack (spind/models/fused.py) that a subset cannot reuse."""
+    if model.quantized is not None:
+        raise ValueError(f"a {model.quantized} target's layers run as one fused stack; load the subset apart")
+    keep = list(layers)
+    if not keep or any(not 0 <= i < len(model.layers) for i in keep):
+        raise ValueError(f"layer subset {keep} out of range 0..{len(model.layers) - 1}")
+    with torch.device("meta"):  # a frame only: every module and buffer is replaced by the target's
+        sub = LlamaModel(dataclasses.replace(model.args, num_layers=len(keep)))
+    sub.embed_tokens, sub.norm, sub.lm_head = model.embed_tokens, model.norm, model.lm_head
+    sub.layers = nn.ModuleList(model.layers[i] for i in keep)
+    sub.rope_cos, sub.rope_sin = model.rope_cos, model.rope_sin
+    return sub.eval()
+
+
 def _materialise(model: nn.Module, device: str) -> None:
     """Module.to_empty, with shared parameters kept shared; and by shape, since torch.empty_like of a meta tensor
     imports sympy and torch's symbolic shapes (~35 MB resident for the process's life)."""

@@ -23,9 +23,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from spind import protocol as P
-from spind.config import TARGET_WORKER, SpindConfig, canonical_device, resolve_dtype
+from spind.config import TARGET_WORKER, DrafterConfig, SpindConfig, canonical_device, resolve_dtype
 from spind.drafters import Drafter, DraftInput, load_drafter_model, make_drafter
-from spind.models.llama import load_llama
+from spind.models.llama import LlamaModel, layer_subset, load_llama
 from spind.models.loader import resolve_model_dir
 from spind.models.runner import ModelRunner, resolve_kv_dtype
 from spind.params import SamplingParams
@@ -40,6 +40,14 @@ log = logging.getLogger(__name__)
 
 PRECOMPUTE_CHUNK = 256  # tokens one precompute step feeds, so it never holds up a Propose for long
 PROBS_TIMEOUT_S = 30.0
+
+
+def shared_self_draft(dc: DrafterConfig, target: LlamaModel | None) -> LlamaModel | None:
+    """A `layers` self-draft hosted beside its (float) target: a view of the target's own modules, no second copy
+    of the weights; None where it must be loaded apart (another worker, a quantized target, another variant)."""
+    if target is None or dc.kind != "self" or dc.variant != "layers" or target.quantized is not None:
+        return None
+    return layer_subset(target, dc.layers)
 
 
 @dataclass
@@ -69,8 +77,8 @@ class Worker:
         # every model first, then their KV pools: "auto" sizes the pools from what the models leave of the device
         target = load_llama(model_dir, self.dtype, self.device) if name == TARGET_WORKER else None
         hosted = [d for d in cfg.drafters if d.worker == name]
-        drafter_models = {d.name: load_drafter_model(d, cfg, model_dir, tokenizer, self.device, self.dtype)
-                          for d in hosted}
+        drafter_models = {d.name: shared_self_draft(d, target) or
+                          load_drafter_model(d, cfg, model_dir, tokenizer, self.device, self.dtype) for d in hosted}
         kv = [(m, resolve_kv_dtype("auto", m, r.attention)) for m in drafter_models.values() if m is not None]
         if target is not None:
             kv.insert(0, (target, resolve_kv_dtype(r.kv_cache_dtype, target, r.attention)))
