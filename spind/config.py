@@ -29,8 +29,8 @@ SELF_DRAFT_VARIANTS = ("bf16", "int8-weight-only", "int8-dynamic", "layers", "gg
 # runs the GGUF's own blocks (Q4_0, Q4_1, Q8_0) with spind's batch-invariant CPU kernel at fp32 precision, "gguf-q16" /
 # "gguf-q8" the same blocks with 15- / 8-bit activations (integer dot products, bit-identical on every x86 path);
 # "int4" / "int8" use torch's weight-only CPU kernels (bf16 activations). The quantized ones run on CPU only.
-DTYPES = ("auto", "float32", "bfloat16", "float16", "gguf", "gguf-q16", "gguf-q8", "int4", "int8")
-CPU_ONLY_DTYPES = ("gguf", "gguf-q16", "gguf-q8", "int4", "int8")  # spind.models.quant.QUANTIZED_DTYPES
+QUANTIZED_DTYPES = ("gguf", "gguf-q16", "gguf-q8", "int4", "int8")  # spind/models/quant.py builds them; CPU only
+DTYPES = ("auto", "float32", "bfloat16", "float16", *QUANTIZED_DTYPES)
 # Self-draft variants whose kernels exist on CPU only -> what runs on a GPU instead. int8-weight-only stays: torch's
 # _weight_int8pack_mm has a CUDA kernel.
 CPU_ONLY_VARIANTS = {
@@ -307,7 +307,7 @@ def _validate_devices(cfg: SpindConfig) -> None:
     m, r = cfg.model, cfg.runtime
     target = cfg.worker(TARGET_WORKER).device
     if is_cuda(target):
-        if m.dtype in CPU_ONLY_DTYPES:
+        if m.dtype in QUANTIZED_DTYPES:
             raise ConfigError(f"[model] dtype {m.dtype!r} runs on CPU only (spind's quantized CPU kernels), and the "
                               f"target worker is on {target}: use dtype = \"auto\" (the checkpoint's bfloat16 / "
                               f"float16) or \"bfloat16\"")
@@ -330,7 +330,7 @@ def _validate_devices(cfg: SpindConfig) -> None:
                               f"({device}): {CPU_ONLY_VARIANTS[d.variant]}, or host it on a CPU worker")
         at_model_dtype = (d.kind == "self" and d.variant == "layers"
                           or d.kind == "model" and (d.path == "default" or d.path.endswith(".gguf")))
-        if at_model_dtype and m.dtype in CPU_ONLY_DTYPES:
+        if at_model_dtype and m.dtype in QUANTIZED_DTYPES:
             raise ConfigError(f"[[drafters]] {d.name} loads at [model] dtype {m.dtype!r}, which runs on CPU only, on "
                               f"worker {d.worker!r} ({device}): use dtype = \"auto\", or host it on a CPU worker")
 

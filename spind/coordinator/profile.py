@@ -99,7 +99,7 @@ def kernels_digest() -> str:
 def served_context(cfg: SpindConfig, pool) -> int:
     """The longest sequence the target serves: [model].max_model_len, or less where the model caps it (a sliding
     window spind keeps from binding, spind/models/layers.py)."""
-    return min(cfg.model.max_model_len, pool.info(TARGET_WORKER).max_model_len or cfg.model.max_model_len)
+    return pool.info(TARGET_WORKER).max_model_len or cfg.model.max_model_len  # the worker reports the smaller
 
 
 def profile_key(cfg: SpindConfig, workers: list[dict], max_model_len: int) -> str:

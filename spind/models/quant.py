@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from spind.config import QUANTIZED_DTYPES
 from spind.kernels import cpu_ext
 from spind.models.fused import FusedStack, fuse_modules
 from spind.models.gguf_linear import GGUFLinear, block_fields, concat_blocks
@@ -32,7 +33,6 @@ from spind.models.loader import GGUFBlocks, gguf_source, load_gguf_blocks
 
 log = logging.getLogger(__name__)
 
-QUANTIZED_DTYPES = ("gguf", "gguf-q16", "gguf-q8", "int4", "int8")
 GGUF_DTYPES = {"gguf": "fp32", "gguf-q16": "q16", "gguf-q8": "q8"}  # GGUFLinear targets -> their activations
 INT4_GROUP = 32  # GGUF's block: torch's int4 groups map one to one onto Q4_0 / Q4_1 blocks
 
