@@ -47,7 +47,7 @@ constexpr int64_t kPair = 32;   // output rows per packed block (two 16-row tile
 constexpr int kCols = 2;        // vectors of output rows per unit of work
 constexpr int64_t kUnit = kCols * kLanes;  // 32 (a pair) or 16 (a tile)
 // Software prefetch distance in blocks (10 KB of Q4_1). Measured on the default model at 1 thread (AVX-512 VNNI):
-// without it a 5-row verify's GEMMs take 1.6x longer; 4 to 32 are within noise of each other.
+// without it a 5-row verify's GEMMs take 1.6x longer; 8 to 32 are within noise of each other.
 constexpr int64_t kPrefetchBlocks = 16;
 
 enum class Format { kQ4_1, kQ8_0 };
@@ -67,15 +67,19 @@ struct Weights {
       for (int64_t off = 0; off < block_bytes(); off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(blocks + i * block_bytes() + off), _MM_HINT_T0);
   }
-  // Pass `pass` of `passes` over a pair's blocks (row blocks of one unit): its share of the next pair's blocks, one
-  // per `passes` block iterations, so that fetching the weights keeps pace with the compute of many-row calls
-  // instead of idling through every pass but the first (without it a 16-row call costs the memory time plus the
-  // compute time, not their maximum).
-  void prefetch_next(int64_t pair, int64_t g, int pass, int passes) const {
-    if (g % passes) return;
-    const int64_t share = (groups + passes - 1) / passes, b = pass * share + g / passes;
-    if (b < groups) prefetch((pair + 1) * groups + b);
+  // Multi-row calls: the first row block's pass streams the pair's blocks into L2 kPrefetchBlocks ahead (the later
+  // passes over the pair find them there). Fetching into L1 instead, one block per pass spread over the passes
+  // (the previous scheme), left a 5-row verify's GEMMs 1.4x slower on Zen 4 (13.1 vs 9.7 ms over the default
+  // model's layers at 1 thread): the prefetches of a whole 640-byte block at once queued behind the L1's few
+  // outstanding misses.
+  void prefetch_l2(int64_t pair, int64_t g, int pass) const {
+    const int64_t i = pair * groups + g + kPrefetchBlocks;
+    if (pass == 0 && i < num_blocks)
+      for (int64_t off = 0; off < block_bytes(); off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blocks + i * block_bytes() + off), _MM_HINT_T1);
   }
+  // Single-row calls (decode): the next pair's block g into L1 while this pair's block g is used.
+  void prefetch_next_pair(int64_t pair, int64_t g) const { prefetch((pair + 1) * groups + g); }
   const uint16_t* d(const uint8_t* b) const { return reinterpret_cast<const uint16_t*>(b); }
   const uint16_t* m(const uint8_t* b) const { return reinterpret_cast<const uint16_t*>(b + 64); }
   const uint8_t* codes(const uint8_t* b, int64_t tile) const {
@@ -277,10 +281,39 @@ SPIND_INLINE void dot16_rows(const uint8_t* codes, bool q4, const int16_t* const
 // y[r0 + r, unit] for MR rows. Per output, blocks in increasing order: D exact int32 dots, Horner in fp32, then
 // acc = fma(T, d * scale, acc) (and acc = fma(m, sum, acc) for Q4_x).
 template <int MR, int D>
-void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r0, float* y, int64_t ldy, int pass,
-                   int passes) {
+void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r0, float* y, int64_t ldy,
+                   int pass) {
   const bool q4 = w.format == Format::kQ4_1;
   const int64_t pair = unit * kUnit / kPair, row0 = unit * kUnit % kPair;  // first output row of the unit in its pair
+#ifdef SPIND_VNNI
+  if constexpr (MR == 1) {
+    // One row (decode): both columns of each block before the next block, so the weights are read once, in stream
+    // order (column by column, each pair's blocks were read twice; ~2x slower on Zen 4 once the weights come from
+    // memory: the default model's Q8_0 lm_head 2.25 -> 1.19 ms at 1 thread). Two accumulators and two columns' codes
+    // fit the registers at one row. Each output's blocks are still added in increasing order: the same results.
+    vf acc[kCols] = {vzero(), vzero()};
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const uint8_t* blk = w.block(pair, g);
+      w.prefetch_next_pair(pair, g);
+      const int64_t rg = r0 * w.groups + g;
+      const int32_t* quads = reinterpret_cast<const int32_t*>(a.digits.data() + rg * D * kBlock);
+#pragma GCC unroll 2
+      for (int c = 0; c < kCols; ++c) {
+        const int64_t row = row0 + c * kLanes;
+        Column col;
+        col.load(w.codes(blk, row / 16) + (row % 16) * 4, q4);
+        vf t = to_float(col.dot(quads, a.digit_sum[rg * D]));
+        for (int e = 1; e < D; ++e)
+          t = vfma(t, vset1(static_cast<float>(Digits<D>::kBase)),
+                   to_float(col.dot(quads + 8 * e, a.digit_sum[rg * D + e])));
+        acc[c] = vfma(t, vmul(load_f16(w.d(blk) + row), vset1(a.scale[rg])), acc[c]);
+        if (q4) acc[c] = vfma(load_f16(w.m(blk) + row), vset1(a.sum[rg]), acc[c]);
+      }
+    }
+    for (int c = 0; c < kCols; ++c) vstore(y + c * kLanes, acc[c]);
+    return;
+  }
+#endif
   // One column at a time over every block: MR accumulators, the column's unpacked codes and the dots' temporaries fit
   // the vector registers (both columns' 2 MR accumulators did not: the compiler spilled them to the stack in every
   // block, and with the row loop unrolled, the codes too).
@@ -291,7 +324,7 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
     for (int r = 0; r < MR; ++r) acc[r] = vzero();
     for (int64_t g = 0; g < w.groups; ++g) {
       const uint8_t* blk = w.block(pair, g);
-      if (c == 0) w.prefetch_next(pair, g, pass, passes);
+      if (c == 0) w.prefetch_l2(pair, g, pass);
 #ifndef SPIND_VNNI
       if constexpr (D == 2) {
         const int16_t* q[MR];
@@ -340,9 +373,8 @@ struct IntPath {
   static constexpr int kRows = 4;
 #endif
   template <int MR>
-  static void block(const Weights& w, const Inputs& in, int64_t unit, int64_t r0, float* y, int64_t ldy, int pass,
-                    int passes) {
-    int_row_block<MR, D>(w, in, unit, r0, y, ldy, pass, passes);
+  static void block(const Weights& w, const Inputs& in, int64_t unit, int64_t r0, float* y, int64_t ldy, int pass) {
+    int_row_block<MR, D>(w, in, unit, r0, y, ldy, pass);
   }
 };
 
@@ -422,8 +454,8 @@ struct Fp32Path {
   using Inputs = Fp32Rows;
   static constexpr int kRows = 2;
   template <int MR>
-  static void block(const Weights& w, const Inputs& in, int64_t unit, int64_t r0, float* y, int64_t ldy, int /*pass*/,
-                    int /*passes*/) {
+  static void block(const Weights& w, const Inputs& in, int64_t unit, int64_t r0, float* y, int64_t ldy,
+                    int /*pass*/) {
     fp32_row_block<MR>(w, in, unit, r0, y, ldy);
   }
 };
@@ -432,11 +464,11 @@ struct Fp32Path {
 // y[r0 .. r0 + n) for one unit, in register blocks of at most MR rows
 template <class Path, int MR>
 void rows(const Weights& w, const typename Path::Inputs& in, int64_t unit, int64_t r0, float* y, int64_t ldy,
-          int64_t n, int pass, int passes) {
+          int64_t n, int pass) {
   if constexpr (MR > 1) {
-    if (n < MR) return rows<Path, MR - 1>(w, in, unit, r0, y, ldy, n, pass, passes);
+    if (n < MR) return rows<Path, MR - 1>(w, in, unit, r0, y, ldy, n, pass);
   }
-  Path::template block<MR>(w, in, unit, r0, y, ldy, pass, passes);
+  Path::template block<MR>(w, in, unit, r0, y, ldy, pass);
 }
 
 // Rows per tile of a many-row call (prefill): a thread runs every unit of its share over one tile of rows before the
@@ -455,11 +487,10 @@ at::Tensor gemm(const at::Tensor& x, const Weights& w, int64_t n_out) {
   parallel_for(0, n_out / kUnit, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tile = 0; tile < M; tile += kRowTile) {
       const int64_t tile_end = std::min(M, tile + kRowTile);
-      const int passes = static_cast<int>((tile_end - tile + kRows - 1) / kRows);
       for (int64_t u = begin; u < end; ++u)
         for (int64_t r0 = tile; r0 < tile_end; r0 += kRows)
           rows<Path, kRows>(w, in, u, r0, yp + r0 * n_out + u * kUnit, n_out, std::min<int64_t>(kRows, tile_end - r0),
-                            static_cast<int>((r0 - tile) / kRows), passes);
+                            static_cast<int>((r0 - tile) / kRows));
     }
   });
   return y;
