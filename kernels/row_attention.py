@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 def context_slots(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """Every sequence's cache slots of positions 0 .. seq_len - 1, packed ([sum of seq_lens] int64), and where
-    each sequence's run starts ([B] int64): the kernel's view of the block tables."""
+    each sequence's run starts ([B] int64): the kernel's view of the block tables. The reference of the kernels'
+    `context_slots` op, which the backend plans with."""
     seq_lens = meta.seq_lens.long().cpu()
     width = max(meta.max_seq_len, 1)
     pos = torch.arange(width).expand(meta.num_seqs, width)
@@ -55,7 +56,8 @@ class RowInvariantAttention(Backend):
         self._meta, self._fallback_planned = meta, False
         self.num_owned = sum(meta.query_lens_cpu)  # trailing tokens of no sequence (CUDA-graph padding) get zeros
         if self.ops is not None:
-            self.slots, self.slot_start = context_slots(meta)
+            self.slots, self.slot_start = self.ops.context_slots(meta.block_tables.contiguous(),
+                                                                 meta.seq_lens.contiguous(), meta.block_size)
             self.cu_q = meta.query_start_loc.long().contiguous()
             self.ctx_lens = meta.seq_lens.long().contiguous()
 

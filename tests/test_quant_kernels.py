@@ -107,6 +107,18 @@ def row_attention(ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) 
                              meta.seq_lens.long(), 0.125)
 
 
+def test_context_slots_op_matches_the_torch_reference(ops) -> None:
+    g = torch.Generator().manual_seed(3)
+    for seq_lens, block_size in (([40, 100, 17, 200], 16), ([1], 16), ([0, 5], 4), ([33, 64, 1, 9, 31], 8)):
+        blocks = [torch.randperm(64, generator=g)[:-(-n // block_size) + 1].tolist() for n in seq_lens]
+        meta = build_metadata([min(n, 1) for n in seq_lens], seq_lens, blocks, block_size, max_blocks_per_seq=40)
+        slots, start = ops.context_slots(meta.block_tables, meta.seq_lens, block_size)
+        want_slots, want_start = context_slots(meta)
+        assert torch.equal(slots, want_slots) and torch.equal(start, want_start)
+    with pytest.raises(RuntimeError, match="positions, its table holds"):
+        ops.context_slots(torch.zeros(1, 2, dtype=torch.int32), torch.tensor([33], dtype=torch.int32), 16)
+
+
 def test_row_attention_matches_the_reference_and_is_invariant(ops) -> None:
     case = make_paged_case([1, 5, 17, 3], [40, 100, 17, 200], 9, 3, 64, block_size=16, seed=5)
     q, k, v, meta = case.q * 3, case.k_cache, case.v_cache, case.meta
