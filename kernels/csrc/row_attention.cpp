@@ -276,7 +276,8 @@ std::tuple<at::Tensor, at::Tensor> context_slots(const at::Tensor& block_tables,
   at::Tensor slots = at::empty({total}, start.options());
   int64_t* out = slots.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t p = 0; p < lens[b]; ++p) *out++ = int64_t{tables[b * W + p / block_size]} * block_size + p % block_size;
+    for (int64_t p = 0; p < lens[b]; ++p)
+      *out++ = int64_t{tables[b * W + p / block_size]} * block_size + p % block_size;
   return {slots, start};
 }
 }  // namespace

@@ -203,7 +203,8 @@ class ModelRunner:
         i32, i64 = torch.int32, torch.int64
         meta = AttentionMetadata(
             num_seqs=b, num_tokens=t, query_start_loc=stage(buf.query_start_loc, torch.tensor(cu, dtype=i32)),
-            seq_lens=stage(buf.seq_lens, torch.tensor(seq_lens, dtype=i32)), block_tables=stage(buf.block_tables, tables),
+            seq_lens=stage(buf.seq_lens, torch.tensor(seq_lens, dtype=i32)),
+            block_tables=stage(buf.block_tables, tables),
             slot_mapping=stage(buf.slot_mapping, torch.tensor(slot_mapping, dtype=i64)), block_size=bs,
             query_lens_cpu=tuple(q_lens), seq_lens_cpu=tuple(seq_lens))
         tokens = stage(buf.tokens, torch.tensor(flat, dtype=i64))
