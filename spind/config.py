@@ -377,6 +377,12 @@ def max_kv_blocks(cfg: SpindConfig, max_model_len: int | None = None) -> int:
     return -(-(max_model_len or cfg.model.max_model_len) // r.kv_block_size) * r.max_batch_size
 
 
+def configured_kv_blocks(cfg: SpindConfig) -> int:
+    """[runtime].kv_num_blocks, with 0 (auto) as max_kv_blocks: a pool's size where no device is measured (a drafter
+    built on its own, a bench's CPU runner, the coordinator's budget until the workers report theirs)."""
+    return cfg.runtime.kv_num_blocks or max_kv_blocks(cfg)
+
+
 def _array(value: Any, where: str) -> list:
     if not isinstance(value, list):
         raise ConfigError(f"[[{where}]] must be an array of tables ([[{where}]] entries), got {value!r}")

@@ -30,7 +30,7 @@ from spind.bench.datasets import DEFAULT_DATASETS_DIR
 from spind.bench.decode import _cpu_name
 from spind.bench.quality import quality_windows
 from spind.bench.report import Progress, fmt, format_table
-from spind.config import SpindConfig, max_kv_blocks
+from spind.config import SpindConfig, configured_kv_blocks
 from spind.coordinator.transport.local import LocalEngine
 from spind.kernels import cpu_ext
 from spind.params import SamplingParams
@@ -147,7 +147,7 @@ def run_batch_bench(cfg: SpindConfig, settings: BatchBenchSettings) -> dict:
         cfg_t = dataclasses.replace(cfg, runtime=dataclasses.replace(
             cfg.runtime, threads=threads, adaptive_threads=False,
             max_batch_size=max(cfg.runtime.max_batch_size, max(settings.batches)),
-            kv_num_blocks=max(cfg.runtime.kv_num_blocks or max_kv_blocks(cfg), max(settings.batches) * (
+            kv_num_blocks=max(configured_kv_blocks(cfg), max(settings.batches) * (
                 -(-(settings.context + settings.k + 2) // cfg.runtime.kv_block_size)))))
         runs.append(_measure(cfg_t, settings, progress))
     print(f"done: {len(runs)} thread counts", file=sys.stderr)

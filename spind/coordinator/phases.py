@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from spind import protocol as P
-from spind.config import TARGET_WORKER, SpindConfig, max_kv_blocks
+from spind.config import TARGET_WORKER, SpindConfig, configured_kv_blocks
 from spind.coordinator.history import History
 from spind.coordinator.interface import Delta, Usage
 from spind.coordinator.metrics import EngineMetrics, SlotTimes
@@ -83,7 +83,7 @@ class SlotPhases:
         self.history = History()  # busy intervals, per-second throughput, latencies: for the dashboard
         self.times = SlotTimes()
         # until the workers say what they hold (kv_num_blocks = 0: each sizes its pools), the config's number
-        self.budget = KVBudget(cfg.runtime.kv_num_blocks or max_kv_blocks(cfg), cfg.runtime.kv_block_size)
+        self.budget = KVBudget(configured_kv_blocks(cfg), cfg.runtime.kv_block_size)
         self.max_batch_size = cfg.runtime.max_batch_size
         self.requests: dict[str, RequestState] = {}  # waiting + running
         self.waiting: deque[RequestState] = deque()

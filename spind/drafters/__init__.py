@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spind.config import DrafterConfig, SpindConfig, max_kv_blocks, resolve_dtype
+from spind.config import DrafterConfig, SpindConfig, configured_kv_blocks, resolve_dtype
 from spind.drafters.base import Draft, DraftInput, Drafter
 from spind.drafters.model import ModelDrafter
 from spind.drafters.ngram import NgramDrafter
@@ -37,7 +37,7 @@ def build_drafter(dc: DrafterConfig, cfg: SpindConfig, target_dir: Path, target_
     """One drafter, loaded and ready: its model at [model].dtype as resolved on `device`, its KV pool of
     [runtime].kv_num_blocks (0: as many as max_batch_size requests of max_model_len can fill)."""
     model = load_drafter_model(dc, cfg, target_dir, target_tok, device, resolve_dtype(cfg, target_dir, device))
-    return make_drafter(dc, cfg, model, cfg.runtime.kv_num_blocks or max_kv_blocks(cfg))
+    return make_drafter(dc, cfg, model, configured_kv_blocks(cfg))
 
 
 def load_drafter_model(dc: DrafterConfig, cfg: SpindConfig, target_dir: Path, target_tok: Tokenizer,
