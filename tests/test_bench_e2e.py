@@ -7,7 +7,8 @@ import json
 import pytest
 
 from spind.bench.datasets import WorkloadFormatError, read_prompt_file, sample_workload
-from spind.bench.e2e import RefusedSystem, RequestRecord, arrivals, best_arms, drafter_shares, parse_system
+from spind.bench.e2e import (RefusedSystem, RequestRecord, arrivals, best_arms, drafter_shares, parse_system,
+                             spind_config)
 from spind.cli import main
 from spind.config import load_config
 from spind.coordinator.selection.protocol import Arm
@@ -17,11 +18,15 @@ from spind.policy import Policy
 def test_systems_parse_and_unknown_ones_are_refused():
     cfg = load_config()
     spin = parse_system("spin", cfg)
-    assert (str(spin.policy), spin.pipeline, spin.attention) == ("lbss", True, "packed") and "int8" in spin.drafters
+    assert (str(spin.policy), spin.pipeline, spin.attention) == ("lbss", True, None) and "int8" in spin.drafters
     fixed = parse_system("fixed:int8", cfg)
     assert (fixed.policy, fixed.drafters, fixed.pipeline, fixed.attention) == \
-        (Policy("fixed", "int8"), ("int8",), False, "padded")
+        (Policy("fixed", "int8"), ("int8",), False, None)
     assert parse_system("spin-nobatch-nopipe", cfg).attention == "padded"
+    # the systems a user chooses between run the attention the daemon serves; only the ablation swaps it
+    for name in ("none", "spin", "fixed:int8"):
+        assert spind_config(cfg, parse_system(name, cfg), 4).runtime.attention == cfg.runtime.attention == "invariant"
+    assert spind_config(cfg, parse_system("spin-nobatch-nopipe", cfg), 4).runtime.attention == "padded"
     assert parse_system("hf-assisted:bf16", cfg).hf_drafter == "bf16"
     for bad in ("fast", "fixed:nope", "fixed:int8@2", "fixed:", "hf-assisted:nope"):
         with pytest.raises(RefusedSystem):

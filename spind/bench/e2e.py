@@ -6,15 +6,17 @@ on the same weights. Systems, one row each:
 
 | system                 | selection       | drafters | attention | pipeline | the paper's name                     |
 |------------------------|-----------------|----------|-----------|----------|--------------------------------------|
-| `none`                 | -               | none     | packed    | -        | plain decoding (all cores)           |
-| `fixed:NAME`           | that drafter    | NAME     | padded    | off      | Vanilla speculative decoding         |
-| `spin`                 | lbss            | all      | packed    | on       | Spin                                 |
-| `spin-nopipe`          | lbss            | all      | packed    | off      | Spin w/o pipeline                    |
+| `none`                 | -               | none     | served    | -        | plain decoding (all cores)           |
+| `fixed:NAME`           | that drafter    | NAME     | served    | off      | Vanilla speculative decoding         |
+| `spin`                 | lbss            | all      | served    | on       | Spin                                 |
+| `spin-nopipe`          | lbss            | all      | served    | off      | Spin w/o pipeline                    |
 | `spin-nobatch-nopipe`  | lbss            | all      | padded    | off      | Spin w/o batch. & pipe.              |
 | `greedy-length`, `epsilon-greedy`, `random`, `oracle` | that policy | all | padded | off | §VII-B's selection baselines |
 
 (§VII-B compares selection policies with fast batch verification and the pipeline off, so the baselines run
-like `spin-nobatch-nopipe`.) `oracle` knows each request's best drafter in hindsight: the one whose `fixed:`
+like `spin-nobatch-nopipe`.) "served" is the configured [runtime].attention, what the daemon runs (on CPU the
+batch-invariant row kernel over an fp16 KV cache; on a GPU triton-packed): the systems a user would choose between
+are timed on the engine they would get, and only the ablations swap in padded verification. `oracle` knows each request's best drafter in hindsight: the one whose `fixed:`
 run served it fastest in this same bench run, so it needs those systems in the list.
 
 Requests arrive in a closed loop (`--batch-size` clients, each sending its next request when the previous
@@ -41,7 +43,7 @@ from spind.params import SamplingParams
 from spind.policy import Policy
 
 POLICIES = ("greedy-length", "epsilon-greedy", "random", "oracle")
-SPIN = {"spin": (True, "packed"), "spin-nopipe": (False, "packed"), "spin-nobatch-nopipe": (False, "padded")}
+SPIN = {"spin": (True, None), "spin-nopipe": (False, None), "spin-nobatch-nopipe": (False, "padded")}  # None: served
 
 
 def fixed_policy(system: str) -> Policy | None:
@@ -67,8 +69,7 @@ def parse_system(name: str, cfg: SpindConfig) -> SystemSpec:
     if fixed is not None:
         if fixed.drafter not in names:
             raise RefusedSystem(f"{name}: no configured drafter {fixed.drafter!r} (configured: {', '.join(names)})")
-        return SystemSpec(name=name, kind="spind", policy=fixed, drafters=(fixed.drafter,), pipeline=False,
-                          attention="padded")
+        return SystemSpec(name=name, kind="spind", policy=fixed, drafters=(fixed.drafter,), pipeline=False)
     if name in SPIN:
         pipeline, attention = SPIN[name]
         return SystemSpec(name=name, kind="spind", policy=Policy("lbss"), drafters=names, pipeline=pipeline,
@@ -100,7 +101,7 @@ def arrivals(n: int, rate: float | None, seed: int) -> list[float]:
 
 # ---- spind systems --------------------------------------------------------------------------------
 def spind_config(cfg: SpindConfig, spec: SystemSpec, k: int) -> SpindConfig:
-    r = dataclasses.replace(cfg.runtime, pipeline=spec.pipeline, attention=spec.attention)
+    r = dataclasses.replace(cfg.runtime, pipeline=spec.pipeline, attention=spec.attention or cfg.runtime.attention)
     return dataclasses.replace(cfg, runtime=r, speculation=dataclasses.replace(cfg.speculation, k=k),
                                selection=dataclasses.replace(cfg.selection, policy=str(spec.policy)))
 

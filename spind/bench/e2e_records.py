@@ -20,7 +20,7 @@ class SystemSpec:
     policy: Policy = Policy("none")  # the spind systems' [selection].policy
     drafters: tuple[str, ...] = ()
     pipeline: bool = False
-    attention: str = "packed"
+    attention: str | None = None  # [runtime].attention for this system; None: the configured one (what serving runs)
     hf_drafter: str = ""  # hf-assisted: the configured drafter standing in as the assistant model
 
 
