@@ -99,13 +99,25 @@ def verify_cost(state: SpindState) -> dict | None:
     return cost
 
 
+def _batch_line(cost: dict, b: int) -> tuple[float, float]:
+    """(intercept, ms per token) of batch size b: its own line where the selector has one (`by_batch`), else the
+    global line at b."""
+    own = cost.get("by_batch")
+    own = own.get(str(b)) if isinstance(own, dict) else None
+    if isinstance(own, dict) and _number(own.get("c0_ms")) is not None and _number(own.get("per_token_ms")) is not None:
+        return float(own["c0_ms"]), float(own["per_token_ms"])
+    return cost["c0_ms"] + cost["per_request_ms"] * b, cost["per_token_ms"]
+
+
 def verify_cost_frame(state: SpindState, batches: tuple[int, ...] = COST_BATCHES) -> pd.DataFrame:
-    """Predicted verify ms against the forward's tokens T, one line per batch size B (T from B to 9B)."""
+    """Predicted verify ms against the forward's tokens T, one line per batch size B (T from B to 9B): each B's own
+    line where the selector fitted one, else the global line."""
     cost = verify_cost(state)
-    rows = [] if cost is None else [
-        {"requests": b, "tokens": b * m,
-         "predicted_ms": cost["c0_ms"] + cost["per_request_ms"] * b + cost["per_token_ms"] * b * m}
-        for b in batches for m in COST_TOKENS_PER_REQUEST]
+    rows = []
+    for b in batches if cost is not None else ():
+        c0, per_token = _batch_line(cost, b)
+        rows += [{"requests": b, "tokens": b * m, "predicted_ms": c0 + per_token * b * m}
+                 for m in COST_TOKENS_PER_REQUEST]
     return pd.DataFrame(rows, columns=["requests", "tokens", "predicted_ms"])
 
 
@@ -160,6 +172,11 @@ def verify_cost_summary(state: SpindState) -> str | None:
                  if n is not None]
         line = f"{cost['c0_ms']:.3g} + {cost['per_request_ms']:.3g}·B + {cost['per_token_ms']:.3g}·T"
         parts.append(f"verify ms = {line}" + (f" ({', '.join(basis)})" if basis else ""))
+        own = cost.get("by_batch") if isinstance(cost.get("by_batch"), dict) else {}
+        slopes = [f"B={b}: {_number(v.get('per_token_ms')):.3g}" for b, v in own.items()
+                  if isinstance(v, dict) and _number(v.get("per_token_ms")) is not None]
+        if slopes:
+            parts.append("ms per token by batch size " + ", ".join(slopes[:6]))
     return " · ".join(parts)
 
 

@@ -62,6 +62,42 @@ def test_cost_model_without_a_profile_learns_from_forwards_and_ignores_bad_ones(
     assert cost.seconds_per_token == pytest.approx(C_TOK, rel=0.05)
 
 
+def test_each_batch_size_has_its_own_token_cost_the_profiles_chord_refined_by_its_forwards():
+    """A CPU forward is convex in T: cheap extra tokens while it streams the weights, dear ones once it is
+    compute-bound. One line over every B prices batch 1's drafts at the large forwards' rate; each B's line
+    prices them at its own."""
+    def convex(b: int, t: int) -> float:  # 1.2 ms per token at B = 1, 1.9 ms at B = 16
+        slope = 0.0012 + 0.0007 * (b - 1) / 15
+        return 0.005 + 0.0005 * b + slope * t
+    cost = VerifyCost()
+    cost.add_prior([(b, t, convex(b, t)) for b in (1, 2, 4, 8, 16) for t in (b, 5 * b)])
+    assert cost.seconds_per_token_at(1) == pytest.approx(0.0012, rel=1e-3)
+    assert cost.seconds_per_token_at(16) == pytest.approx(0.0019, rel=1e-3)
+    assert cost.seconds_per_token_at(12) == pytest.approx(0.0012 + 0.0007 * 11 / 15, rel=1e-3)  # interpolated
+    assert cost.seconds_per_token_at(32) == pytest.approx(0.0019, rel=1e-3)  # the nearest beyond the profile
+    assert cost.seconds_per_token > cost.seconds_per_token_at(1) * 1.3  # what the one global line would charge
+    assert cost.predict(1, 5) == pytest.approx(convex(1, 5), rel=1e-3)
+    for _ in range(300):  # batch 1 got dearer per token (say, longer contexts): its forwards say so
+        for t in (1, 3, 5, 9):
+            cost.observe(1, t, 0.005 + 0.0024 * t)
+    assert cost.seconds_per_token_at(1) == pytest.approx(0.0024, rel=0.1)
+    assert cost.seconds_per_token_at(16) == pytest.approx(0.0019, rel=1e-3)  # no forward at 16: its chord
+    assert cost.predict_cheaply(1, 9) == pytest.approx(0.005 + 0.0024 * 9, rel=0.1)
+    described = cost.describe()["by_batch"]
+    assert described["1"]["per_token_ms"] == pytest.approx(2.4, rel=0.1) and described["1"]["observations"] > 100
+
+
+def test_a_batch_size_without_a_profile_learns_its_slope_from_two_token_counts():
+    cost = VerifyCost()
+    for _ in range(5):
+        cost.observe(3, 3, cpu_verify(3, 3))
+    assert cost.predict_cheaply(3, 3) is None or cost.seconds_per_token_at(3) == cost.seconds_per_token
+    for _ in range(5):
+        cost.observe(3, 15, cpu_verify(3, 15))
+    assert cost.seconds_per_token_at(3) == pytest.approx(C_TOK, rel=1e-6)
+    assert cost.predict(3, 9) == pytest.approx(cpu_verify(3, 9), rel=1e-6)
+
+
 # ---- the choice --------------------------------------------------------------------------------------------------
 
 ARMS = ArmSet(["ngram", "int8"], (2, 4, 8))

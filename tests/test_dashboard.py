@@ -149,6 +149,13 @@ def test_verify_cost_frame_is_the_fitted_line_for_each_batch_size():
         assert list(rows["predicted_ms"]) == pytest.approx([10.0 + 0.5 * b + 0.25 * t for t in rows["tokens"]])
     assert charts.verify_cost_frame(decode_state(with_pricing(snapshot("busy"))), batches=(2,))[
         "predicted_ms"].iloc[-1] == pytest.approx(10.0 + 0.5 * 2 + 0.25 * 18)
+    # a batch size with its own line (a newer daemon's by_batch) is drawn with it; the others keep the global line
+    own = VERIFY_COST | {"by_batch": {"1": {"c0_ms": 5.0, "per_token_ms": 1.2, "observations": 9.0}}}
+    df = charts.verify_cost_frame(decode_state(with_pricing(snapshot("busy"), verify_cost=own)))
+    assert list(df[df["requests"] == 1]["predicted_ms"]) == pytest.approx([5.0 + 1.2 * t for t in range(1, 10)])
+    assert list(df[df["requests"] == 4]["predicted_ms"]) == pytest.approx([12.0 + 0.25 * 4 * m for m in range(1, 10)])
+    assert charts.verify_cost_summary(decode_state(with_pricing(snapshot("busy"), verify_cost=own))).endswith(
+        " · ms per token by batch size B=1: 1.2")
 
 
 def test_verify_fit_frame_is_predicted_and_measured_per_forward_oldest_first():

@@ -79,3 +79,27 @@ def test_lbss_learns_a_requests_ngram_acceptance_from_shadows_alone():
     assert g["copy"]["ng@8"] > 3 * g["chat"]["ng@8"] > 0
     assert g["copy"]["ng@8"] > g["copy"]["m@4"]  # free and always accepted beats its own model drafter
     assert PLAIN_ARM.name in g["copy"]
+
+
+def test_shadow_evidence_outweighs_a_few_unlucky_slots_on_the_arm():
+    """A request that ran n-gram for a few slots early, where it found nothing to copy, then decoded plainly while
+    its shadow drafts were accepted on every slot: its expected tokens on n-gram follow the shadows (the model of
+    its own acceptance), not the mean of those first slots."""
+    sel = LBSSSelector(SelectionConfig(alpha=1, beta=1, prior_strength=4.0, seed=0), ["ng"], 4)
+    req = RequestInfo(req_id="r", requested="auto", requested_k=None, current=None, num_prompt_tokens=100,
+                      num_output_tokens=0)
+    cap = Capacity({"ng": 8})
+
+    def fb(arm: Arm, drafted: int, accepted: int, shadow=()) -> SlotFeedback:
+        return SlotFeedback(req_id="r", arm=arm, num_drafted=drafted, num_accepted=accepted,
+                            num_committed=accepted + 1, draft_s=0.0, verify_s=0.01, shadow=shadow)
+
+    sel.select([req], cap)
+    for _ in range(4):  # unlucky: n-gram drafted nothing, or drafted wrong
+        sel.observe([fb(Arm("ng", 4), 0, 0)])
+    for _ in range(40):  # plain slots whose shadow drafts were all accepted
+        sel.observe([fb(Arm(None, 0), 0, 0, shadow=(("ng", 4, 4),))])
+    st = sel._reqs["r"]
+    committed, _ = sel._expected(st)[:2]
+    a = sel.arm_set.index[Arm("ng", 4)]
+    assert committed[a] > 3.0  # the own mean on the arm is 1 token a slot; the shadows say ~5

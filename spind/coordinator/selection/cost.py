@@ -16,6 +16,16 @@ profile's shapes): where serving varies T the forwards decide, and along what it
 plain: T = B) the profile fills in, so the fit never has to guess c_tok from collinear data. Slopes are kept
 non-negative (noise on a flat GPU curve reads flat). Until anything was seen the model knows nothing
 (`is_known` is false) and selection does not price the batch (the paper's per-request weights).
+
+One line over every batch size is not what a batch's choice needs, though: the forward is not linear in T. At
+a few tokens it streams the weights and an extra token rides along; at many it is compute-bound. Measured on the
+default model (AMD Zen 4, 2 threads): 1.2 ms per verified token at B = 1 (T = 1 .. 5) but 1.9 ms at B = 16 (T =
+16 .. 80), so the global line, pulled by the large forwards, priced batch 1's drafts 45% too dear. So each batch
+size B also has its own line in T, `verify_s = a_B + b_B T` (`LocalLine`): its prior is the profile's chord at
+that B (the 1-token and the (k+1)-token forward; between profiled sizes the neighbours' lines interpolated),
+refined by the forwards served at that B. `seconds_per_token_at(B)` (b_B) is what prices a request's drafts in a
+batch of B, and `predict` uses the B's line where there is one. Serving at one B sweeps T over that B's range
+only, which is exactly the range that B's choice is made over.
 """
 
 from __future__ import annotations
@@ -40,8 +50,47 @@ class CostLine:
         return max(0.0, self.c0 + self.c_req * batch + self.c_tok * tokens)
 
 
+class LocalLine:
+    """verify_s = a + b T at one batch size: ridge regression on (1, T) towards a prior line worth `weight`
+    forwards at the prior's own T's, observations forgotten over `window` forwards; b >= 0. Plain floats: it is
+    updated on every verify forward, and a 2x2 solve in numpy costs more than the arithmetic."""
+
+    def __init__(self, prior: tuple[float, float] | None, prior_t: tuple[float, ...], weight: float,
+                 window: int) -> None:
+        self.prior = prior
+        t = prior_t or (1.0,)
+        self._p1, self._pt = weight, weight * sum(x * x for x in t) / len(t)  # precision on a, on b
+        self._decay = 1.0 - 1.0 / window
+        self.n = self._st = self._stt = self._sy = self._sty = 0.0  # decayed sums of 1, T, T^2, y, T y
+        self._fit: tuple[float, float] | None = prior
+
+    def observe(self, tokens: float, seconds: float) -> None:
+        d, t = self._decay, float(tokens)
+        self.n, self._st, self._stt = d * self.n + 1.0, d * self._st + t, d * self._stt + t * t
+        self._sy, self._sty = d * self._sy + seconds, d * self._sty + t * seconds
+        self._fit = None
+
+    @property
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b), or None with no prior and under 2 distinct T's seen."""
+        if self._fit is None:
+            x11, x12, x22, y1, y2 = self.n, self._st, self._stt, self._sy, self._sty
+            if self.prior is not None:
+                x11, x22 = x11 + self._p1, x22 + self._pt
+                y1, y2 = y1 + self._p1 * self.prior[0], y2 + self._pt * self.prior[1]
+            det = x11 * x22 - x12 * x12
+            if det <= 1e-12 * max(x11 + x22, 1e-30) ** 2:
+                return None  # one T only, no prior: no slope to read
+            a, b = (x22 * y1 - x12 * y2) / det, (x11 * y2 - x12 * y1) / det
+            if b < 0:  # flat: the best constant
+                a, b = y1 / x11, 0.0
+            self._fit = (a, b)
+        return self._fit
+
+
 class VerifyCost:
-    """Online ridge regression of verify seconds on (1, B, T) towards the profile's line; see the module doc."""
+    """Online ridge regression of verify seconds on (1, B, T) towards the profile's line, and a line in T per batch
+    size (`LocalLine`); see the module doc."""
 
     def __init__(self, window: int = 500, prior_weight: float = 2.0) -> None:
         self.window = window
@@ -50,8 +99,11 @@ class VerifyCost:
         self._precision = np.zeros(3)  # diagonal: how much the prior pulls each coefficient
         self._xtx, self._xty = np.zeros((3, 3)), np.zeros(3)
         self._n = 0.0  # effective observations (decayed)
-        self._line: CostLine | None = None
+        self._line: CostLine | None = None  # the fit, solved lazily: None while stale
+        self._last: CostLine | None = None  # the last fit solved
         self.num_prior_points = 0
+        self._chords: dict[int, tuple[tuple[float, float], tuple[float, ...]]] = {}  # B -> profile's (a, b), T's
+        self._local: dict[int, LocalLine] = {}
 
     @staticmethod
     def _x(batch: float, tokens: float) -> np.ndarray:
@@ -69,7 +121,9 @@ class VerifyCost:
         self._prior = np.array(_nonnegative_fit(xtx + np.diag([0.0, 1.0, 1.0]) * RIDGE * scale, xty))
         self._precision = self.prior_weight * np.mean(x * x, axis=0)
         self.num_prior_points = len(points)
-        self._line = None
+        self._line = self._last = None
+        self._chords = _chords(points)
+        self._local.clear()
 
     def observe(self, batch: int, tokens: int, seconds: float) -> None:
         """One verify forward that ran: B requests, T tokens, its wall seconds."""
@@ -81,6 +135,40 @@ class VerifyCost:
         self._xty = decay * self._xty + x * seconds
         self._n = decay * self._n + 1.0
         self._line = None
+        self._local_line(batch).observe(tokens, seconds)
+
+    def _local_line(self, batch: int) -> LocalLine:
+        if batch not in self._local:
+            prior = self._chord_at(batch)
+            self._local[batch] = LocalLine(None if prior is None else prior[0], () if prior is None else prior[1],
+                                           self.prior_weight, self.window)
+        return self._local[batch]
+
+    def _chord_at(self, batch: int) -> tuple[tuple[float, float], tuple[float, ...]] | None:
+        """The profile's line in T at this batch size: measured there, else its neighbours' interpolated in B (the
+        nearest one beyond the profiled range); None without a profile."""
+        if not self._chords:
+            return None
+        if batch in self._chords:
+            return self._chords[batch]
+        sizes = sorted(self._chords)
+        lo = max((b for b in sizes if b < batch), default=None)
+        hi = min((b for b in sizes if b > batch), default=None)
+        if lo is None or hi is None:
+            return self._chords[lo if hi is None else hi]
+        w = (batch - lo) / (hi - lo)
+        (a0, b0), t0 = self._chords[lo]
+        (a1, b1), t1 = self._chords[hi]
+        return ((1 - w) * a0 + w * a1, (1 - w) * b0 + w * b1), tuple((1 - w) * x + w * y for x, y in zip(t0, t1))
+
+    def seconds_per_token_at(self, batch: int) -> float:
+        """What one more verified token adds to a forward of `batch` requests: that batch size's own line where it
+        has one (profiled, interpolated or observed), else the global c_tok; 0 while nothing is known."""
+        if batch >= 1:
+            fit = self._local_line(int(batch)).fit
+            if fit is not None:
+                return fit[1]
+        return self.seconds_per_token
 
     @property
     def is_known(self) -> bool:
@@ -96,12 +184,27 @@ class VerifyCost:
             else:
                 scale = max(float(np.trace(self._xtx)), 1.0)
                 xtx, xty = self._xtx + np.diag([0.0, 1.0, 1.0]) * RIDGE * scale, self._xty
-            self._line = CostLine(*_nonnegative_fit(xtx, xty))
+            self._line = self._last = CostLine(*_nonnegative_fit(xtx, xty))
         return self._line
 
     def predict(self, batch: float, tokens: float) -> float | None:
+        """Seconds of a forward of `batch` requests and `tokens` tokens: that batch size's line where it has one,
+        else the global line; None while nothing is known."""
+        if batch >= 1 and float(batch).is_integer():
+            fit = self._local_line(int(batch)).fit
+            if fit is not None:
+                return max(0.0, fit[0] + fit[1] * tokens)
         line = self.line
         return None if line is None else line(batch, tokens)
+
+    def predict_cheaply(self, batch: int, tokens: float) -> float | None:
+        """`predict` without solving the global fit (~0.2 ms; a batch size's own line is a 2x2 solve): where B has
+        no line, what the global line selection last read predicts. For per-forward callers (the dashboard's
+        predicted-vs-measured)."""
+        fit = self._local_line(int(batch)).fit if batch >= 1 else None
+        if fit is not None:
+            return max(0.0, fit[0] + fit[1] * tokens)
+        return None if self._last is None else self._last(batch, tokens)
 
     @property
     def seconds_per_token(self) -> float:
@@ -113,9 +216,32 @@ class VerifyCost:
         line = self.line
         if line is None:
             return None
+        by_batch = {}
+        for b in sorted(self._local):
+            fit = self._local[b].fit
+            if fit is not None:
+                by_batch[str(b)] = {"c0_ms": round(fit[0] * 1e3, 4), "per_token_ms": round(fit[1] * 1e3, 4),
+                                    "observations": round(self._local[b].n, 1)}
         return {"c0_ms": round(line.c0 * 1e3, 4), "per_request_ms": round(line.c_req * 1e3, 4),
                 "per_token_ms": round(line.c_tok * 1e3, 4), "prior_points": self.num_prior_points,
-                "observations": round(self._n, 1)}
+                "observations": round(self._n, 1), "by_batch": by_batch}
+
+
+def _chords(points: list[tuple[int, int, float]]) -> dict[int, tuple[tuple[float, float], tuple[float, ...]]]:
+    """Per batch size with forwards of at least two token counts: the least-squares line in T through them (slope
+    kept >= 0), and the T's."""
+    by_batch: dict[int, list[tuple[int, float]]] = {}
+    for b, t, sec in points:
+        by_batch.setdefault(int(b), []).append((t, sec))
+    chords = {}
+    for b, pts in by_batch.items():
+        t = np.array([p[0] for p in pts], dtype=float)
+        y = np.array([p[1] for p in pts], dtype=float)
+        if np.ptp(t) == 0:
+            continue
+        slope = max(0.0, float(np.polyfit(t, y, 1)[0]))
+        chords[b] = ((float(np.mean(y) - slope * np.mean(t)), slope), tuple(float(x) for x in t))
+    return chords
 
 
 def _nonnegative_fit(xtx: np.ndarray, xty: np.ndarray) -> tuple[float, float, float]:

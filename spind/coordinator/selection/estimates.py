@@ -204,14 +204,27 @@ class PopulationStats:
             return np.where(pa < 1, (1 - pa ** (n + 1)) / (1 - pa), n + 1)
 
 
+def _prior_weight(own: Counts, population: PopulationStats, n0: float) -> np.ndarray:
+    """[A] pseudo-slots of the model's prediction against the request's own mean on each arm: n0, plus the request's
+    own acceptance evidence on the arm's drafter (its drafts and the shadow drafts it was checked against). The
+    model reads the request's acceptance from every slot, shadow ones included, while its mean on an arm counts
+    only the slots it ran there, which may be few and from another part of the output (prompt lookup finds
+    nothing to copy early in one answer and copies whole lines later): so a few unlucky slots cannot keep a
+    request off a drafter that its shadow drafts show would pay."""
+    d = population.arm_set.drafter_of
+    evidence = np.append(own.proposed + own.empty, 0.0)  # [D + 1]: index -1 (plain decoding) reads the 0
+    return n0 + evidence[d]
+
+
 def estimate(own: Counts, context: int, population: PopulationStats, n0: float) -> np.ndarray:
     """[A] g~ of one request per arm; nan = unknown."""
     own_mean = _ratio(own.reward, own.slots)
     if n0 == 0:
         return own_mean
     prior = population.model_goodput(*_rates(own, context, population, n0))
-    return np.where(np.isnan(prior), own_mean, (own.reward + n0 * np.where(np.isnan(prior), 0, prior))
-                    / (own.slots + n0))
+    w = _prior_weight(own, population, n0)
+    return np.where(np.isnan(prior), own_mean, (own.reward + w * np.where(np.isnan(prior), 0, prior))
+                    / (own.slots + w))
 
 
 def _rates(own: Counts, context: int, population: PopulationStats, n0: float) -> tuple[np.ndarray, np.ndarray]:
@@ -230,5 +243,6 @@ def estimate_tokens(own: Counts, context: int, population: PopulationStats,
     if n0 == 0:
         return np.where(np.isnan(own_mean), prior, own_mean), drafted
     known = ~np.isnan(prior)
-    committed = np.where(known, (own.tokens + n0 * np.where(known, prior, 0)) / (own.slots + n0), own_mean)
+    w = _prior_weight(own, population, n0)
+    committed = np.where(known, (own.tokens + w * np.where(known, prior, 0)) / (own.slots + w), own_mean)
     return committed, drafted

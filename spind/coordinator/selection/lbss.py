@@ -129,11 +129,13 @@ class LBSSSelector:
         self.num_slots = self.num_switches = 0
         self.observed_s = self.switch_s_total = 0.0
         self._capacity: dict[str, int] = {}
+        self._batch_size = 1  # requests in the last slot selected
 
     # -- the protocol --------------------------------------------------------------------------------------
 
     def select(self, reqs: Sequence[RequestInfo], capacity: Capacity) -> list[Arm]:
         self._advance_stage()
+        self._batch_size = max(1, len(reqs))
         self._capacity = {d: capacity.of(d) for d in self.arm_set.drafters}
         bypass = split_bypass(reqs, self.default_k)
         free = free_capacity(capacity, self.arm_set.drafters, [a for a in bypass if a is not None])
@@ -187,7 +189,7 @@ class LBSSSelector:
         if not feedback or feedback[0].batch_tokens <= 0:
             return
         fb = feedback[0]
-        predicted = self.cost.predict(fb.batch_size, fb.batch_tokens)
+        predicted = self.cost.predict_cheaply(fb.batch_size, fb.batch_tokens)
         if predicted is not None:
             self._fit.append((predicted, fb.verify_s))
         self.cost.observe(fb.batch_size, fb.batch_tokens, fb.verify_s)
@@ -317,9 +319,10 @@ class LBSSSelector:
 
     def _marginal(self, st: _Request, price: float) -> np.ndarray:
         """[A] the request's marginal gain per arm at a price (tokens per second of slot): expected tokens less
-        price x the seconds its drafts add to the slot (verify and draft); plain decoding's is 1."""
+        price x the seconds its drafts add to the slot (verify and draft, at the last slot's batch size); plain
+        decoding's is 1."""
         committed, drafted, draft_s = self._expected(st)
-        return committed - price * (drafted * self.cost.seconds_per_token + draft_s)
+        return committed - price * (drafted * self.cost.seconds_per_token_at(self._batch_size) + draft_s)
 
     def _base(self, others: Sequence[tuple[_Request, Arm]], num_new: int) -> tuple[float, float]:
         """The slot's predicted seconds with `num_new` requests plain and `others` on their arms, and the tokens
@@ -342,7 +345,8 @@ class LBSSSelector:
         """[n] arms for `states` maximising the batch's goodput with `others` as they are (marginal.choose)."""
         rows = [self._expected(st) for st in states]
         committed = np.stack([c for c, _, _ in rows])
-        cost_s = np.stack([d * self.cost.seconds_per_token + s for _, d, s in rows])
+        per_token = self.cost.seconds_per_token_at(len(states) + len(others))
+        cost_s = np.stack([d * per_token + s for _, d, s in rows])
         adjust = -self.cfg.switch_weight * np.stack(
             [self._switch_penalty(st, c, remaining_slots) for st, c in zip(states, committed)])
         base_s, base_tokens = self._base(others, len(states))
