@@ -99,7 +99,5 @@ def test_shadow_evidence_outweighs_a_few_unlucky_slots_on_the_arm():
         sel.observe([fb(Arm("ng", 4), 0, 0)])
     for _ in range(40):  # plain slots whose shadow drafts were all accepted
         sel.observe([fb(Arm(None, 0), 0, 0, shadow=(("ng", 4, 4),))])
-    st = sel._reqs["r"]
-    committed, _ = sel._expected(st)[:2]
-    a = sel.arm_set.index[Arm("ng", 4)]
-    assert committed[a] > 3.0  # the own mean on the arm is 1 token a slot; the shadows say ~5
+    tokens = sel.describe()["requests"]["r"]["tokens"]
+    assert tokens["ng@4"] > 3.0 and tokens["none"] == 1.0  # its own mean on the arm is 1 token; the shadows say ~5

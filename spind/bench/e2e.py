@@ -144,6 +144,15 @@ async def _drive(coordinator, prompts: list[list[int]], categories: list[str], s
     return records, time.perf_counter() - start
 
 
+async def _warm_up(coordinator, prompts: list[list[int]], s: E2ESettings, drafter: str, label: str) -> None:
+    """One short request through the system before the clock starts, untimed: what a running server has already
+    paid (first allocations, lazily built state, the selector's first matching) is not charged to the first
+    requests of one system and not another's."""
+    params = SamplingParams(max_tokens=8, temperature=s.temperature, seed=s.seed)
+    async for _ in coordinator.generate(EngineRequest(f"e2e-{label}-warmup", prompts[0], params, drafter, None)):
+        pass
+
+
 def run_spind(cfg: SpindConfig, spec: SystemSpec, prompts: list[list[int]], categories: list[str], s: E2ESettings,
               progress: Progress, oracle: dict[int, Arm] | None = None) -> tuple[list[RequestRecord], float]:
     from spind.coordinator.selection.arms import ArmSet
@@ -159,6 +168,7 @@ def run_spind(cfg: SpindConfig, spec: SystemSpec, prompts: list[list[int]], cate
     engine = LocalEngine.load(run_cfg, drafters=list(spec.drafters), selector=selector)
     try:
         drafter = "none" if spec.name == "none" else "auto"
+        engine.loop.run_until_complete(_warm_up(engine.coordinator, prompts, s, drafter, spec.name))
         return engine.loop.run_until_complete(
             _drive(engine.coordinator, prompts, categories, s, drafter, progress, spec.name))
     finally:

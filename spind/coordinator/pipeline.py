@@ -110,16 +110,18 @@ class Pipeline:
         ahead."""
         ph = self.phases
         chunks: Chunks = []
+        selection = None
         if self.target_task is None:
             chunks = ph.schedule(busy=frozenset(st.req_id for st in ph.running if st.stage.is_in_flight))
             fresh = [st for st in ph.running if st.is_prefilled and st.stage is Stage.READY]
             selection = ph.select(fresh, held=self._arms())
-            ph.send_side_work(selection)
             for st in fresh:
                 st.cycle_arm, st.stage = selection.arms[st.req_id], Stage.SELECTED
         self._dispatch_drafts()
         if self.target_task is None:
             self._dispatch_verify(chunks)
+        if selection is not None:  # shadow drafts and precompute once the target has its pass (nothing commits
+            ph.send_side_work(selection)  # in between: the shadows still see the tokens the pass starts from)
         self._dispatch_ahead()
 
     def _arms(self) -> dict[str, Arm]:

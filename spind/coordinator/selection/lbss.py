@@ -227,7 +227,8 @@ class LBSSSelector:
         policy; epoch (k); stage ("explore" | "exploit"); slot_in_stage (slots of the stage selected so far)
         of stage_slots; chunk_slots (beta); arms (names, plain decoding "none" first); capacity {drafter:
         B_j at the last slot}; assignment {arm: requests on it at the last slot}; requests {req_id: {arm,
-        bypass, context, estimate {arm: g~ tokens/s}, observations {arm: own slots}}} for every request not
+        bypass, context, estimate {arm: g~ tokens/s}, tokens {arm: expected tokens committed per slot},
+        observations {arm: own slots}}} for every request not
         yet removed, so bounded by the running ones; population {arm: everyone's mean reward};
         switch_s_per_token {drafter: learned KV catch-up seconds per token}; num_slots; num_switches
         (drafter changes); observed_s (summed slot seconds, from the feedback); switches_per_minute;
@@ -245,6 +246,7 @@ class LBSSSelector:
                 counts[arm] = counts.get(arm, 0) + 1
             requests[req_id] = {"arm": arm, "bypass": st.is_bypass, "context": context_name(st.context),
                                 "estimate": _rounded(names, self.estimate(st)),
+                                "tokens": _rounded(names, self._expected(st)[0]),
                                 "observations": {n: int(c) for n, c in zip(names, st.counts.slots) if c}}
             if st.marginal is not None:
                 requests[req_id]["marginal"] = _rounded(names, np.where(st.marginal <= UNKNOWN_WEIGHT / 2, np.nan,
