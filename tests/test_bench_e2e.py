@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from spind.bench.datasets import WorkloadFormatError, read_prompt_file, sample_workload
-from spind.bench.e2e import (RefusedSystem, RequestRecord, arrivals, best_arms, drafter_shares, parse_system,
-                             spind_config)
+from spind.bench.e2e import (E2ESettings, RefusedSystem, RequestRecord, arrivals, best_arms, drafter_shares,
+                             parse_system, spind_config)
 from spind.cli import main
 from spind.config import load_config
 from spind.coordinator.selection.protocol import Arm
@@ -95,3 +96,27 @@ def test_a_tiny_run_reports_every_system_lossless_and_the_refused_ones(tmp_path,
         if name in ("fixed:ngram", "spin"):
             assert all(len(r["arms"]) == r["num_steps"] for r in recs)
     assert "refused:" in capsys.readouterr().out
+
+
+def test_rounds_need_two_batches_a_slice_and_a_closed_loop():
+    s = E2ESettings(workload="mix", num_requests=32, batch_size=4, max_tokens=8, systems=("none",), rounds=4)
+    assert s.num_rounds() == 4
+    assert dataclasses.replace(s, batch_size=16).num_rounds() == 1  # a slice of 8 would never fill 16 clients
+    assert dataclasses.replace(s, batch_size=8).num_rounds() == 2
+    assert dataclasses.replace(s, rate=2.0).num_rounds() == 1  # open loop: arrivals are timed from the start
+
+
+def test_systems_taking_turns_keep_every_request_once_and_in_order(tmp_path):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["Repeat this: the cat sat on the mat, the cat sat on the mat.",
+                                   "Name three colors.", "Once upon a time", "Count to five: one, two,"]))
+    out = tmp_path / "e2e.json"
+    assert main(["bench", "e2e", "--workload", str(prompts), "--num-requests", "4", "--batch-size", "1",
+                 "--rounds", "2", "--max-tokens", "6", "--systems", "none,fixed:ngram", "--threads", "1",
+                 "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["settings"]["rounds"] == 2
+    for recs in results["requests"].values():
+        assert [r["index"] for r in recs] == [0, 1, 2, 3] and all(r["lossless"] for r in recs)
+        assert all(r["latency_s"] > 0 and r["token_ids"] for r in recs)
+    assert all(r["goodput"] > 0 for r in results["rows"])

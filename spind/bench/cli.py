@@ -51,6 +51,9 @@ def add_parsers(sub: argparse._SubParsersAction,
     e.add_argument("--num-requests", type=int, default=24)
     e.add_argument("--batch-size", type=int, default=8, help="closed-loop clients (the paper's batch size)")
     e.add_argument("--rate", type=float, default=None, help="open loop instead: Poisson arrivals per second")
+    e.add_argument("--rounds", type=int, default=4,
+                   help="closed loop: the spind systems take turns over this many slices of the requests (at least "
+                        "two batches each; 1: one system after another)")
     e.add_argument("--max-tokens", type=int, default=64)
     e.add_argument("--systems", default="none,fixed:ngram,fixed:int8,spin,spin-nopipe,spin-nobatch-nopipe",
                    help="comma-separated: none, fixed:NAME, spin, spin-nopipe, spin-nobatch-nopipe, greedy-length, "
@@ -476,13 +479,14 @@ def cmd_bench_e2e(args: argparse.Namespace) -> int:
     systems = _names(args.systems)
     if not systems:
         raise ValueError("--systems needs at least one system")
-    _check_positive(num_requests=args.num_requests, batch_size=args.batch_size, max_tokens=args.max_tokens)
+    _check_positive(num_requests=args.num_requests, batch_size=args.batch_size, max_tokens=args.max_tokens,
+                    rounds=args.rounds)
     if args.rate is not None and args.rate <= 0:
         raise ValueError("--rate must be > 0 requests per second")
     k = cfg.speculation.k if args.k is None else args.k
     settings = E2ESettings(workload=args.workload, num_requests=args.num_requests, batch_size=args.batch_size,
                            max_tokens=args.max_tokens, systems=systems, temperature=args.temperature, seed=args.seed,
-                           rate=args.rate, k=k)
+                           rate=args.rate, k=k, rounds=args.rounds)
     prompts = sample_workload(args.workload, args.num_requests, args.seed, args.datasets_dir)
     results = run_e2e(cfg, settings, prompts)
     print(render_table(results))

@@ -21,7 +21,10 @@ run served it fastest in this same bench run, so it needs those systems in the l
 
 Requests arrive in a closed loop (`--batch-size` clients, each sending its next request when the previous
 ends: the paper's setting) or an open loop (Poisson arrivals at `--rate` requests/s). Greedy outputs are
-compared with `none`'s, request by request: the `lossless` flag.
+compared with `none`'s, request by request: the `lossless` flag. In a closed loop the spind systems are loaded
+side by side and take turns over `--rounds` slices of the requests (`run_spind_rounds`): on a shared, noisy
+machine a system run after another meets other conditions, and the ratios between them are what the bench is
+for. Each system is warmed up with one untimed request first.
 """
 
 from __future__ import annotations
@@ -107,9 +110,10 @@ def spind_config(cfg: SpindConfig, spec: SystemSpec, k: int) -> SpindConfig:
 
 
 async def _drive(coordinator, prompts: list[list[int]], categories: list[str], s: E2ESettings, drafter: str,
-                 progress: Progress, label: str) -> tuple[list[RequestRecord], float]:
+                 progress: Progress, label: str, first: int = 0) -> tuple[list[RequestRecord], float]:
+    """Run `prompts` (the workload's requests first .. first + len - 1) through the coordinator."""
     params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, seed=s.seed)
-    records = [RequestRecord(i, categories[i], len(p)) for i, p in enumerate(prompts)]
+    records = [RequestRecord(first + i, categories[i], len(p)) for i, p in enumerate(prompts)]
     start = time.perf_counter()
     times = arrivals(len(prompts), s.rate, s.seed)
 
@@ -118,7 +122,7 @@ async def _drive(coordinator, prompts: list[list[int]], categories: list[str], s
         await asyncio.sleep(max(0.0, times[i] - (time.perf_counter() - start)))
         t0 = time.perf_counter()
         rec.arrival_s = t0 - start
-        req = EngineRequest(f"e2e-{label}-{i}", prompts[i], params, drafter, None)
+        req = EngineRequest(f"e2e-{label}-{first + i}", prompts[i], params, drafter, None)
         async for d in coordinator.generate(req):
             if d.token_ids and rec.ttft_s is None:
                 rec.ttft_s = time.perf_counter() - t0
@@ -129,7 +133,7 @@ async def _drive(coordinator, prompts: list[list[int]], categories: list[str], s
                 rec.num_drafted = sum(v["drafted"] for v in u.drafters.values())
                 rec.num_accepted = sum(v["accepted"] for v in u.drafters.values())
         rec.latency_s = time.perf_counter() - t0
-        progress.step(f"{label} #{i}: {len(rec.token_ids)} tokens in {rec.latency_s:.1f}s")
+        progress.step(f"{label} #{first + i}: {len(rec.token_ids)} tokens in {rec.latency_s:.1f}s")
 
     if s.rate is None:
         todo = iter(range(len(prompts)))
@@ -153,8 +157,9 @@ async def _warm_up(coordinator, prompts: list[list[int]], s: E2ESettings, drafte
         pass
 
 
-def run_spind(cfg: SpindConfig, spec: SystemSpec, prompts: list[list[int]], categories: list[str], s: E2ESettings,
-              progress: Progress, oracle: dict[int, Arm] | None = None) -> tuple[list[RequestRecord], float]:
+def _load(cfg: SpindConfig, spec: SystemSpec, prompts: list[list[int]], s: E2ESettings,
+          oracle: dict[int, Arm] | None = None):
+    """The system's engine, warmed up."""
     from spind.coordinator.selection.arms import ArmSet
     from spind.coordinator.selection.baselines import OracleSelector
     from spind.coordinator.transport.local import LocalEngine
@@ -167,12 +172,53 @@ def run_spind(cfg: SpindConfig, spec: SystemSpec, prompts: list[list[int]], cate
         selector = OracleSelector(arm_set, lambda r: table.get(r, {}), s.k)
     engine = LocalEngine.load(run_cfg, drafters=list(spec.drafters), selector=selector)
     try:
-        drafter = "none" if spec.name == "none" else "auto"
-        engine.loop.run_until_complete(_warm_up(engine.coordinator, prompts, s, drafter, spec.name))
+        engine.loop.run_until_complete(_warm_up(engine.coordinator, prompts, s, _drafter(spec), spec.name))
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+def _drafter(spec: SystemSpec) -> str:
+    return "none" if spec.name == "none" else "auto"
+
+
+def run_spind(cfg: SpindConfig, spec: SystemSpec, prompts: list[list[int]], categories: list[str], s: E2ESettings,
+              progress: Progress, oracle: dict[int, Arm] | None = None) -> tuple[list[RequestRecord], float]:
+    engine = _load(cfg, spec, prompts, s, oracle)
+    try:
         return engine.loop.run_until_complete(
-            _drive(engine.coordinator, prompts, categories, s, drafter, progress, spec.name))
+            _drive(engine.coordinator, prompts, categories, s, _drafter(spec), progress, spec.name))
     finally:
         engine.close()
+
+
+def run_spind_rounds(cfg: SpindConfig, specs: dict[str, SystemSpec], prompts: list[list[int]], categories: list[str],
+                     s: E2ESettings, progress: Progress) -> dict[str, tuple[list[RequestRecord], float]]:
+    """The systems loaded side by side, taking turns over `s.num_rounds()` contiguous slices of the requests (the
+    order rotating each round), so that the machine's drift (other tenants, thermal state) falls on all of them
+    alike instead of on whichever ran last. Each system's wall time is the sum of its slices'; its engine (and
+    selector) lives through all of its slices, as a server's would."""
+    names = list(specs)
+    rounds = s.num_rounds()
+    bounds = [len(prompts) * r // rounds for r in range(rounds + 1)]
+    engines = {}
+    out: dict[str, tuple[list[RequestRecord], float]] = {n: ([], 0.0) for n in names}
+    try:
+        for n in names:
+            progress.note(f"system {n}: loading")
+            engines[n] = _load(cfg, specs[n], prompts, s)
+        for r in range(rounds):
+            lo, hi = bounds[r], bounds[r + 1]
+            for n in names[r % len(names):] + names[:r % len(names)]:
+                e = engines[n]
+                recs, wall = e.loop.run_until_complete(_drive(e.coordinator, prompts[lo:hi], categories[lo:hi], s,
+                                                              _drafter(specs[n]), progress, n, first=lo))
+                out[n] = (out[n][0] + recs, out[n][1] + wall)
+    finally:
+        for e in engines.values():
+            e.close()
+    return out
 
 
 # ---- aggregation ----------------------------------------------------------------------------------
@@ -241,6 +287,11 @@ def run_e2e(cfg: SpindConfig, s: E2ESettings, prompts_text: list[Prompt]) -> dic
     progress = Progress(len(order) * len(prompts))
     results: dict[str, list[RequestRecord]] = {}
     walls: dict[str, float] = {}
+    together = {n: specs[n] for n in order if specs[n].kind == "spind" and specs[n].policy.name != "oracle"}
+    if s.num_rounds() > 1 and len(together) > 1:  # taking turns; the oracle and transformers systems after them
+        for name, (records, wall) in run_spind_rounds(cfg, together, prompts, categories, s, progress).items():
+            results[name], walls[name] = records, wall
+        order = [n for n in order if n not in together]
     for name in order:
         spec = specs[name]
         progress.note(f"system {name}: loading")

@@ -35,6 +35,14 @@ class E2ESettings:
     seed: int = 0
     rate: float | None = None  # open loop: Poisson arrivals per second; None = closed loop
     k: int = 4
+    rounds: int = 1  # closed loop: the spind systems take turns over this many slices of the requests
+
+    def num_rounds(self) -> int:
+        """Rounds actually run: 1 in an open loop (arrivals are timed from the start) and where a slice would hold
+        under two batches of requests (the batch would never fill); else `rounds`."""
+        if self.rate is not None:
+            return 1
+        return max(1, min(self.rounds, self.num_requests // (2 * self.batch_size)))
 
 
 @dataclass
