@@ -185,13 +185,14 @@ def test_the_choice_respects_capacity_and_never_picks_unknown_arms():
 
 # ---- LBSS with pricing -------------------------------------------------------------------------------------------
 
-def info(req_id: str, n_out: int = 0) -> RequestInfo:
-    return RequestInfo(req_id=req_id, requested="auto", requested_k=None, current=None, num_prompt_tokens=40,
-                       num_output_tokens=n_out)
+def info(req_id: str, n_out: int = 0, prompt_tokens: int = 40) -> RequestInfo:
+    return RequestInfo(req_id=req_id, requested="auto", requested_k=None, current=None,
+                       num_prompt_tokens=prompt_tokens, num_output_tokens=n_out)
 
 
 def run_slots(sel: LBSSSelector, p_accept: dict[str, float], num_slots: int, rng: np.random.Generator,
-              batch_pricing_feedback: bool = True, lifetime: int = 0, drafter: str = "ngram") -> list[list[Arm]]:
+              batch_pricing_feedback: bool = True, lifetime: int = 0, drafter: str = "ngram",
+              prompt_tokens: dict[str, int] | None = None) -> list[list[Arm]]:
     """Drive the selector with scripted outcomes, as the coordinator does: request r accepts each draft token of
     the drafter with p_accept[r]; one verify forward for all costs cpu_verify(B, T); for n-gram lookup, requests
     not on it get its counterfactual (shadow) draft of 8. With a lifetime, each request is replaced by a new
@@ -203,7 +204,8 @@ def run_slots(sel: LBSSSelector, p_accept: dict[str, float], num_slots: int, rng
             for r in p_accept:
                 sel.remove(f"{r}-{generation - 1}")
         names = [f"{r}-{generation}" for r in p_accept]
-        arms = sel.select([info(n, t % lifetime if lifetime else t) for n in names], Capacity({drafter: 16}))
+        arms = sel.select([info(n, t % lifetime if lifetime else t, (prompt_tokens or {}).get(r, 40))
+                           for n, r in zip(names, p_accept)], Capacity({drafter: 16}))
         history.append(arms)
         feedback, tokens = [], 0
         for n, r, arm in zip(names, p_accept, arms):
@@ -271,6 +273,19 @@ def test_exploration_skips_arms_the_population_shows_to_lose_at_this_load():
         late = [arm for arms in history[200:] for arm in arms]
         share[pricing] = sum(arm.drafter is not None for arm in late) / len(late)
     assert share[True] < 0.01 < share[False], share
+
+
+def test_exploration_skips_a_losing_drafter_on_evidence_pooled_over_contexts():
+    """The same, with requests spread over four prompt-length contexts: a context's estimate is shrunk towards
+    everyone's, so the evidence that rules a drafter out is everyone's too, not 16 slots in each context (which
+    a drafter explored a few per cent of the time takes hundreds of requests to gather)."""
+    p = {f"r{i}": 0.05 for i in range(8)}
+    lengths = {f"r{i}": (40, 100, 300, 1500)[i % 4] for i in range(8)}
+    sel = LBSSSelector(SelectionConfig(seed=0, alpha=4), ["int8"], 4, verify_points=profile_points(),
+                       draft_s_per_token={"int8": 0.001})
+    history = run_slots(sel, p, 240, np.random.default_rng(2), lifetime=20, drafter="int8", prompt_tokens=lengths)
+    late = [arm for arms in history[80:] for arm in arms]
+    assert sum(arm.drafter is not None for arm in late) / len(late) < 0.01
 
 
 def test_simulator_feedback_without_batch_tokens_keeps_the_papers_weights():

@@ -157,10 +157,11 @@ class PopulationStats:
         """[A] everyone's mean reward per arm; nan = never run."""
         return _ratio(self.counts.reward.sum(0), self.counts.slots.sum(0))
 
-    def evidence(self, context: int) -> np.ndarray:
-        """[D] slots the context's requests ran on each drafter (acceptance evidence, shadow drafts included)."""
+    def evidence(self) -> np.ndarray:
+        """[D] slots everyone ran on each drafter, over every context (acceptance evidence, shadow drafts
+        included)."""
         c = self.counts
-        return c.proposed[context] + c.empty[context]
+        return c.proposed.sum(0) + c.empty.sum(0)
 
     def draft_s_per_token(self) -> np.ndarray:
         """[D] seconds a drafter's propose took per token it drafted (its whole batch's call, charged to each

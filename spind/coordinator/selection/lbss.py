@@ -46,7 +46,7 @@ exploitation matching then maximises the batch's expected tokens per second inst
 request's weight on an arm is its expected committed tokens less the batch's price (tokens per second) x the
 seconds its drafts add, re-priced until the assignment settles. Plain decoding weighs exactly 1, so a request
 speculates only where that pays the whole batch. Exploration skips, besides the arms a request itself showed to
-lose, those its context's requests showed to lose at that price (EVIDENCE_SLOTS), so a loaded server does not
+lose, those the population showed to lose at that price (EVIDENCE_SLOTS), so a loaded server does not
 keep paying to re-learn them. The g~ estimates stay what describe() reports and what precompute hints follow.
 
 Config: the `[selection]` section of config.toml (`spind.config.SelectionConfig`, defaults documented there).
@@ -76,7 +76,7 @@ from spind.coordinator.selection.matching import max_weight_assignment
 from spind.coordinator.selection.protocol import Arm, Capacity, RequestInfo, SlotFeedback, fit_capacity
 
 UNKNOWN_WEIGHT = -1e6  # matching weight of an arm nobody has run: exploit only what was observed
-EVIDENCE_SLOTS = 16  # a context's slots on a drafter before its estimate alone may rule the drafter's arms out
+EVIDENCE_SLOTS = 16  # everyone's slots on a drafter before the estimates alone may rule its arms out
 FIT_HISTORY = 64  # verify forwards whose predicted and measured seconds describe() keeps
 EXPLORE, EXPLOIT = "explore", "exploit"
 
@@ -415,14 +415,18 @@ class LBSSSelector:
         explore_margin, not those shown to be clearly worse: below (1 - margin) x its best. Without batch
         pricing the measure is g~ and only arms of a drafter the request has itself run may go (the prior
         alone never rules an arm out); with it, the request's marginal gain at the batch's last price, and a
-        drafter its context's requests have run EVIDENCE_SLOTS slots counts as shown too: exploration is not
-        paid where the population already shows an arm loses at the current load."""
+        drafter the population has run EVIDENCE_SLOTS slots counts as shown too: exploration is not paid where
+        the population already shows an arm loses at the current load. The slots are counted over every context,
+        as the context's rates are shrunk towards everyone's: a context with little evidence of its own reads
+        everyone's, and waiting for 16 slots in each context kept a model drafter explored a few per cent of the
+        time on the batch's slots for hundreds of requests (on an H200 with a draft model beside the target,
+        1-2% of slots on it cost the batch 20%: each one splits the verify pass and catches up its KV)."""
         if self.cfg.explore_margin == 0:
             return available
         tried = np.append(st.counts.slots[PLAIN_INDEX] > 0, st.counts.proposed + st.counts.empty > 0)  # [1 + D]
         if self.prices_batch and self.price > 0:  # marginal gains at the batch's last price; the population's
             g = self._marginal(st, self.price)  # evidence in its context may rule an arm out too
-            tried |= np.append(True, self.population.evidence(st.context) >= EVIDENCE_SLOTS)
+            tried |= np.append(True, self.population.evidence() >= EVIDENCE_SLOTS)  # pooled: as the rates are
         else:
             g = self.estimate(st)
         if np.isnan(g).all():
