@@ -206,15 +206,17 @@ class PopulationStats:
 
 
 def _prior_weight(own: Counts, population: PopulationStats, n0: float) -> np.ndarray:
-    """[A] pseudo-slots of the model's prediction against the request's own mean on each arm: n0, plus the request's
-    own acceptance evidence on the arm's drafter (its drafts and the shadow drafts it was checked against). The
-    model reads the request's acceptance from every slot, shadow ones included, while its mean on an arm counts
-    only the slots it ran there, which may be few and from another part of the output (prompt lookup finds
-    nothing to copy early in one answer and copies whole lines later): so a few unlucky slots cannot keep a
-    request off a drafter that its shadow drafts show would pay."""
+    """[A] pseudo-slots of the model's prediction against the request's own mean on each arm: n0, plus the shadow
+    drafts of the arm's drafter the request was checked against while it ran something else. The model reads
+    the request's acceptance from those too, while its mean on an arm counts only the slots it ran there, which
+    may be few and from another part of the output (prompt lookup finds nothing to copy early in one answer and
+    copies whole lines later): so a few unlucky slots cannot keep a request off a drafter that its shadow drafts
+    show would pay, and the slots it ran weigh as much as the shadows it saw."""
     d = population.arm_set.drafter_of
-    evidence = np.append(own.proposed + own.empty, 0.0)  # [D + 1]: index -1 (plain decoding) reads the 0
-    return n0 + evidence[d]
+    ran = np.zeros(len(own.proposed))
+    np.add.at(ran, d[d >= 0], own.slots[d >= 0])  # [D] slots it ran on each drafter
+    shadows = np.maximum(own.proposed + own.empty - ran, 0.0)  # [D] acceptance evidence from the others
+    return n0 + np.append(shadows, 0.0)[d]  # index -1 (plain decoding) reads the 0
 
 
 def estimate(own: Counts, context: int, population: PopulationStats, n0: float) -> np.ndarray:
