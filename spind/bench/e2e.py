@@ -16,8 +16,9 @@ on the same weights. Systems, one row each:
 (§VII-B compares selection policies with fast batch verification and the pipeline off, so the baselines run
 like `spin-nobatch-nopipe`.) "served" is the configured [runtime].attention, what the daemon runs (on CPU the
 batch-invariant row kernel over an fp16 KV cache; on a GPU triton-packed): the systems a user would choose between
-are timed on the engine they would get, and only the ablations swap in padded verification. `oracle` knows each request's best drafter in hindsight: the one whose `fixed:`
-run served it fastest in this same bench run, so it needs those systems in the list.
+are timed on the engine they would get, and only the ablations swap in padded verification. `oracle` knows each
+request's best drafter in hindsight: the one whose `fixed:` run served it fastest in this same bench run, so it
+needs those systems in the list.
 
 Requests arrive in a closed loop (`--batch-size` clients, each sending its next request when the previous
 ends: the paper's setting) or an open loop (Poisson arrivals at `--rate` requests/s). Greedy outputs are
