@@ -161,14 +161,18 @@ class VerifyCost:
         (a1, b1), t1 = self._chords[hi]
         return ((1 - w) * a0 + w * a1, (1 - w) * b0 + w * b1), tuple((1 - w) * x + w * y for x, y in zip(t0, t1))
 
+    def _local_fit(self, batch: float) -> tuple[float, float] | None:
+        """(a, b) of this batch size's own line; None where it has none (no profile and under two T's seen, or not
+        a whole number of requests)."""
+        if batch < 1 or not float(batch).is_integer():
+            return None
+        return self._local_line(int(batch)).fit
+
     def seconds_per_token_at(self, batch: int) -> float:
         """What one more verified token adds to a forward of `batch` requests: that batch size's own line where it
         has one (profiled, interpolated or observed), else the global c_tok; 0 while nothing is known."""
-        if batch >= 1:
-            fit = self._local_line(int(batch)).fit
-            if fit is not None:
-                return fit[1]
-        return self.seconds_per_token
+        fit = self._local_fit(batch)
+        return self.seconds_per_token if fit is None else fit[1]
 
     @property
     def is_known(self) -> bool:
@@ -190,10 +194,9 @@ class VerifyCost:
     def predict(self, batch: float, tokens: float) -> float | None:
         """Seconds of a forward of `batch` requests and `tokens` tokens: that batch size's line where it has one,
         else the global line; None while nothing is known."""
-        if batch >= 1 and float(batch).is_integer():
-            fit = self._local_line(int(batch)).fit
-            if fit is not None:
-                return max(0.0, fit[0] + fit[1] * tokens)
+        fit = self._local_fit(batch)
+        if fit is not None:
+            return max(0.0, fit[0] + fit[1] * tokens)
         line = self.line
         return None if line is None else line(batch, tokens)
 
@@ -201,7 +204,7 @@ class VerifyCost:
         """`predict` without solving the global fit (~0.2 ms; a batch size's own line is a 2x2 solve): where B has
         no line, what the global line selection last read predicts. For per-forward callers (the dashboard's
         predicted-vs-measured)."""
-        fit = self._local_line(int(batch)).fit if batch >= 1 else None
+        fit = self._local_fit(batch)
         if fit is not None:
             return max(0.0, fit[0] + fit[1] * tokens)
         return None if self._last is None else self._last(batch, tokens)
