@@ -1,12 +1,18 @@
 """spind's CPU kernels (kernels/csrc): compiled on first use for this machine, or a logged reason why not.
 
 The C++ sources are built with torch's extension builder (a C++ compiler and ninja; about a minute, once per
-machine, torch version and source change, cached under torch's extensions directory) in one of two builds:
+machine, torch version and source change, cached under torch's extensions directory) in one of three builds:
+- `avx512amx`: `avx512vnni` whose many-row integer GEMMs (from `SPIND_AMX_MIN_ROWS` rows, default 4: a verify,
+  a batch, a prefill) compute their exact block dots by AMX int8 tiles (Intel Sapphire Rapids and later), then run
+  the VNNI path's epilogue: bit-identical to `avx512vnni`. It asks Linux for the tile state once per process and,
+  refused, runs its VNNI code (`amx_info()` says why);
 - `avx512vnni`: AVX-512 with VNNI (Intel Ice Lake and later, AMD Zen 4 and later): integer dot products by
   vpdpbusd (fp32-precision activations as three int8 digits per block, 15- or 8-bit ones as two or one);
 - `avx2`: AVX2 + FMA + F16C (x86-64 since ~2013): fp32 FMAs for fp32-precision activations, vpmaddwd /
   vpmaddubsw integer dots for 15- / 8-bit ones (the same integer sums and fp32 epilogue as avx512vnni:
   bit-identical).
+A fourth build, `avx512amxemu`, runs the AMX path on emulated tiles (csrc/amx.h): never chosen to serve, it lets
+the tests check the tile path's layouts and epilogue on every AVX-512 VNNI machine, not only where AMX exists.
 `SPIND_CPU_ISA=avx2` forces a build (to run or time the AVX2 path on an AVX-512 machine). The build's name carries
 its ISA, so a cache shared between machines never hands one to a CPU without it, and each registers its ops under
 its own namespace (`torch.ops.spind_cpu_<isa>`), so both can be loaded side by side (tests compare them). Callers
@@ -17,6 +23,8 @@ Ops (all batch-invariant: a row's result does not depend on the other rows of th
 - `q4_1_linear(x, blocks)`, `q8_0_linear(x, blocks)` (fp32-precision activations), `*_q16` and `*_q8` (15- and
   8-bit activations): y = x W^T from packed GGUF blocks (csrc/quant_gemm.cpp);
   `quantize_rows(x, digits)`: the activation digits those compute with (tests);
+- `amx_info()` -> (kind, reason the tiles go unused or "", min rows), `set_amx_min_rows(rows)`: the AMX path's
+  state and threshold (every build has them; kind "none" where there are no tiles);
 - `row_attention(q, k_cache, v_cache, slots, slot_start, cu_q, ctx_lens, scale)` (csrc/row_attention.cpp), for
   head dims `row_attention_supports`;
 - `rms_norm(x, w, eps)`, `silu_mul(gate_up)`, `rope_kv(...)`: fused row-wise ops of the quantized forward
@@ -42,11 +50,15 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("quant_gemm.cpp", "row_attention.cpp", "fused_ops.cpp", "stack.cpp")
-HEADERS = ("simd.h", "pool.h", "ops.h")
+HEADERS = ("simd.h", "pool.h", "ops.h", "amx.h")
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"]
 ISA_FLAGS = {
-    "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"],
+    "avx512amx": [*_AVX512, "-mamx-tile", "-mamx-int8"],
+    "avx512vnni": _AVX512,
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512amxemu": [*_AVX512, "-DSPIND_AMX_EMULATE"],  # tests only
 }
+EMULATED_AMX = "avx512amxemu"
 
 _lock = threading.Lock()
 _builds: dict[str, str | None] = {}  # isa -> None when loaded, else why it is not
@@ -62,19 +74,47 @@ def best_isa() -> str | None:
     isas = supported_isas()
     forced = os.environ.get(ISA_ENV)
     if forced:
-        return forced if forced in isas else None
+        return forced if forced in loadable_isas() else None
     return isas[0] if isas else None
 
 
 @functools.cache
 def supported_isas() -> list[str]:
-    """The builds this CPU can run, fastest first."""
+    """The builds this CPU can serve with, fastest first."""
     try:
         vnni = torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported()
         avx2 = torch.cpu._is_avx2_supported()
     except AttributeError:  # an older torch without the private probes
         vnni, avx2 = False, torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    return [isa for isa, ok in (("avx512vnni", vnni), ("avx2", avx2)) if ok]
+    amx = vnni and _has_amx_int8()
+    return [isa for isa, ok in (("avx512amx", amx), ("avx512vnni", vnni), ("avx2", avx2)) if ok]
+
+
+def loadable_isas() -> list[str]:
+    """The builds this CPU can load: those it serves with, and the emulated-AMX test build where AVX-512 VNNI runs."""
+    isas = supported_isas()
+    return [*isas, EMULATED_AMX] if "avx512vnni" in isas else isas
+
+
+def _has_amx_int8() -> bool:
+    """AMX tiles with int8 dot products, as the OS reports the CPU (torch probes AMX-TILE only)."""
+    try:
+        if not torch.cpu._is_amx_tile_supported():
+            return False
+    except AttributeError:
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "amx_int8" in line.split() for line in f)
+    except OSError:
+        return False
+
+
+def amx_info(isa: str | None = None) -> dict:
+    """The AMX path of a loaded build: {"kind": "hardware" | "emulated" | "none", "reason": why its tiles go unused
+    ("" when they are used), "min_rows": calls of at least this many rows take them}."""
+    kind, reason, min_rows = ops(isa).amx_info()
+    return {"kind": kind, "reason": reason, "min_rows": min_rows}
 
 
 def load(isa: str) -> str | None:
@@ -96,16 +136,43 @@ def unavailable_reason() -> str | None:
         reason = f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has neither AVX-512 VNNI nor AVX2"
     else:
         reason = load(isa)
+        if reason is None and isa == "avx512amx":
+            tiles = amx_info(isa)["reason"]
+            if tiles and tiles not in _logged:
+                _logged.add(tiles)
+                log.warning("AMX tiles unavailable, the avx512amx build runs its AVX-512 VNNI code: %s", tiles)
     if reason is not None and reason not in _logged:
         _logged.add(reason)
         log.warning("spind CPU kernels unavailable, falling back to torch: %s", reason)
     return reason
 
 
+def set_amx_min_rows(rows: int, isa: str | None = None) -> int:
+    """Calls of at least `rows` rows take the AMX tiles from now on, in this process (default: `SPIND_AMX_MIN_ROWS`,
+    else 4); returns the previous threshold. For benches and tests: every threshold gives the same outputs."""
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"AMX min rows must be an integer >= 1, got {rows!r}")
+    return ops(isa).set_amx_min_rows(rows)
+
+
+def describe() -> str | None:
+    """The build in use as the benches show it: its name, and for AMX whether and from how many rows a GEMM takes
+    the tiles (e.g. "avx512amx (AMX tiles from 4 rows)"); None when the kernels are unavailable."""
+    if not available():
+        return None
+    isa = best_isa()
+    info = amx_info(isa)
+    if info["kind"] == "none":
+        return isa
+    if info["reason"]:
+        return f"{isa} (AMX tiles unused: {info['reason']})"
+    return f"{isa} ({'emulated ' if info['kind'] == 'emulated' else ''}AMX tiles from {info['min_rows']} rows)"
+
+
 def row_attention_supports(head_dim: int) -> bool:
     """Whether the row-attention kernel of the build in use takes this head dim: whole vectors of 16 (AVX-512) or 8
     (AVX2) lanes, at most 16 of them (csrc/row_attention.cpp)."""
-    lanes = 16 if best_isa() == "avx512vnni" else 8
+    lanes = 16 if (best_isa() or "").startswith("avx512") else 8
     return head_dim % lanes == 0 and head_dim // lanes <= 16
 
 

@@ -8,6 +8,9 @@
 - batch invariance, bit for bit: every row of an M-row call (M = 1..16, a 130-row call crossing row tiles, mixed
   magnitudes) equals the row alone, at 1 and 2 threads;
 - the AVX2 and AVX-512 VNNI builds give bit-identical outputs (where this CPU runs both);
+- the AMX builds (`avx512amx` on the CPU's tiles, `avx512amxemu` on emulated ones, wherever AVX-512 VNNI runs) are
+  tested with every call on the tiles (threshold 1 row), and give every row bit-identical to the VNNI build's, for
+  1 to 64 rows, 130 rows, at 1 and 2 threads, for every block format and activation precision;
 - the whole decoder stack in one call equals the module-by-module forward bit for bit, and the packed weights
   copied onto huge pages are unchanged.
 Each path skips with the reason where this CPU lacks its ISA.
@@ -22,18 +25,42 @@ from spind.kernels import cpu_ext
 from spind.models.gguf_linear import block_fields, pack
 from spind.models.loader import BLOCK_BYTES, GGUFBlocks
 
-ISAS = ("avx512vnni", "avx2")
+AMX = ("avx512amx", cpu_ext.EMULATED_AMX)
+ISAS = ("avx512vnni", "avx2", *AMX)
 SUPPORTED = cpu_ext.supported_isas()
+LOADABLE = cpu_ext.loadable_isas()
 MODES = {"q8": 1, "q16": 2}  # op suffix -> activation digits
 LIMIT = {1: 127, 2: 127 * 255 + 127}  # |activation / scale| bound of each mode
 
 
 def ops_for(isa: str):
-    if isa not in SUPPORTED:
-        pytest.skip(f"this CPU does not run the {isa} build (it runs: {', '.join(SUPPORTED) or 'none'})")
+    """A build's ops; an AMX build's with every call on its tiles (threshold 1 row, restored after the test)."""
+    if isa not in LOADABLE:
+        pytest.skip(f"this CPU does not run the {isa} build (it runs: {', '.join(LOADABLE) or 'none'})")
     reason = cpu_ext.load(isa)
     assert reason is None, reason  # a machine that runs the ISA must build it
-    return cpu_ext.ops(isa)
+    ops = cpu_ext.ops(isa)
+    if isa in AMX:
+        info = cpu_ext.amx_info(isa)
+        if info["reason"]:
+            pytest.skip(f"the {isa} build cannot use its tiles here: {info['reason']}")
+        _tiles_from_one_row(ops)
+    return ops
+
+
+_restore: list = []
+
+
+def _tiles_from_one_row(ops) -> None:
+    _restore.append((ops, ops.set_amx_min_rows(1)))  # the op itself: cpu_ext's wrapper takes a build's name
+
+
+@pytest.fixture(autouse=True)
+def _restore_amx_threshold():
+    yield
+    while _restore:
+        ops, rows = _restore.pop()
+        ops.set_amx_min_rows(rows)
 
 
 def linear(ops, qtype: str, mode: str):
@@ -140,14 +167,63 @@ def test_rows_are_batch_invariant_at_every_width_and_thread_count(isa: str, mode
         torch.set_num_threads(threads)
 
 
-@pytest.mark.skipif(len(SUPPORTED) < 2, reason="this CPU runs one build only: nothing to compare across ISAs")
+@pytest.mark.skipif(not {"avx512vnni", "avx2"} <= set(SUPPORTED), reason="this CPU runs one of the AVX builds only")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_builds_are_bit_identical(mode: str, qtype: str) -> None:
     b = pack(random_blocks(qtype, 128, 576, seed=7))
     x = torch.randn(23, 576, generator=torch.Generator().manual_seed(8)) * 3
-    outs = [linear(ops_for(isa), qtype, mode)(x, b) for isa in ISAS]
+    outs = [linear(ops_for(isa), qtype, mode)(x, b) for isa in ("avx512vnni", "avx2")]
     assert torch.equal(*outs)
+
+
+@pytest.mark.parametrize("isa", AMX)
+@pytest.mark.parametrize("mode", ["", *MODES])  # "": `gguf`, fp32-precision activations (three digits)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_amx_rows_equal_the_vnni_rows(isa: str, mode: str, qtype: str) -> None:
+    """Every row of a call on the tiles, at every height (partial tiles, several tiles, two 64-row tiles) and thread
+    count, bit-identical to the VNNI build's row, computed alone: a forward may switch path by row count."""
+    amx, vnni = ops_for(isa), ops_for("avx512vnni")
+    name = ("q8_0_linear" if qtype == "Q8_0" else "q4_1_linear") + (f"_{mode}" if mode else "")
+    b = pack(random_blocks(qtype, 96, 320, seed=9))
+    x = torch.randn(130, 320, generator=torch.Generator().manual_seed(10)) * torch.logspace(-3, 3, 130)[:, None]
+    x[7] = 0.0  # a zero row: activation scale 0
+    alone = torch.cat([getattr(vnni, name)(x[i:i + 1].contiguous(), b) for i in range(len(x))])
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for m in (1, 2, 3, 4, 5, 8, 15, 16, 17, 31, 33, 48, 64, 65, 130):
+                assert torch.equal(getattr(amx, name)(x[:m].contiguous(), b), alone[:m]), (t, m)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("isa", AMX)
+def test_calls_below_the_amx_threshold_take_the_vnni_code(isa: str) -> None:
+    """The threshold is the op's: rows below it run the VNNI loop (so a hardware build whose tiles Linux refused
+    still serves), and both sides of it give the same rows."""
+    ops = ops_for(isa)
+    assert cpu_ext.set_amx_min_rows(5, isa) == 1
+    b = pack(random_blocks("Q4_1", 64, 128, seed=11))
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(12))
+    below, at = ops.q4_1_linear(x[:4].contiguous(), b), ops.q4_1_linear(x[:5].contiguous(), b)
+    assert torch.equal(below, at[:4])
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="AMX min rows"):
+            cpu_ext.set_amx_min_rows(bad, isa)
+    assert cpu_ext.amx_info(isa)["min_rows"] == 5
+
+
+def test_amx_info_names_each_build() -> None:
+    if "avx512vnni" not in SUPPORTED:
+        pytest.skip("this CPU runs no AVX-512 VNNI build")
+    assert cpu_ext.amx_info("avx512vnni")["kind"] == "none"
+    emulated = cpu_ext.amx_info(cpu_ext.EMULATED_AMX)
+    assert emulated["kind"] == "emulated" and emulated["reason"] == "" and emulated["min_rows"] >= 1
+    assert ("avx512amx" in SUPPORTED) == cpu_ext._has_amx_int8()
+    if "avx512amx" in SUPPORTED:
+        assert cpu_ext.amx_info("avx512amx")["kind"] == "hardware"
 
 
 def test_huge_page_copy_is_a_copy() -> None:
@@ -180,3 +256,17 @@ def test_decoder_stack_equals_the_module_forward(model_dir, dtype: str) -> None:
         mixed = runner.forward([ForwardItem("a", [5, 6, 7, 8, 9], 5), ForwardItem("b", prompt[:40], 2)])  # verify + prefill
         outs.append(torch.cat([first, *mixed]))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_each_amx_build_keeps_its_own_tile_state() -> None:
+    """Both AMX builds loaded in one process, the emulated one first: the hardware build still asks the CPU and Linux
+    for its tiles. (Its permission check once lived in an inline function's static, a process-wide unique symbol:
+    the hardware build read the emulated build's "usable", ran tiles without Linux's permission, and crashed.)"""
+    if "avx512vnni" not in SUPPORTED:
+        pytest.skip("this CPU runs no AVX-512 VNNI build")
+    assert cpu_ext.amx_info(cpu_ext.EMULATED_AMX)["reason"] == ""
+    assert cpu_ext.load("avx512amx") is None  # builds on any x86 compiler with AMX support, runs its tiles only on AMX
+    hardware = cpu_ext.amx_info("avx512amx")
+    assert hardware["kind"] == "hardware"
+    if not cpu_ext._has_amx_int8():
+        assert "lacks AMX" in hardware["reason"]

@@ -9,7 +9,7 @@
 //   codes[h][p][4 lane + i] belongs to output row 32t + 16h + lane: for Q4_1 it is GGUF's qs[4p + i] (low nibble
 //   k = 32g + 4p + i, high nibble k = 32g + 16 + 4p + i), for Q8_0 the int8 q at k = 32g + 4p + i.
 //
-// Two builds, one contract: every y[r, n] is a fixed sequence of operations on row r of x and column n of W,
+// Three builds, one contract: every y[r, n] is a fixed sequence of operations on row r of x and column n of W,
 // whatever M is and whatever else is in the call, so a 1-row decode and a (k+1)-row verify give bit-identical
 // rows (batch invariance). Rows are blocked (a block of rows shares each unpacked weight vector), never split
 // along K; threads split N.
@@ -20,16 +20,24 @@
 // instruction. Per block: y += d * scale * (Horner of the three integer dots) + m * (sum of the block's x).
 // The weights are read once per call for every row; unpacking nibbles costs 3 operations per 128 weights.
 //
+// avx512amx: the avx512vnni build, whose calls of at least `amx_min_rows` rows (a verify, a batch, a prefill) compute
+// the same exact int32 block dots by AMX int8 tiles (tdpbsud / tdpbssd, 16 x 16 outputs x 32 k per instruction)
+// and pass them through the same epilogue: bit-identical to avx512vnni at every M.
+//
 // avx2 (fp32 path): w = fma(q, d, m) in a register (exactly gguf's fp32 weight: d q is exact), then two fp32
 // FMA chains per output (k mod 32 < 16 and >= 16, k increasing), added at the end.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <tuple>
 #include <vector>
 
+#include "amx.h"
 #include "ops.h"
 #include "pool.h"
 #include "simd.h"
@@ -100,15 +108,16 @@ template <int D>
 struct Digits {
   static constexpr int32_t kBase = D == 3 ? 256 : 255;
   static constexpr int32_t kLimit = D == 1 ? 127 : D == 2 ? 127 * 255 + 127 : (1 << 22) - 1;  // |x / scale| <= kLimit
-  int64_t groups;
-  std::vector<int8_t> digits;      // [M][G][D][32]: digit e of x[r, 32g + k] at ((r G + g) D + e) 32 + k
+  int64_t rows, groups;
+  std::vector<int8_t> digits;      // [G][M][D][32]: digit e of x[r, 32g + k] at ((g M + r) D + e) 32 + k (block-major:
+                                   // a block's rows and digits are one run of 32-byte rows, as an AMX tile reads them)
   std::vector<float> scale;        // [M][G]
   std::vector<float> sum;          // [M][G] sum of the block's x (fp32, k increasing), for Q4_1's m term
   std::vector<int32_t> digit_sum;  // [M][G][D], for Q8_0's +128 offset on VNNI
   std::vector<int16_t> q16;        // D = 2: [M][G][32] the value kBase a + b itself (AVX2 dots it in one vpmaddwd)
 
   Digits(const float* x, int64_t M, int64_t K)
-      : groups(K / kBlock), digits(M * K * D), scale(M * groups), sum(M * groups), digit_sum(M * groups * D),
+      : rows(M), groups(K / kBlock), digits(M * K * D), scale(M * groups), sum(M * groups), digit_sum(M * groups * D),
         q16(D == 2 ? M * K : 0) {
     parallel_for(0, M * groups, 256, [&](int64_t begin, int64_t end) {
       for (int64_t rg = begin; rg < end; ++rg) quantize_block(x + rg * kBlock, rg);
@@ -120,6 +129,9 @@ struct Digits {
   // least significant last, base 256: ((q + 128) & 255) - 128; base 255: q - 255 round(q / 255), the division in
   // fp32 exact here (|q| <= 32512, and q / 255 is never within 0.002 of a half-integer). The block's sum stays a
   // sequential scalar fp32 sum (its order is part of the result).
+  // the D x 32 digits of row r's block g
+  const int8_t* at(int64_t r, int64_t g) const { return digits.data() + (g * rows + r) * D * kBlock; }
+
   void quantize_block(const float* xb, int64_t rg) {
     float amax = 0.0f, s = 0.0f;
     for (int k = 0; k < kBlock; ++k) {
@@ -153,7 +165,7 @@ struct Digits {
         _mm256_store_si256(reinterpret_cast<__m256i*>(digit[e] + k), d);
       }
     }
-    int8_t* out = digits.data() + rg * D * kBlock;
+    int8_t* out = digits.data() + ((rg % groups) * rows + rg / groups) * D * kBlock;  // at(r, g)
     for (int e = 0; e < D; ++e) {
       int32_t dsum = 0;
       for (int k = 0; k < kBlock; ++k) {
@@ -237,22 +249,34 @@ struct Column {
 #endif
 };
 
-// The block's D exact int32 digit dots as one fp32 value: Horner in fp32, dot_0 kBase + dot_1 ... (each dot < 2^20 in
-// magnitude, exact in fp32). For D = 2 on VNNI the two are combined in int32 instead (|255 hi + lo| < 2^31) and
-// converted once: the same value, as fma(hi, 255, lo) is the exact sum rounded once too, with one conversion and
-// one FMA fewer beside the dot products (Zen 4: 5-10 % off the many-row GEMMs of a verify or a prefill).
+// The block's D exact int32 digit dots (most significant first) as one fp32 value: Horner in fp32, dot_0 kBase +
+// dot_1 ... (each dot < 2^20 in magnitude, exact in fp32). On VNNI the leading pair is combined in int32 instead
+// (|kBase dot_0 + dot_1| < 2^28) and converted once: the same value, as fma(dot_0, kBase, dot_1) is the exact sum
+// rounded once too, with one conversion and one FMA fewer beside the dot products (Zen 4: 5-10 % off the many-row
+// GEMMs of a verify or a prefill at D = 2). The AMX path (below) feeds its tiles' dots through the same function.
+template <int D>
+SPIND_INLINE vf combine_digits(vi d0, vi d1, vi d2) {
+  if constexpr (D == 1) {
+    return to_float(d0);
+  } else {
+#ifdef SPIND_VNNI
+    if constexpr (D == 2) return to_float(iadd(isub(_mm512_slli_epi32(d0, 8), d0), d1));  // 255 d0 + d1
+    else return vfma(to_float(iadd(_mm512_slli_epi32(d0, 8), d1)), vset1(256.0f), to_float(d2));  // base 256
+#else
+    const vf base = vset1(static_cast<float>(Digits<D>::kBase));
+    vf t = vfma(to_float(d0), base, to_float(d1));
+    if constexpr (D == 3) t = vfma(t, base, to_float(d2));
+    return t;
+#endif
+  }
+}
+
 template <int D>
 SPIND_INLINE vf block_dot(const Column& col, const int32_t* quads, const int32_t* digit_sum) {
-#ifdef SPIND_VNNI
-  if constexpr (D == 2) {
-    const vi hi = col.dot(quads, digit_sum[0]), lo = col.dot(quads + 8, digit_sum[1]);
-    return to_float(iadd(isub(_mm512_slli_epi32(hi, 8), hi), lo));
-  }
-#endif
-  vf t = to_float(col.dot(quads, digit_sum[0]));
-  for (int e = 1; e < D; ++e)
-    t = vfma(t, vset1(static_cast<float>(Digits<D>::kBase)), to_float(col.dot(quads + 8 * e, digit_sum[e])));
-  return t;
+  const vi d0 = col.dot(quads, digit_sum[0]);
+  const vi d1 = D > 1 ? col.dot(quads + 8, digit_sum[1]) : d0;
+  const vi d2 = D > 2 ? col.dot(quads + 16, digit_sum[2]) : d0;
+  return combine_digits<D>(d0, d1, d2);
 }
 
 #ifndef SPIND_VNNI
@@ -314,7 +338,7 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
       const uint8_t* blk = w.block(pair, g);
       w.prefetch_next_pair(pair, g);
       const int64_t rg = r0 * w.groups + g;
-      const int32_t* quads = reinterpret_cast<const int32_t*>(a.digits.data() + rg * D * kBlock);
+      const int32_t* quads = reinterpret_cast<const int32_t*>(a.at(r0, g));
 #pragma GCC unroll 2
       for (int c = 0; c < kCols; ++c) {
         const int64_t row = row0 + c * kLanes;
@@ -366,7 +390,7 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
         const int64_t rg = (r0 + r) * w.groups + g;
         // D exact int32 dots combined (block_dot): for D = 2 one rounding of the exact 255 hi + lo, the very value
         // AVX2's single 16-bit dot converts
-        const int32_t* quads = reinterpret_cast<const int32_t*>(a.digits.data() + rg * D * kBlock);
+        const int32_t* quads = reinterpret_cast<const int32_t*>(a.at(r0 + r, g));
         const vf t = block_dot<D>(col, quads, &a.digit_sum[rg * D]);
         acc[r] = vfma(t, vmul(d, vset1(a.scale[rg])), acc[r]);
         if (q4) acc[r] = vfma(m, vset1(a.sum[rg]), acc[r]);
@@ -389,6 +413,164 @@ struct IntPath {
     int_row_block<MR, D>(w, in, unit, r0, y, ldy, pass);
   }
 };
+
+// Rows per tile of a many-row call (prefill): a thread runs every unit of its share over one tile of rows before the
+// next, so the tile's activations stay in L1/L2 while the share's weights (<= ~0.5 MB per thread for the default
+// model's layers) stream from L2. Decode and verify calls are one tile.
+constexpr int64_t kRowTile = 64;
+
+#ifdef SPIND_AMX
+// ---- AMX path (avx512amx build): the integer path's block dots by int8 tiles, for calls of >= amx_min_rows rows ----
+//
+// Per block g of a pair (32 outputs) and a block of MR rows: one A tile holds the MR rows' D digits of the block as
+// MR D rows of 32 int8 (Digits is block-major, so they are one run: tile row D r + e is digit e of row r), and one
+// instruction per 16-output half h gives every row's every digit dot at once: C_h = A B_h, with B_h the half's codes
+// (32 k x 16 outputs: Q8_0's packed codes as they lie, signed; Q4_1's nibbles unpacked to a byte each, unsigned).
+// Digits on the tile's rows keep a verify's few rows from wasting it: 5 rows x 3 digits fill 15 of 16. The C tiles'
+// exact int32 dots go through memory (a tile store) into the very epilogue of the VNNI path (combine_digits, then
+// the same FMAs in the same order per output), so every row is bit-identical to the VNNI path's, whatever M and
+// whichever path a call takes: greedy speculation stays exact when a forward's row count crosses the threshold.
+// The tile work of block g + 1 is issued before block g's epilogue, which reads C rows stored one step earlier.
+//
+// Tiles: 0, 1 = B_0, B_1; a tile of kRowTile rows is cut into row blocks of two heights at most (split evenly), each
+// height with its own A and C tiles (2, 3, 4 and 5, 6, 7), so one configuration serves a whole call of <= kRowTile
+// rows.
+
+// Calls of at least this many rows take the tiles (SPIND_AMX_MIN_ROWS; `spind bench decode` shows it).
+int64_t amx_default_min_rows() {
+  const char* env = std::getenv("SPIND_AMX_MIN_ROWS");
+  return env != nullptr && *env != '\0' ? std::max<int64_t>(1, std::atoll(env)) : 4;
+}
+std::atomic<int64_t> amx_min_rows{amx_default_min_rows()};
+
+// rows per row block: D MR tile rows <= 16, and the 2 MR accumulators in registers
+template <int D>
+constexpr int64_t kAmxRows = D == 3 ? 5 : 8;
+
+// the tiles {A, C_0, C_1} of each row-block height
+template <int kSet>
+struct TileSet {
+  static constexpr int A = kSet == 0 ? 2 : 5, C0 = A + 1, C1 = A + 2;
+};
+
+amx::Config tile_config(int D, int64_t hi, int64_t lo) {
+  amx::Config c;
+  c.set(0, kBlock / 4, 64);
+  c.set(1, kBlock / 4, 64);
+  const int64_t heights[2] = {hi, lo};
+  for (int k = 0; k < 2; ++k) {
+    const int a = k == 0 ? TileSet<0>::A : TileSet<1>::A, rows = static_cast<int>(std::max<int64_t>(1, heights[k]) * D);
+    c.set(a, rows, kBlock);
+    c.set(a + 1, rows, 64);
+    c.set(a + 2, rows, 64);
+  }
+  return c;
+}
+
+// One block's tile work: B_0, B_1 loaded (Q4_1 unpacked through b), A loaded, c[h] = A B_h stored ([D MR][16])
+template <int kSet, bool kQ4>
+SPIND_INLINE void tile_block(const Weights& w, const uint8_t* blk, const int8_t* digits, uint8_t (*b)[kBlock / 4][64],
+                             int32_t (*c)[amx::kMaxRows][16]) {
+  using T = TileSet<kSet>;
+  if constexpr (kQ4) {
+    for (int h = 0; h < 2; ++h) {
+      vi wq[8];
+      unpack_nibbles(w.codes(blk, h), wq);
+      for (int p = 0; p < 8; ++p) _mm512_store_si512(b[h][p], wq[p]);
+    }
+    amx::load<0>(b[0], 64);
+    amx::load<1>(b[1], 64);
+  } else {
+    amx::load<0>(w.codes(blk, 0), 64);
+    amx::load<1>(w.codes(blk, 1), 64);
+  }
+  amx::load<T::A>(digits, kBlock);
+  amx::zero<T::C0>();
+  amx::zero<T::C1>();
+  amx::dp<T::C0, T::A, 0, kQ4>();
+  amx::dp<T::C1, T::A, 1, kQ4>();
+  amx::store<T::C0>(c[0], 64);
+  amx::store<T::C1>(c[1], 64);
+}
+
+// y[r0 + r, unit] for the MR rows of a block; each output's blocks added in increasing order, as int_row_block does
+template <int MR, int D, int kSet>
+void amx_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r0, float* y, int64_t ldy, int pass) {
+  const bool q4 = w.format == Format::kQ4_1;
+  const int64_t pair = unit;  // an AVX-512 unit is a whole pair (kUnit == kPair)
+  alignas(64) uint8_t b[2][kBlock / 4][64];
+  alignas(64) int32_t c[2][2][amx::kMaxRows][16];  // [block parity][h][D r + e][output]
+  auto tiles = [&](int64_t g) {
+    w.prefetch_l2(pair, g, pass);
+    if (q4) tile_block<kSet, true>(w, w.block(pair, g), a.at(r0, g), b, c[g & 1]);
+    else tile_block<kSet, false>(w, w.block(pair, g), a.at(r0, g), b, c[g & 1]);
+  };
+  vf acc[MR][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = vzero();
+  tiles(0);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    if (g + 1 < w.groups) tiles(g + 1);
+    const uint8_t* blk = w.block(pair, g);
+    const auto& cg = c[g & 1];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const vf d = load_f16(w.d(blk) + 16 * h);
+      const vf m = q4 ? load_f16(w.m(blk) + 16 * h) : vzero();
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const int64_t rg = (r0 + r) * w.groups + g;
+        const vi d0 = iload(cg[h][D * r]);
+        const vi d1 = D > 1 ? iload(cg[h][D * r + (D > 1 ? 1 : 0)]) : d0;
+        const vi d2 = D > 2 ? iload(cg[h][D * r + (D > 2 ? 2 : 0)]) : d0;
+        acc[r][h] = vfma(combine_digits<D>(d0, d1, d2), vmul(d, vset1(a.scale[rg])), acc[r][h]);
+        if (q4) acc[r][h] = vfma(m, vset1(a.sum[rg]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h) vstore(y + r * ldy + 16 * h, acc[r][h]);
+}
+
+template <int D, int kSet, int MR = kAmxRows<D>>
+void amx_rows(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r0, float* y, int64_t ldy, int64_t n,
+              int pass) {
+  if constexpr (MR > 1) {
+    if (n < MR) return amx_rows<D, kSet, MR - 1>(w, a, unit, r0, y, ldy, n, pass);
+  }
+  amx_row_block<MR, D, kSet>(w, a, unit, r0, y, ldy, pass);
+}
+
+// As gemm<IntPath<D>>: threads split the units (32 outputs each); a thread runs its units over each tile of kRowTile
+// rows, a unit over the tile's row blocks (the unit's weights stay in cache between them).
+template <int D>
+at::Tensor amx_gemm(const at::Tensor& x, const Weights& w, int64_t n_out) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor y = at::empty({M, n_out}, x.options());
+  const Digits<D> in(x.data_ptr<float>(), M, K);
+  float* yp = y.data_ptr<float>();
+  parallel_for(0, n_out / kUnit, 1, [&](int64_t begin, int64_t end) {
+    int64_t configured[2] = {0, 0};
+    for (int64_t tile = 0; tile < M; tile += kRowTile) {
+      const int64_t rows = std::min(M - tile, kRowTile);
+      const int64_t blocks = (rows + kAmxRows<D> - 1) / kAmxRows<D>;
+      const int64_t lo = rows / blocks, n_hi = rows % blocks, hi = lo + (n_hi != 0);  // n_hi blocks of hi rows first
+      if (hi != configured[0] || lo != configured[1]) {
+        amx::configure(tile_config(D, hi, lo));
+        configured[0] = hi, configured[1] = lo;
+      }
+      for (int64_t u = begin; u < end; ++u)
+        for (int64_t i = 0, r0 = tile; i < blocks; r0 += i < n_hi ? hi : lo, ++i) {
+          float* yu = yp + r0 * n_out + u * kUnit;
+          if (i < n_hi) amx_rows<D, 0>(w, in, u, r0, yu, n_out, hi, static_cast<int>(i));
+          else amx_rows<D, 1>(w, in, u, r0, yu, n_out, lo, static_cast<int>(i));
+        }
+    }
+    amx::release();
+  });
+  return y;
+}
+#endif  // SPIND_AMX
 
 // ---- avx2 fp32 path (`gguf` on AVX2): the weights dequantized in registers, fp32 FMAs ----
 #ifndef SPIND_VNNI
@@ -483,11 +665,6 @@ void rows(const Weights& w, const typename Path::Inputs& in, int64_t unit, int64
   Path::template block<MR>(w, in, unit, r0, y, ldy, pass);
 }
 
-// Rows per tile of a many-row call (prefill): a thread runs every unit of its share over one tile of rows before the
-// next, so the tile's activations stay in L1/L2 while the share's weights (<= ~0.5 MB per thread for the default
-// model's layers) stream from L2. Decode and verify calls are one tile.
-constexpr int64_t kRowTile = 64;
-
 template <class Path>
 at::Tensor gemm(const at::Tensor& x, const Weights& w, int64_t n_out) {
   constexpr int kRows = Path::kRows;
@@ -518,6 +695,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, Format format, 
   TORCH_CHECK(x.size(1) == w.groups * kBlock, "x has ", x.size(1), " columns, the weight ", w.groups * kBlock);
   const Weights ws{format, blocks.data_ptr<uint8_t>(), w.groups, blocks.size(0) * w.groups};
   const int64_t n_out = blocks.size(0) * kPair;
+#ifdef SPIND_AMX
+  if (x.size(0) >= amx_min_rows.load(std::memory_order_relaxed) && amx::status().empty()) {
+    if (digits == 1) return amx_gemm<1>(x, ws, n_out);
+    if (digits == 2) return amx_gemm<2>(x, ws, n_out);
+    return amx_gemm<3>(x, ws, n_out);
+  }
+#endif
   if (digits == 1) return gemm<IntPath<1>>(x, ws, n_out);
   if (digits == 2) return gemm<IntPath<2>>(x, ws, n_out);
 #ifdef SPIND_VNNI
@@ -543,7 +727,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
   const int64_t M = x.size(0), G = x.size(1) / kBlock;
   auto copy_out = [&](const auto& a) {
     at::Tensor d = at::empty({M, G, digits, kBlock}, x.options().dtype(at::kChar));
-    std::copy(a.digits.begin(), a.digits.end(), d.data_ptr<int8_t>());
+    int8_t* out = d.data_ptr<int8_t>();
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t g = 0; g < G; ++g) std::copy_n(a.at(r, g), digits * kBlock, out + (r * G + g) * digits * kBlock);
     at::Tensor s = at::empty({M, G}, x.options()), t = at::empty({M, G}, x.options());
     std::copy(a.scale.begin(), a.scale.end(), s.data_ptr<float>());
     std::copy(a.sum.begin(), a.sum.end(), t.data_ptr<float>());
@@ -552,6 +738,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
   if (digits == 1) return copy_out(Digits<1>(x.data_ptr<float>(), M, x.size(1)));
   if (digits == 2) return copy_out(Digits<2>(x.data_ptr<float>(), M, x.size(1)));
   return copy_out(Digits<3>(x.data_ptr<float>(), M, x.size(1)));
+}
+
+// (kind, why the tiles go unused or "", rows from which a call takes them): kind is "hardware", "emulated" (the
+// test build) or "none" (a build without tiles)
+std::tuple<std::string, std::string, int64_t> amx_info() {
+#ifdef SPIND_AMX
+  return {amx::kKind, amx::status(), amx_min_rows.load()};
+#else
+  return {"none", "a build without AMX tiles", 0};
+#endif
+}
+
+// Calls of at least `rows` rows take the tiles from now on; returns the previous threshold (tests and benches)
+int64_t set_amx_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1, "set_amx_min_rows: rows must be >= 1, got ", rows);
+#ifdef SPIND_AMX
+  return amx_min_rows.exchange(rows);
+#else
+  return 0;
+#endif
 }
 
 }  // namespace
@@ -570,6 +776,8 @@ TORCH_LIBRARY_FRAGMENT(SPIND_OPS, m) {
   m.def("q4_1_linear_q16(Tensor x, Tensor blocks) -> Tensor", &q4_1_linear_q16);
   m.def("q8_0_linear_q16(Tensor x, Tensor blocks) -> Tensor", &q8_0_linear_q16);
   m.def("quantize_rows(Tensor x, int digits) -> (Tensor, Tensor, Tensor)", &quantize_rows);
+  m.def("amx_info() -> (str, str, int)", &amx_info);
+  m.def("set_amx_min_rows(int rows) -> int", &set_amx_min_rows);
 }
 
 }  // namespace spind_cpu

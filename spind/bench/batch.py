@@ -155,7 +155,7 @@ def run_batch_bench(cfg: SpindConfig, settings: BatchBenchSettings) -> dict:
             "environment": {"torch": torch.__version__, "cpu": _cpu_name(), "model": cfg.model.target,
                             "dtype": cfg.model.dtype, "attention": cfg.runtime.attention,
                             "kv_cache_dtype": cfg.runtime.kv_cache_dtype,
-                            "kernels": cpu_ext.best_isa() if cpu_ext.available() else None},
+                            "kernels": cpu_ext.describe()},
             "runs": runs}
 
 

@@ -149,8 +149,7 @@ def run_decode_bench(cfg: SpindConfig, settings: DecodeBenchSettings) -> dict:
     return {
         "settings": {**dataclasses.asdict(settings), "datasets_dir": str(settings.datasets_dir), "target_dtype": main},
         "environment": {"torch": torch.__version__, "cpu_count": os.cpu_count(), "model": cfg.model.target,
-                        "attention": cfg.runtime.attention, "kernels": cpu_ext.best_isa() if cpu_ext.available()
-                        else None, "cpu": _cpu_name()},
+                        "attention": cfg.runtime.attention, "kernels": cpu_ext.describe(), "cpu": _cpu_name()},
         "quality": quality, "runs": runs,
     }
 
