@@ -86,8 +86,15 @@ struct Weights {
       for (int64_t off = 0; off < block_bytes(); off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(blocks + i * block_bytes() + off), _MM_HINT_T1);
   }
-  // Single-row calls (decode): the next pair's block g into L1 while this pair's block g is used.
-  void prefetch_next_pair(int64_t pair, int64_t g) const { prefetch((pair + 1) * groups + g); }
+  // Single-row calls (decode) read the weights once, in stream order, which the hardware prefetchers follow: one
+  // line 16 KB ahead per block, into L2, only keeps the stream going across 4 KB pages (where prefetchers that work
+  // on physical pages stop). Measured on Zen 4, a decode step's GEMMs over the default model's 97 MB at 1 thread:
+  // 6.1-6.8 ms when every line of the next pair's block was prefetched into L1 (the previous scheme), 4.9-5.4 ms
+  // with this one or none at all.
+  void prefetch_page_ahead(const uint8_t* blk) const {
+    const int64_t ahead = (blk - blocks) + 16 * 1024;
+    if (ahead < num_blocks * block_bytes()) _mm_prefetch(reinterpret_cast<const char*>(blocks + ahead), _MM_HINT_T1);
+  }
   const uint16_t* d(const uint8_t* b) const { return reinterpret_cast<const uint16_t*>(b); }
   const uint16_t* m(const uint8_t* b) const { return reinterpret_cast<const uint16_t*>(b + 64); }
   const uint8_t* codes(const uint8_t* b, int64_t tile) const {
@@ -336,7 +343,7 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
     vf acc[kCols] = {vzero(), vzero()};
     for (int64_t g = 0; g < w.groups; ++g) {
       const uint8_t* blk = w.block(pair, g);
-      w.prefetch_next_pair(pair, g);
+      w.prefetch_page_ahead(blk);
       const int64_t rg = r0 * w.groups + g;
       const int32_t* quads = reinterpret_cast<const int32_t*>(a.at(r0, g));
 #pragma GCC unroll 2
