@@ -13,7 +13,8 @@ machine, torch version and source change, cached under torch's extensions direct
   bit-identical).
 A fourth build, `avx512amxemu`, runs the AMX path on emulated tiles (csrc/amx.h): never chosen to serve, it lets
 the tests check the tile path's layouts and epilogue on every AVX-512 VNNI machine, not only where AMX exists.
-`SPIND_CPU_ISA=avx2` forces a build (to run or time the AVX2 path on an AVX-512 machine). The build's name carries
+`SPIND_CPU_ISA=avx2` forces a build (to run or time the AVX2 path on an AVX-512 machine; `avx512vnni` the VNNI path
+on an AMX machine). Where the AMX build fails (a compiler without `-mamx-int8`), the VNNI build serves. The build's name carries
 its ISA, so a cache shared between machines never hands one to a CPU without it, and each registers its ops under
 its own namespace (`torch.ops.spind_cpu_<isa>`), so both can be loaded side by side (tests compare them). Callers
 use `ops()`, or fall back to torch when `available()` is False. Every op runs on the kernels' own thread pool
@@ -75,6 +76,8 @@ def best_isa() -> str | None:
     forced = os.environ.get(ISA_ENV)
     if forced:
         return forced if forced in loadable_isas() else None
+    if isas and isas[0] == "avx512amx" and load("avx512amx") is not None:
+        return isas[1]  # a compiler without AMX support: the VNNI build serves (unavailable_reason logged why)
     return isas[0] if isas else None
 
 
@@ -135,6 +138,10 @@ def unavailable_reason() -> str | None:
     elif isa is None:
         reason = f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has neither AVX-512 VNNI nor AVX2"
     else:
+        amx_build = load("avx512amx") if not forced and supported_isas()[0] == "avx512amx" else None
+        if amx_build is not None and amx_build not in _logged:
+            _logged.add(amx_build)
+            log.warning("the AMX build failed, the AVX-512 VNNI build serves: %s", amx_build)
         reason = load(isa)
         if reason is None and isa == "avx512amx":
             tiles = amx_info(isa)["reason"]

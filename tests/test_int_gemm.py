@@ -270,3 +270,17 @@ def test_each_amx_build_keeps_its_own_tile_state() -> None:
     assert hardware["kind"] == "hardware"
     if not cpu_ext._has_amx_int8():
         assert "lacks AMX" in hardware["reason"]
+
+
+def test_a_failed_amx_build_gives_way_to_the_vnni_build(monkeypatch, caplog) -> None:
+    """An AMX CPU whose compiler cannot build the tiles (no -mamx-int8) serves with the VNNI build, and says why."""
+    if "avx512vnni" not in SUPPORTED:
+        pytest.skip("this CPU runs no AVX-512 VNNI build")
+    monkeypatch.delenv(cpu_ext.ISA_ENV, raising=False)
+    monkeypatch.setattr(cpu_ext, "supported_isas", lambda: ["avx512amx", "avx512vnni", "avx2"])
+    monkeypatch.setitem(cpu_ext._builds, "avx512amx", "building quant_gemm.cpp failed (no -mamx-int8)")
+    monkeypatch.setattr(cpu_ext, "_logged", set())
+    assert cpu_ext.best_isa() == "avx512vnni"
+    with caplog.at_level("WARNING", logger=cpu_ext.__name__):
+        assert cpu_ext.unavailable_reason() is None
+    assert "the AMX build failed, the AVX-512 VNNI build serves: building quant_gemm.cpp failed" in caplog.text
