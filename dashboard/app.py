@@ -8,7 +8,7 @@ GET /v1/spind/state once a second inside one fragment, so only they rerun, in pl
     Pipeline occupancy  what each worker did over the last 30 s, and its busy share
     Throughput          goodput, acceptance rate and mean accepted length per drafter over time; queues; TTFT and
                         latency percentiles
-    Workers             device, model, dtype, memory, health, restarts
+    Workers             device, model, dtype, memory, health, restarts, hangs the watchdog killed
 """
 
 from __future__ import annotations

@@ -303,4 +303,4 @@ def workers_frame(workers: list[WorkerState]) -> pd.DataFrame:
         "worker": w.name, "health": "alive" if w.alive else "DEAD", "device": w.device, "dtype": w.dtype,
         "model": w.model, "threads": w.threads, "pid": w.pid,
         "memory (MiB)": None if w.rss_bytes is None else round(w.rss_bytes / 2**20),
-        "busy": f"{w.utilisation:.0%}", "restarts": w.restarts} for w in workers])
+        "busy": f"{w.utilisation:.0%}", "restarts": w.restarts, "hung (killed)": w.hangs} for w in workers])

@@ -157,10 +157,13 @@ class ServerConfig:
     max_waiting: int = 256  # queued requests beyond which new ones get 503
     max_connections: int = 1024  # open HTTP connections; past it a new one gets 503 and is closed
     idle_timeout_s: float = 15.0  # an HTTP connection idle (or still sending its headers) this long is closed
-    body_timeout_s: float = 30.0  # to receive a request body once its headers are in (else 408)
+    body_timeout_s: float = 30.0  # to receive a whole request body once its headers are in (else 408, closed)
     max_restarts: int = 5  # restarts of one worker within restart_window_s; one more and the daemon gives up
     restart_window_s: float = 300.0
     heartbeat_timeout_s: float = 10.0  # a worker that answers no heartbeat this long is stalled: /health 503
+    # a worker that answers no heartbeat this long *and* used no CPU meanwhile is hung (stopped, deadlocked): it is
+    # killed and restarted like a crash, its requests re-prefilled (0: off; a busy worker is never killed by it)
+    watchdog_s: float = 30.0
     run_dir: str = ""  # private 0700 directory for ipc sockets and the pid file; "" = a per-user default
 
 
@@ -255,6 +258,8 @@ def validate(cfg: SpindConfig) -> SpindConfig:
     sv = cfg.server
     if sv.max_connections < 1 or sv.max_restarts < 0:
         raise ConfigError("[server] max_connections must be >= 1 and max_restarts >= 0")
+    if sv.watchdog_s < 0:
+        raise ConfigError(f"[server] watchdog_s must be >= 0 (0: off), got {sv.watchdog_s}")
     if min(sv.idle_timeout_s, sv.body_timeout_s, sv.restart_window_s, sv.heartbeat_timeout_s) <= 0:
         raise ConfigError("[server] idle_timeout_s, body_timeout_s, restart_window_s and heartbeat_timeout_s "
                           "must be > 0")

@@ -48,6 +48,7 @@ class WorkerState(_State):
     pid: int | None
     alive: bool
     restarts: int
+    hangs: int = 0  # times the watchdog killed it (no heartbeat and no CPU used for watchdog_s)
     rss_bytes: int | None = None  # resident memory of the worker's process (None: unknown)
     busy: list[BusySpan] = []  # the last `window_s` seconds, oldest first
     busy_s: dict[str, float] = {}  # kind -> seconds busy since start

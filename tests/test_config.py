@@ -74,6 +74,7 @@ BAD_CONFIGS = [
     ({"drafters": [{"name": "x"}]}, r"\[drafters\] .*missing .*'kind'"),
     ({"workers": [{"device": "cpu"}]}, r"\[workers\] .*missing .*'name'"),
     ({"gpu": {}}, r"unknown top-level section\(s\): gpu"),
+    ({"server": {"watchdog_s": -1}}, r"\[server\] watchdog_s must be >= 0 \(0: off\)"),
 ]
 
 

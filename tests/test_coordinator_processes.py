@@ -308,6 +308,54 @@ def test_worker_fault_mid_generation_output_unchanged(harness, reference, victim
     assert snap[victim].restarts == info.restarts and snap[victim].alive
 
 
+WATCHDOG_S = 3.0
+
+
+def test_watchdog_restarts_a_stopped_worker_and_outputs_are_unchanged(harness, reference):
+    """A SIGSTOPped target (hung: no heartbeat, no CPU) with requests in flight and the call timeout far away: the
+    watchdog kills it after watchdog_s, it is restarted and re-prefilled, every request finishes as if nothing
+    happened, and the hang is counted (worker info, snapshot, /metrics). A busy worker is left alone: the first
+    part runs with the watchdog on and no fault, and nothing is killed."""
+    engine = harness.engine
+    victim = "target"
+    cases = [("w-sea", "sea", "int8"), ("w-colors", "colors", "none")]
+    before = harness.pool.info(victim)
+    restarts, hangs, old_pid = before.restarts, before.hangs, before.pid
+    engine.watchdog_s = WATCHDOG_S
+
+    async def go(fault: bool, tag: str):
+        logs = [[] for _ in cases]
+        tasks = [asyncio.create_task(collect(engine, request(harness, rid + tag, name, d, 24), log))
+                 for (rid, name, d), log in zip(cases, logs)]
+        while not all(log for log in logs):
+            await asyncio.sleep(0.01)
+        stopped_at = time.monotonic()
+        if fault:
+            os.kill(old_pid, signal.SIGSTOP)
+        results = await asyncio.gather(*tasks)
+        return results, time.monotonic() - stopped_at
+
+    try:
+        healthy, _ = harness.run(go(False, "-ok"))
+        assert harness.pool.info(victim).hangs == hangs  # busy, answering late or not: never killed
+        results, took = harness.run(go(True, "-stop"), timeout=120)
+    finally:
+        engine.watchdog_s = 0.0
+        try:
+            os.kill(old_pid, signal.SIGCONT)  # if the test failed before the watchdog killed it
+        except ProcessLookupError:
+            pass
+    for deltas, (_, name, _) in zip([*healthy, *results], [*cases, *cases]):
+        check_stream(deltas, reference(name, 24))
+    info = harness.pool.info(victim)
+    assert info.hangs == hangs + 1 and info.restarts == restarts + 1 and info.pid != old_pid
+    # killed after watchdog_s (+ a heartbeat), restarted, re-prefilled and finished: far below call_timeout_s (120 s)
+    assert took < WATCHDOG_S + 15, took
+    snap = {w.name: w for w in engine.snapshot().workers}
+    assert snap[victim].hangs == info.hangs and snap[victim].alive
+    assert 'spind_worker_hangs_total{worker="target"} 1.0' in engine.render_metrics()
+
+
 def test_shutdown_drain_finishes_in_flight_requests(tmp_path, harness, reference):
     h = Harness(small_config(drafters=("ngram",)), tmp_path)  # only the target worker: quick to start
     try:

@@ -182,8 +182,8 @@ def test_health_is_503_while_the_engine_reports_a_problem():
 # -- the HTTP transport: Server header, JSON for aiohttp's own errors, connection cap, idle timeout --------------
 
 @contextlib.asynccontextmanager
-async def transport(max_connections: int = 64, idle_timeout_s: float = 15.0):
-    server = ApiServer(StubEngine(), LIMITS, status="ok")  # type: ignore[arg-type]
+async def transport(max_connections: int = 64, idle_timeout_s: float = 15.0, body_timeout_s: float = 30.0):
+    server = ApiServer(StubEngine(), LIMITS, status="ok", body_timeout_s=body_timeout_s)  # type: ignore[arg-type]
     runner = CappedAppRunner(server.build_app(), max_connections, handler_cancellation=True, access_log=None,
                              keepalive_timeout=idle_timeout_s)
     await runner.setup()
@@ -235,6 +235,36 @@ def test_connections_are_capped_and_idle_or_half_sent_ones_time_out():
                 assert await asyncio.wait_for(reader.read(), 3) == b""
             head, _ = _split(await _raw(port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
             assert head.startswith("HTTP/1.1 200")
+    asyncio.run(check())
+
+
+def test_a_body_sent_a_byte_at_a_time_is_cut_at_the_body_deadline():
+    """body_timeout_s bounds the whole body, not the gap between its bytes: a client that drips one byte every
+    0.1 s (never idle for the idle timeout) gets a 408 and a closed connection once the deadline passes."""
+    async def check():
+        async with transport(idle_timeout_s=5.0, body_timeout_s=1.0) as port:
+            body = json.dumps({"model": "spind", "prompt": "x" * 200, "max_tokens": 1}).encode()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body))
+            start = asyncio.get_running_loop().time()
+
+            async def drip():
+                for b in body:
+                    writer.write(bytes([b]))
+                    await asyncio.sleep(0.1)
+
+            dripping = asyncio.create_task(drip())
+            try:
+                raw = await asyncio.wait_for(reader.read(), 10)
+            finally:
+                dripping.cancel()
+                writer.close()
+            took = asyncio.get_running_loop().time() - start
+            head, answer = _split(raw)
+            assert head.startswith("HTTP/1.1 408"), head
+            assert "did not arrive within" in answer["error"]["message"]
+            assert took < 3.0, took  # the deadline (1 s), not the drip's 20 s
     asyncio.run(check())
 
 

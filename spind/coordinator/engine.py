@@ -50,6 +50,7 @@ from spind.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0  # every worker is pinged this often (its op queue answers in order)
+WATCHDOG_MAX_CPU_S = 0.05  # CPU a worker may use over watchdog_s and still count as hung (a stopped one uses 0)
 
 
 class Coordinator:
@@ -59,7 +60,7 @@ class Coordinator:
     def __init__(self, cfg: SpindConfig, pool: WorkerPool, tokenizer: Tokenizer | None = None,
                  selector: Selector | None = None,
                  call_timeout_s: float = 300.0, restarts: RestartPolicy | None = None,
-                 heartbeat_timeout_s: float = 10.0) -> None:
+                 heartbeat_timeout_s: float = 10.0, watchdog_s: float = 0.0) -> None:
         self.cfg = cfg
         self.pool = pool
         self.tokenizer = tokenizer
@@ -70,10 +71,12 @@ class Coordinator:
         self.dominated_drafters: list[str] = []  # left out of auto selection (profile.dominated_drafters)
         self.max_model_len = cfg.model.max_model_len
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.watchdog_s = watchdog_s  # 0: off
         self.generation_defaults: dict[str, float] = {}  # the model's sampling defaults for unset API fields
         self._accepting = False
         self._is_shut_down = False
         self._pings: dict[str, tuple[float, asyncio.Future]] = {}  # worker -> (sent at, reply) of its last ping
+        self._ping_cpu: dict[str, float | None] = {}  # worker -> its CPU seconds when its last ping was sent
         self._heartbeat_task: asyncio.Task | None = None
         self._loop_task: asyncio.Task | None = None
         self._wakeup = asyncio.Event()
@@ -208,13 +211,28 @@ class Coordinator:
         await self.phases.failed.wait()
 
     async def _heartbeat(self) -> None:
-        """Keep one ping in flight per live worker; `health` reads one unanswered for too long as a stall."""
+        """Keep one ping in flight per live worker; `health` reads one unanswered for too long as a stall, and the
+        watchdog kills a worker that leaves it unanswered for `watchdog_s` while using no CPU (a busy worker
+        answers late but uses CPU; a stopped or deadlocked one does not): its calls fail with `WorkerDied`, and
+        the loop restarts it and re-prefills its requests, as after a crash."""
         while True:
             for name in self.pool.names:
                 last = self._pings.get(name)
                 if (last is None or last[1].done()) and self.pool.is_alive(name):
                     self._pings[name] = (time.monotonic(), self.pool.cast(name, P.Ping(0)))
+                    self._ping_cpu[name] = self.pool.cpu_seconds(name)
+                elif last is not None and self._is_hung(name, *last):
+                    self.pool.info(name).hangs += 1
+                    self.phases.metrics.hangs.labels(worker=name).inc()
+                    await self.pool.kill(name, f"no heartbeat and no CPU used for {self.watchdog_s:.0f} s (hung)")
+                    self._wakeup.set()
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    def _is_hung(self, name: str, sent: float, reply: asyncio.Future) -> bool:
+        if self.watchdog_s <= 0 or reply.done() or time.monotonic() - sent < self.watchdog_s:
+            return False
+        before, now = self._ping_cpu.get(name), self.pool.cpu_seconds(name)
+        return before is not None and now is not None and now - before < WATCHDOG_MAX_CPU_S
 
     def render_metrics(self) -> str:
         ph = self.phases

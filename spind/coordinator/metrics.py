@@ -39,6 +39,8 @@ class EngineMetrics:
         self.running = Gauge("spind_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("spind_requests_waiting", "Requests waiting for admission", registry=r)
         self.restarts = Counter("spind_worker_restarts", "Worker restarts after a fault", ("worker",), registry=r)
+        self.hangs = Counter("spind_worker_hangs", "Workers killed by the watchdog: no heartbeat and no CPU used",
+                             ("worker",), registry=r)
         self.busy = Counter("spind_worker_busy_seconds", "Worker time by what it was spent on", ("worker", "kind"),
                             registry=r)
         self.ahead = Counter("spind_draft_ahead", "Drafts drafted ahead during a verify: used or dropped", ("outcome",),

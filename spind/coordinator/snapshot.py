@@ -39,7 +39,7 @@ def _workers(ph: SlotPhases, now: float) -> list[WorkerState]:
         out.append(WorkerState(
             name=name, is_target=w["is_target"], model=", ".join(models), drafters=list(w["drafters"]),
             device=w["device"], dtype=w["dtype"], threads=w["threads"], pid=w["pid"], alive=w["alive"],
-            restarts=w["restarts"], rss_bytes=_rss_bytes(w["pid"]), busy=spans,
+            restarts=w["restarts"], hangs=w.get("hangs", 0), rss_bytes=_rss_bytes(w["pid"]), busy=spans,
             busy_s={k: round(v, 3) for k, v in ph.history.busy_s.get(name, {}).items()},
             utilisation=ph.history.utilisation(spans, now)))
     return out

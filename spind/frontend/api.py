@@ -170,6 +170,8 @@ class ApiServer:
                 return await self._collect(fmt, first, deltas, len(prompt_ids))
 
     async def _read_body(self, request: web.Request) -> bytes:
+        """The whole body within body_timeout_s, however it trickles in: then a 408 and the connection closed
+        (after at most http_server.LINGERING_TIME_S of reading what is still coming)."""
         try:
             async with asyncio.timeout(self.body_timeout_s):
                 return await request.read()

@@ -62,10 +62,18 @@ class CappedServer(web.Server):
         return JsonErrorHandler(self, loop=self._loop, **self._kwargs)
 
 
+# After a response, aiohttp reads and drops what is left of an unread request body for up to `lingering_time` (its
+# default: 10 s) before closing, so that a client still sending can read the response. For a body that missed its
+# deadline (408) that let a client dripping bytes hold the connection 10 s past body_timeout_s; 1 s still lets a
+# client in the middle of a normal send see the error.
+LINGERING_TIME_S = 1.0
+
+
 class CappedAppRunner(web.AppRunner):
     """AppRunner whose server is a CappedServer around the same application."""
 
     def __init__(self, app: web.Application, max_connections: int, **kwargs) -> None:
+        kwargs.setdefault("lingering_time", LINGERING_TIME_S)
         super().__init__(app, **kwargs)
         self.max_connections = max_connections
 

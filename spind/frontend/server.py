@@ -85,7 +85,7 @@ def build_engine(cfg: SpindConfig, run_dir: Path) -> Engine:
 
     s = cfg.server
     return Coordinator(cfg, ProcessPool(cfg, run_dir), restarts=RestartPolicy(s.max_restarts, s.restart_window_s),
-                       heartbeat_timeout_s=s.heartbeat_timeout_s)
+                       heartbeat_timeout_s=s.heartbeat_timeout_s, watchdog_s=s.watchdog_s)
 
 
 @dataclass

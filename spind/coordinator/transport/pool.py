@@ -62,6 +62,7 @@ class WorkerInfo:
     kv_num_blocks: int = 0  # blocks of each of its KV pools (0: none reported)
     pid: int | None = None
     restarts: int = 0
+    hangs: int = 0  # times the watchdog killed it (no heartbeat, no CPU)
 
     def update(self, ready: P.Ready) -> None:
         """What the worker's greeting says of itself."""
@@ -71,7 +72,7 @@ class WorkerInfo:
 
     def describe(self, is_alive: bool) -> dict:
         return {"name": self.name, "device": self.device, "dtype": self.dtype, "device_name": self.device_name,
-                "pid": self.pid, "alive": is_alive, "restarts": self.restarts, "threads": self.threads,
+                "pid": self.pid, "alive": is_alive, "restarts": self.restarts, "hangs": self.hangs, "threads": self.threads,
                 "is_target": self.is_target, "drafters": self.drafters, "kv_num_blocks": self.kv_num_blocks}
 
 
@@ -99,6 +100,13 @@ class WorkerPool(Protocol):
         """Send an op and await its reply; a timeout counts as a hung worker (WorkerDied)."""
 
     async def restart(self, name: str) -> None: ...
+
+    def cpu_seconds(self, name: str) -> float | None:
+        """CPU time the worker has used so far, for the watchdog to tell a hung worker from a busy one (None where
+        it cannot be told: workers that are threads of one process)."""
+
+    async def kill(self, name: str, why: str) -> None:
+        """Stop a hung worker now: not alive, its calls in flight failed with `WorkerDied`; `restart` revives it."""
 
     def describe(self) -> list[dict]: ...
 
@@ -235,6 +243,13 @@ class InProcessPool:
             log.error("worker %s: %s; giving it up", name, why)
             self._give_up(name, why)
             raise WorkerDied(name, why) from None
+
+    def cpu_seconds(self, name: str) -> float | None:
+        return None  # threads of this process: no CPU time of their own to read
+
+    async def kill(self, name: str, why: str) -> None:
+        log.error("worker %s: %s; giving it up", name, why)
+        self._give_up(name, why)
 
     def _give_up(self, name: str, why: str) -> None:
         local = self._local.get(name)

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 WORKER_COMMAND = (sys.executable, "-m", "spind.worker.main")  # what runs a worker (tests run one that fails on cue)
 MAX_IPC_PATH = 100  # AF_UNIX paths are limited to 107 bytes on Linux
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # units of /proc/PID/stat's CPU times
 SOCKET_NAME = re.compile(r"^(?:w-.+-(\d+)-\d+|probs-(\d+))\.sock$")  # w-NAME-PID-INCARNATION, probs-PID
 
 
@@ -165,6 +166,16 @@ class WorkerProcess:
         if self.sock_path is not None:
             self.sock_path.unlink(missing_ok=True)
         self._fail_all("killed")
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time of the running process (Linux /proc), or None (not running, not Linux)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14, 15 of stat(5))
 
     # ---- calls ----------------------------------------------------------------------------------
     @property
@@ -307,6 +318,13 @@ class ProcessPool:
 
     async def restart(self, name: str) -> None:
         await self.workers[name].restart()
+
+    def cpu_seconds(self, name: str) -> float | None:
+        return self.workers[name].cpu_seconds()
+
+    async def kill(self, name: str, why: str) -> None:
+        log.error("worker %s: %s; killing it", name, why)
+        await self.workers[name].kill()
 
     async def start(self) -> None:
         try:  # drafter workers may connect to the draft-probs endpoint before the target binds it
