@@ -9,6 +9,7 @@ import msgspec
 MIN_TEMPERATURE = 1e-2  # below this, logits / T overflows fp32 softmax; such a request is treated as greedy
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -19,6 +20,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # (token id, bias in [-100, 100]) pairs added to the target's logits before temperature, top-k and top-p (and to
+    # a model drafter's, so its drafts follow the biased target): OpenAI's logit_bias, -100 bans a token
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def validate(self) -> "SamplingParams":
         """Raise ValueError on anything a worker could choke on; returns self (normalised) when valid."""
@@ -40,10 +44,27 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"each stop string must be a non-empty string of at most {MAX_STOP_CHARS} characters")
             if not is_encodable(s):
                 raise ValueError("stop strings must be valid Unicode (no lone surrogates)")
+        self._validate_logit_bias()
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             # As vLLM does: a vanishing temperature is greedy decoding, not a softmax that overflows.
             return msgspec.structs.replace(self, temperature=0.0)
         return self
+
+    def _validate_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
+        seen = set()
+        for pair in self.logit_bias:
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                raise ValueError("logit_bias must be (token id, bias) pairs")
+            token, bias = pair
+            if type(token) is not int or not 0 <= token < 2**31:
+                raise ValueError("logit_bias token ids must be non-negative integers")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
+            if token in seen:
+                raise ValueError(f"logit_bias names token {token} twice")
+            seen.add(token)
 
     @property
     def is_greedy(self) -> bool:

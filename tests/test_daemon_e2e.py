@@ -217,6 +217,26 @@ def test_unmodified_openai_client(daemon: Daemon, refs: dict[str, Reference]):
         client.completions.create(model="spind", prompt="x", extra_body={"spind": {"drafter": "nope"}})
 
 
+def test_logit_bias_through_the_openai_client_and_zmq(daemon: Daemon, refs: dict[str, Reference]):
+    """A banned token (-100) never appears, and speculation keeps the biased output exact: the same text with and
+    without a drafter, over HTTP (the unmodified openai client) and ZeroMQ (token ids)."""
+    ref = refs[PROMPTS[1]]
+    banned = ref.token_ids[0]
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
+    texts = [client.completions.create(model="spind", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+                                       logit_bias={str(banned): -100}, extra_body={"spind": spind}).choices[0].text
+             for spind in ({"drafter": "none"}, {"drafter": "ngram", "k": 3}, {"drafter": "int8", "k": 4})]
+    assert texts[0] != ref.text and texts[1] == texts[0] and texts[2] == texts[0]
+    with SpindClient(daemon.zmq_address, timeout_s=120) as c:
+        done = c.complete(PROMPTS[1], max_tokens=MAX_TOKENS, drafter="ngram", logit_bias={banned: -100.0})
+        assert banned not in done.token_ids and done.text == texts[0]
+        with pytest.raises(SpindError) as e:
+            c.complete(PROMPTS[1], max_tokens=2, logit_bias={10**6: 1.0})  # beyond the vocabulary
+        assert e.value.status == 400 and "vocabulary" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="spind", prompt="x", max_tokens=1, logit_bias={"1": 101})
+
+
 def test_zmq_clients(daemon: Daemon, refs: dict[str, Reference]):
     ref = refs[PROMPTS[2]]
     with SpindClient(daemon.zmq_address, timeout_s=120) as c:
@@ -316,7 +336,8 @@ def malformed_http_bodies(rng: random.Random) -> list[tuple[str, bytes]]:
         "top_p": [0, 2, "x", -0.5], "top_k": [1.5, "x", -2], "seed": ["x", 1.5, 2**70], "n": [2, 0, "1"],
         "stop": [1, [1], [""], ["a"] * 20, {"a": 1}], "stream": ["yes", 1], "stream_options": [{"include_usage": 1}],
         "spind": ["x", {"drafter": "nope"}, {"drafter": 1}, {"k": -1}, {"k": "2"}, {"k": 100}, {"z": 1}],
-        "logprobs": [3], "best_of": [2], "presence_penalty": [1.0], "logit_bias": [{"1": 5}]}
+        "logprobs": [3], "best_of": [2], "presence_penalty": [1.0],
+        "logit_bias": [{"x": 5}, {"1": 500}, {"1": "a"}, [1], {"99999999": 1}, {"-1": 1}, {"1": True}]}
     bad_inputs = {"/v1/completions": ("prompt", ["", [], 5, [1.5], [-1], ["a", "b"], {"x": 1}, True, [10**12],
                                                  list(range(1, 1100))]),
                   "/v1/chat/completions": ("messages", [

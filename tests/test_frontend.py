@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import re
 import os
 import socket
 import stat
@@ -53,6 +54,17 @@ def test_completion_defaults_follow_openai():
     assert a.params.temperature == 1.0 and a.params.top_p == 1.0 and a.params.top_k == 0
     assert not a.is_stream and not a.include_usage and a.drafter == "auto" and a.k is None
     assert not a.has_max_tokens and a.sampling_params(24, 1024).max_tokens == 1000
+
+
+def test_logit_bias_is_parsed_and_checked():
+    assert parse({"prompt": "hi", "logit_bias": {"7": 2.5, "5": -100}}).params.logit_bias == ((5, -100.0), (7, 2.5))
+    assert parse({"prompt": "hi", "logit_bias": {}}).params.logit_bias == ()
+    for bad, message in (({"x": 1}, "keys must be token ids"), ({"1": "a"}, "values must be numbers"),
+                         ({"1": True}, "values must be numbers"), ([1], "must be an object"),
+                         ({"1": 500}, r"must be numbers in \[-100, 100\]"), ({"-1": 1}, "keys must be token ids"),
+                         ({str(i): 1 for i in range(301)}, "at most 300")):
+        e = refused({"prompt": "hi", "logit_bias": bad})
+        assert e.status == 400 and re.search(message, e.message), (bad, e.message)
 
 
 def test_unset_sampling_fields_take_the_models_generation_defaults(tmp_path):

@@ -197,3 +197,20 @@ def test_stop_string_mid_draft_keeps_the_tokens_plain_decoding_keeps(engine: Loc
                                                                      capital_prompt: list[int]) -> None:
     plain_res, spec = _plain_and_speculative(engine, capital_prompt, SamplingParams(max_tokens=32, stop=("France",)))
     assert spec.token_ids == plain_res.token_ids
+
+
+def test_logit_bias_bans_a_token_and_speculation_stays_lossless(engine: LocalEngine, capital_prompt: list[int]) -> None:
+    """OpenAI's logit_bias on the target's distribution: a -100 bias bans the plain output's second token, a +5
+    one lifts another; every drafter (n-gram drafts ignore the bias, the self-drafts apply it) then gives exactly
+    the biased plain output, in one batch."""
+    unbiased = engine.generate([GenRequest(new_req_id("plain"), capital_prompt, SamplingParams(max_tokens=24),
+                                           None, 0)])[0]
+    banned = unbiased.token_ids[1]
+    params = SamplingParams(max_tokens=24, logit_bias=((banned, -100.0), (13, 5.0))).validate()
+    requests = [GenRequest(new_req_id("plain"), capital_prompt, params, None, 0),
+                *(GenRequest(new_req_id(name), capital_prompt, params, name, 4) for name in engine.drafters)]
+    plain_res, *spec = engine.generate(requests, max_batch=len(requests))
+    assert banned not in plain_res.token_ids and plain_res.token_ids != unbiased.token_ids
+    for name, res in zip(engine.drafters, spec):
+        assert res.token_ids == plain_res.token_ids, name
+    assert any(res.num_accepted > 0 for res in spec)  # the drafts were used, not all rejected

@@ -29,6 +29,39 @@ def test_temperature_scales_logits() -> None:
     torch.testing.assert_close(to_probs(logits, SamplingParams(temperature=0.5)), (logits / 0.5).softmax(-1))
 
 
+def test_logit_bias_is_added_before_temperature_top_k_and_top_p() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]])
+    params = SamplingParams(temperature=0.5, top_k=3, logit_bias=((0, -100.0), (3, 4.0))).validate()
+    biased_logits = torch.tensor([[-98.0, 1.0, 0.0, 3.0, 0.5]])
+    torch.testing.assert_close(to_probs(logits, params),
+                               to_probs(biased_logits, SamplingParams(temperature=0.5, top_k=3)))
+    assert to_probs(logits, params)[0, 0] == 0.0  # banned (and outside the top 3)
+    assert torch.equal(to_probs(logits, SamplingParams(temperature=0.5)), (logits / 0.5).softmax(-1))  # none: as is
+
+
+@pytest.mark.parametrize("bias", [((1, 101.0),), ((1, float("nan")),), ((1, 1.0), (1, 2.0)), ((-1, 1.0),),
+                                  ((1.5, 1.0),), ((1, True),), tuple((i, 1.0) for i in range(301))])
+def test_bad_logit_bias_is_refused(bias: tuple) -> None:
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias).validate()
+
+
+def test_speculative_sampling_follows_the_biased_target() -> None:
+    """The target's biased distribution is what verification preserves, whatever the drafter's q (here the
+    unbiased one, as a drafter that ignores the bias would propose)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, V, generator=g)
+    params = SamplingParams(temperature=1.0, logit_bias=((2, 3.0), (4, -100.0))).validate()
+    p, q = to_probs(logits, params), to_probs(logits, SamplingParams(temperature=1.0))
+    gen = make_generator(5)
+    counts = np.zeros(V, dtype=np.int64)
+    for _ in range(30_000):
+        draft = sample(q[0], gen)
+        counts[verify_stochastic(p, [draft], q[:1], gen).tokens[0]] += 1
+    assert counts[4] == 0
+    assert _chi_square_p_value(counts, p[0].double().numpy()) > MIN_P_VALUE
+
+
 def test_top_k_keeps_the_k_largest() -> None:
     logits = torch.tensor([[0.3, 2.0, -1.0, 1.5, 0.9, -0.2], [5.0, 4.0, 3.0, 2.0, 1.0, 0.0]])
     probs = to_probs(logits, SamplingParams(temperature=1.0, top_k=3))

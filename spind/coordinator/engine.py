@@ -270,6 +270,8 @@ class Coordinator:
         try:
             params = req.params.validate()
             self._check_ids(req.prompt_ids)
+            if any(t >= self.tokenizer.vocab_size for t, _ in params.logit_bias):
+                raise ValueError(f"logit_bias token ids must be below the vocabulary size {self.tokenizer.vocab_size}")
         except (ValueError, TypeError) as e:
             raise EngineError(str(e)) from None
         n = len(req.prompt_ids)

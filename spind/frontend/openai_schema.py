@@ -61,12 +61,13 @@ class GenerateArgs:
 
 # Fields parse_generate reads; others are ignored and named back in the X-Spind-Ignored-Fields header
 KNOWN_FIELDS = frozenset({"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-                          "top_k", "seed", "stop", "ignore_eos", "stream", "stream_options", "spind"})
+                          "top_k", "seed", "stop", "ignore_eos", "logit_bias", "stream", "stream_options",
+                          "spind"})
 SPIND_FIELDS = ("drafter", "k")  # spind's own request fields live in the "spind" object
 
 # OpenAI fields spind does not implement: accepted only at their neutral values
 NEUTRAL_VALUES = {"n": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "presence_penalty": 0,
-                  "frequency_penalty": 0, "logit_bias": {}, "suffix": "", "tools": [], "tool_choice": "none",
+                  "frequency_penalty": 0, "suffix": "", "tools": [], "tool_choice": "none",
                   "functions": [], "function_call": "none", "response_format": {"type": "text"}}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 INT_LIMIT = 2**63
@@ -147,6 +148,20 @@ def _parse_spind(body: dict, limits: ApiLimits) -> tuple[str, int | None]:
     return drafter, k
 
 
+def _parse_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} -> sorted (id, bias) pairs; ids and range are checked by SamplingParams."""
+    raw = _get(body, "logit_bias", dict, "an object mapping token ids to numbers", {})
+    pairs = []
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise ApiError(400, f"'logit_bias' keys must be token ids (decimal strings), got {key!r}",
+                           param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ApiError(400, f"'logit_bias' values must be numbers, got {value!r}", param="logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
+
+
 def parse_generate(raw: bytes, is_chat: bool, limits: ApiLimits,
                    defaults: dict[str, float] | None = None) -> GenerateArgs:
     """Body of POST /v1/completions or /v1/chat/completions -> GenerateArgs, or ApiError (400/404)."""
@@ -182,7 +197,8 @@ def parse_generate(raw: bytes, is_chat: bool, limits: ApiLimits,
             top_p=float(_get(body, "top_p", number, "a number", defaults.get("top_p", 1.0))),
             top_k=max(0, _int(body, "top_k", -1, 2**31 - 1, int(defaults.get("top_k", 0)))),  # -1 = off
             seed=_int(body, "seed", -INT_LIMIT, INT_LIMIT - 1),
-            stop=tuple(stop), ignore_eos=bool(_get(body, "ignore_eos", bool, "a boolean", False))).validate()
+            stop=tuple(stop), ignore_eos=bool(_get(body, "ignore_eos", bool, "a boolean", False)),
+            logit_bias=_parse_logit_bias(body)).validate()
     except (ValueError, TypeError, OverflowError) as e:
         raise ApiError(400, str(e)) from None
     is_stream = bool(_get(body, "stream", bool, "a boolean", False))

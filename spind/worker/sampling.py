@@ -27,9 +27,19 @@ def make_generator(seed: int | None, salt: int = 0) -> torch.Generator:
     return g
 
 
+def biased(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [n, V] with the request's logit_bias added (the tensor itself when it has none)."""
+    if not params.logit_bias:
+        return logits
+    ids = torch.tensor([t for t, _ in params.logit_bias], device=logits.device)
+    bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=logits.device)
+    return logits.float().index_add(-1, ids, bias.expand(*logits.shape[:-1], len(ids)))
+
+
 def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [n, V] -> probabilities [n, V] after temperature, top-k and top-p (same for target and drafter)."""
-    x = logits.float() / params.temperature
+    """logits [n, V] -> probabilities [n, V] after logit_bias, temperature, top-k and top-p (same for target and
+    drafter)."""
+    x = biased(logits, params).float() / params.temperature
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -20,7 +20,7 @@ import torch
 from spind.models.runner import ForwardItem, ModelRunner
 from spind.params import SamplingParams
 from spind.worker.device import is_fatal_device_error
-from spind.worker.sampling import accept_greedy, make_generator, to_probs, verify_stochastic
+from spind.worker.sampling import accept_greedy, biased, make_generator, to_probs, verify_stochastic
 
 
 class RequestFailed(RuntimeError):
@@ -96,7 +96,8 @@ class TargetVerifier:
             [ForwardItem(it.req_id, self.pending[it.req_id] + it.draft, len(it.draft) + 1) for it in items])
         # the target's argmax of every greedy request's rows in one device->host copy (not a sync per request)
         greedy = [i for i, it in enumerate(items) if self.params[it.req_id].is_greedy]
-        flat = torch.cat([logits[i].argmax(-1) for i in greedy]).tolist() if greedy else []
+        flat = torch.cat([biased(logits[i], self.params[items[i].req_id]).argmax(-1) for i in greedy]).tolist() \
+            if greedy else []
         picks, at = {}, 0
         for i in greedy:
             picks[i], at = flat[at:at + len(logits[i])], at + len(logits[i])
