@@ -14,10 +14,10 @@ machine, torch version and source change, cached under torch's extensions direct
 A fourth build, `avx512amxemu`, runs the AMX path on emulated tiles (csrc/amx.h): never chosen to serve, it lets
 the tests check the tile path's layouts and epilogue on every AVX-512 VNNI machine, not only where AMX exists.
 `SPIND_CPU_ISA=avx2` forces a build (to run or time the AVX2 path on an AVX-512 machine; `avx512vnni` the VNNI path
-on an AMX machine). Where the AMX build fails (a compiler without `-mamx-int8`), the VNNI build serves. The build's name carries
-its ISA, so a cache shared between machines never hands one to a CPU without it, and each registers its ops under
-its own namespace (`torch.ops.spind_cpu_<isa>`), so both can be loaded side by side (tests compare them). Callers
-use `ops()`, or fall back to torch when `available()` is False. Every op runs on the kernels' own thread pool
+on an AMX machine). Where the AMX build fails (a compiler without `-mamx-int8`), the VNNI build serves. The build's
+name carries its ISA, so a cache shared between machines never hands one to a CPU without it, and each registers its
+ops under its own namespace (`torch.ops.spind_cpu_<isa>`), so builds can be loaded side by side (tests compare them).
+Callers use `ops()`, or fall back to torch when `available()` is False. Every op runs on the kernels' own thread pool
 (csrc/pool.h) at torch's thread count.
 
 Ops (all batch-invariant: a row's result does not depend on the other rows of the call):

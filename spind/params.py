@@ -59,7 +59,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError("logit_bias must be (token id, bias) pairs")
             token, bias = pair
             if type(token) is not int or not 0 <= token < 2**31:
-                raise ValueError("logit_bias token ids must be non-negative integers")
+                raise ValueError("logit_bias token ids must be integers in [0, 2**31)")
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
             if token in seen:

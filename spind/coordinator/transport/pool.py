@@ -72,8 +72,9 @@ class WorkerInfo:
 
     def describe(self, is_alive: bool) -> dict:
         return {"name": self.name, "device": self.device, "dtype": self.dtype, "device_name": self.device_name,
-                "pid": self.pid, "alive": is_alive, "restarts": self.restarts, "hangs": self.hangs, "threads": self.threads,
-                "is_target": self.is_target, "drafters": self.drafters, "kv_num_blocks": self.kv_num_blocks}
+                "pid": self.pid, "alive": is_alive, "restarts": self.restarts, "hangs": self.hangs,
+                "threads": self.threads, "is_target": self.is_target, "drafters": self.drafters,
+                "kv_num_blocks": self.kv_num_blocks}
 
 
 BusyHook = Callable[[str, P.BusyInterval], None]
