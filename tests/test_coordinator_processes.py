@@ -308,6 +308,21 @@ def test_worker_fault_mid_generation_output_unchanged(harness, reference, victim
     assert snap[victim].restarts == info.restarts and snap[victim].alive
 
 
+def test_admission_bounds_token_ids_by_the_targets_logits(harness):
+    """The target reports its logits' rows; prompt ids and logit_bias ids beyond them (a tokenizer's added tokens
+    can go past the model) are refused at admission, for that request alone, not left to fail a whole pass."""
+    info = harness.pool.info("target")
+    assert info.vocab_size == harness.engine.tokenizer.vocab_size == harness.engine.vocab_size == 49152
+    saved, info.vocab_size = info.vocab_size, 100
+    try:
+        for prompt, bias in (([5, 150], ()), ([5, 6], ((150, 1.0),))):
+            req = EngineRequest(f"vocab-{len(bias)}", prompt, SamplingParams(max_tokens=2, logit_bias=bias), "none")
+            with pytest.raises(EngineError, match=r"\[0, 100\)|below the vocabulary size 100"):
+                harness.engine.generate(req)
+    finally:
+        info.vocab_size = saved
+
+
 WATCHDOG_S = 3.0
 
 

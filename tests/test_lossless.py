@@ -214,3 +214,15 @@ def test_logit_bias_bans_a_token_and_speculation_stays_lossless(engine: LocalEng
     for name, res in zip(engine.drafters, spec):
         assert res.token_ids == plain_res.token_ids, name
     assert any(res.num_accepted > 0 for res in spec)  # the drafts were used, not all rejected
+
+
+def test_a_model_drafter_keeps_only_the_bias_ids_it_can_score(engine: LocalEngine) -> None:
+    """The bias only steers a drafter's drafts: ids past its logits (a drafter model with fewer rows than the
+    target's) are dropped for it, not left to fail its batched argmax for every request it drafts for."""
+    drafter = engine.drafter("int8")
+    vocab = drafter.runner.model.args.vocab_size
+    drafter.add_request("bias-trim", SamplingParams(logit_bias=((3, 1.0), (vocab + 5, 2.0))).validate())
+    try:
+        assert drafter.params["bias-trim"].logit_bias == ((3, 1.0),)
+    finally:
+        drafter.free_request("bias-trim")

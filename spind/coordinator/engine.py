@@ -245,8 +245,15 @@ class Coordinator:
         return await self.pool.call(name, P.Ping(0), self.phases.call_timeout_s)
 
     # ---- admission checks and streaming ---------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a request may name: the tokenizer's, within the target's logits (a tokenizer's added tokens
+        may go past the model's rows, which the model could not embed or score)."""
+        model = self.pool.info(TARGET_WORKER).vocab_size
+        return min(self.tokenizer.vocab_size, model) if model else self.tokenizer.vocab_size
+
     def _check_ids(self, ids: object) -> None:
-        vocab = self.tokenizer.vocab_size
+        vocab = self.vocab_size
         if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
 
@@ -270,8 +277,8 @@ class Coordinator:
         try:
             params = req.params.validate()
             self._check_ids(req.prompt_ids)
-            if any(t >= self.tokenizer.vocab_size for t, _ in params.logit_bias):
-                raise ValueError(f"logit_bias token ids must be below the vocabulary size {self.tokenizer.vocab_size}")
+            if any(t >= self.vocab_size for t, _ in params.logit_bias):
+                raise ValueError(f"logit_bias token ids must be below the vocabulary size {self.vocab_size}")
         except (ValueError, TypeError) as e:
             raise EngineError(str(e)) from None
         n = len(req.prompt_ids)

@@ -9,6 +9,7 @@ call are compared: the committed sequence never changes, it only grows.
 
 from __future__ import annotations
 
+import msgspec
 import torch
 
 from spind.drafters.base import Draft, DraftInput, Drafter
@@ -41,6 +42,9 @@ class ModelDrafter(Drafter):
         self.generators: dict[str, torch.Generator] = {}
 
     def add_request(self, req_id, params) -> None:
+        vocab = self.runner.model.args.vocab_size  # the bias only steers drafts: ids this model cannot score go
+        if any(t >= vocab for t, _ in params.logit_bias):
+            params = msgspec.structs.replace(params, logit_bias=tuple(p for p in params.logit_bias if p[0] < vocab))
         super().add_request(req_id, params)
         self.runner.add_request(req_id)
         self.synced[req_id] = []
@@ -109,8 +113,10 @@ class ModelDrafter(Drafter):
             first = False
             next_items = []
             # every greedy request's next token in one device->host copy (not a sync per request)
-            picks = torch.stack([biased(row[-1], self.params[it.req_id]).float() for it, row in zip(items, logits)]
-                                ).argmax(-1).tolist() if any(self.params[it.req_id].is_greedy for it in items) else []
+            # (a biased row in the logits' own dtype: the unbiased ones are not copied)
+            picks = torch.stack([biased(row[-1], self.params[it.req_id]).to(row.dtype)
+                                 for it, row in zip(items, logits)]).argmax(-1).tolist() \
+                if any(self.params[it.req_id].is_greedy for it in items) else []
             for i, (item, row) in enumerate(zip(items, logits)):
                 rid = item.req_id
                 self.synced[rid].extend(item.tokens)

@@ -60,6 +60,7 @@ class WorkerInfo:
     dtype: str = ""
     device_name: str = ""
     kv_num_blocks: int = 0  # blocks of each of its KV pools (0: none reported)
+    vocab_size: int = 0  # rows of the target's logits (0: not the target, or not reported)
     pid: int | None = None
     restarts: int = 0
     hangs: int = 0  # times the watchdog killed it (no heartbeat, no CPU)
@@ -69,6 +70,7 @@ class WorkerInfo:
         self.pid, self.max_model_len, self.threads = ready.pid, ready.max_model_len, ready.num_threads
         self.device, self.dtype, self.device_name = ready.device, ready.dtype, ready.device_name
         self.kv_num_blocks = ready.kv_num_blocks
+        self.vocab_size = ready.vocab_size
 
     def describe(self, is_alive: bool) -> dict:
         return {"name": self.name, "device": self.device, "dtype": self.dtype, "device_name": self.device_name,
@@ -241,8 +243,7 @@ class InProcessPool:
             return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
         except asyncio.TimeoutError:
             why = f"no reply within {timeout_s:.3g} s"
-            log.error("worker %s: %s; giving it up", name, why)
-            self._give_up(name, why)
+            await self.kill(name, why)
             raise WorkerDied(name, why) from None
 
     def cpu_seconds(self, name: str) -> float | None:
