@@ -10,6 +10,7 @@ MIN_TEMPERATURE = 1e-2  # below this, logits / T overflows fp32 softmax; such a 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit, vLLM's default max_logprobs)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -23,6 +24,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # (token id, bias in [-100, 100]) pairs added to the target's logits before temperature, top-k and top-p (and to
     # a model drafter's, so its drafts follow the biased target): OpenAI's logit_bias, -100 bans a token
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # None: no log-probabilities; n: each output token's log-probability under the target and its n most likely
+    # alternatives (0 <= n <= MAX_LOGPROBS). Raw: the model's log-softmax, before logit_bias, temperature, top-k and
+    # top-p (vLLM's default), so the values are those of plain decoding whichever drafter ran and however it sampled
+    logprobs: int | None = None
 
     def validate(self) -> "SamplingParams":
         """Raise ValueError on anything a worker could choke on; returns self (normalised) when valid."""
@@ -45,6 +50,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if not is_encodable(s):
                 raise ValueError("stop strings must be valid Unicode (no lone surrogates)")
         self._validate_logit_bias()
+        if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token)")
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             # As vLLM does: a vanishing temperature is greedy decoding, not a softmax that overflows.
             return msgspec.structs.replace(self, temperature=0.0)

@@ -195,12 +195,21 @@ class Proposed(_Msg, tag="proposed"):
     busy: list[BusyInterval] = []
 
 
+class TokenLogprobs(_Rec, array_like=True):
+    """A committed token's raw log-probability under the target, and its most likely alternatives (best first)."""
+
+    logprob: float
+    top_ids: list[TokenId] = []
+    top_logprobs: list[float] = []
+
+
 class VerifyResult(_Rec):
     req_id: ReqId
     num_drafted: Count
     num_accepted: Count
     tokens: list[TokenId]  # accepted drafts, then the recovered or bonus token
     draft_s: Seconds = 0.0  # an inline drafter's time for its batch
+    logprobs: list[TokenLogprobs] | None = None  # one per token, for a request that asked (SamplingParams.logprobs)
 
 
 class Verified(_Msg, tag="verified"):
@@ -289,6 +298,24 @@ class UsageRecord(_Rec):
     mean_accepted_length: float = 0.0
 
 
+class Logprob(_Rec):
+    """One token and its log-probability: its id, its text alone and its exact bytes (a token may be part of a
+    UTF-8 character, which its text shows as U+FFFD)."""
+
+    token_id: int
+    token: str
+    token_bytes: bytes
+    logprob: float
+
+
+class OutputLogprobs(_Rec):
+    """An output token's log-probability (raw: the model's, before logit_bias and temperature) and the `logprobs`
+    most likely tokens at its position, best first."""
+
+    chosen: Logprob
+    top: list[Logprob] = []
+
+
 class ClientChunk(_Msg, tag="client_chunk"):
     """One delta of a streamed request."""
 
@@ -297,6 +324,7 @@ class ClientChunk(_Msg, tag="client_chunk"):
     text: str
     finish_reason: str | None = None
     usage: UsageRecord | None = None
+    logprobs: list[OutputLogprobs] | None = None  # one per token of token_ids, when the request asked for them
 
 
 class ClientReply(_Msg, tag="client_reply"):
@@ -307,6 +335,7 @@ class ClientReply(_Msg, tag="client_reply"):
     text: str
     finish_reason: str
     usage: UsageRecord
+    logprobs: list[OutputLogprobs] | None = None  # one per token of token_ids, when the request asked for them
 
 
 class ClientError(_Msg, tag="client_error"):

@@ -10,8 +10,10 @@ is encoded as plain characters, never as the special token, so a user cannot for
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import tokenizers
@@ -42,7 +44,11 @@ class Tokenizer:
         self.max_token_chars = max(1, max(len(t) for t in self.tk.get_vocab(with_added_tokens=True)))
         template = model_dir / "chat_template.jinja"
         self.chat_template: str | None = template.read_text() if template.is_file() else cfg.get("chat_template")
-        self._special = tuple(t.content for t in self.tk.get_added_tokens_decoder().values() if t.special)
+        added = self.tk.get_added_tokens_decoder()
+        self._special = tuple(t.content for t in added.values() if t.special)
+        self._added_ids = frozenset(added)
+        self._byte_level = type(self.tk.decoder).__name__ == "ByteLevel"
+        self.token_bytes = functools.lru_cache(maxsize=1 << 16)(self._token_bytes)  # logprobs ask for the same ones
         self._compiled = None
         self.prompt_prefix: tuple[int, ...] = self._prompt_prefix()
 
@@ -71,6 +77,26 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tk.decode(ids, skip_special_tokens=True)
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes one token stands for (a byte-level token may hold part of a UTF-8 character, which
+        decoding it alone would turn into U+FFFD): byte-level BPE (GPT-2, LLaMA-3, SmolLM) through GPT-2's byte map,
+        SentencePiece pieces with "▁" for a space and <0xNN> byte fallbacks (LLaMA-2, Mistral); an added token
+        (special or not) is its own spelling."""
+        piece = self.tk.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id not in self._added_ids:
+            if self._byte_level and all(c in _GPT2_BYTES for c in piece):
+                return bytes(_GPT2_BYTES[c] for c in piece)
+            if (m := _BYTE_PIECE.fullmatch(piece)) is not None:
+                return bytes([int(m.group(1), 16)])
+            piece = piece.replace("\u2581", " ")
+        return piece.encode("utf-8")
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text alone (OpenAI's logprobs "token"): its bytes as UTF-8, a partial character as U+FFFD."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def apply_chat(self, messages: list[dict]) -> list[int]:
         """Chat messages -> prompt ids, with the generation prompt appended. Message contents are encoded
@@ -107,6 +133,20 @@ class Tokenizer:
         vocab = sorted(self.tk.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
         digest = hashlib.sha256("\n".join(f"{i}\t{tok}" for tok, i in vocab).encode()).hexdigest()
         return len(vocab), digest
+
+
+def _gpt2_bytes() -> dict[str, int]:
+    """GPT-2's byte -> printable character map (byte-level BPE vocabularies spell bytes so), inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + n)
+    return {c: b for b, c in chars.items()}
+
+
+_GPT2_BYTES = _gpt2_bytes()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _read_json(path: Path) -> dict:

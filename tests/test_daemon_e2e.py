@@ -237,6 +237,53 @@ def test_logit_bias_through_the_openai_client_and_zmq(daemon: Daemon, refs: dict
         client.completions.create(model="spind", prompt="x", max_tokens=1, logit_bias={"1": 101})
 
 
+def _close(got: list[float], want: list[float]) -> bool:
+    return got == pytest.approx(want, abs=1e-4)
+
+
+def test_logprobs_through_the_openai_client_and_zmq(daemon: Daemon, refs: dict[str, Reference]):
+    """Each output token's log-probability and its best alternatives, through the unmodified openai client (chat and
+    completions, streamed and not) and ZeroMQ: the target's values, the same under every drafter."""
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
+    chats = [client.chat.completions.create(model="spind", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
+                                            logprobs=True, top_logprobs=3, extra_body={"spind": spind}).choices[0]
+             for spind in ({"drafter": "none"}, {"drafter": "ngram", "k": 3}, {"drafter": "int8", "k": 4})]
+    plain = chats[0].logprobs.content
+    assert chats[0].message.content == refs["chat"].text and len(plain) == len(refs["chat"].token_ids)
+    assert b"".join(bytes(t.bytes) for t in plain).decode() == refs["chat"].text
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob for t in plain)
+    for choice in chats[1:]:
+        got = choice.logprobs.content
+        assert [t.token for t in got] == [t.token for t in plain]
+        assert _close([t.logprob for t in got], [t.logprob for t in plain])
+        assert [[a.token for a in t.top_logprobs] for t in got] == [[a.token for a in t.top_logprobs] for t in plain]
+    streamed = [t for chunk in client.chat.completions.create(
+        model="spind", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=3,
+        stream=True, extra_body={"spind": {"drafter": "ngram"}}) if chunk.choices and chunk.choices[0].logprobs
+        for t in chunk.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in plain]
+    assert _close([t.logprob for t in streamed], [t.logprob for t in plain])
+
+    ref = refs[PROMPTS[1]]
+    texts = [client.completions.create(model="spind", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+                                       logprobs=2, extra_body={"spind": spind}).choices[0]
+             for spind in ({"drafter": "none"}, {"drafter": "ngram", "k": 3})]
+    for choice in texts:
+        lp = choice.logprobs
+        assert choice.text == ref.text and len(lp.tokens) == len(ref.token_ids)
+        assert _close(lp.token_logprobs, texts[0].logprobs.token_logprobs)
+        assert all(len(top) in (2, 3) and tok in top for tok, top in zip(lp.tokens, lp.top_logprobs))
+        assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    with SpindClient(daemon.zmq_address, timeout_s=120) as c:
+        done = c.complete(PROMPTS[1], max_tokens=MAX_TOKENS, drafter="int8", logprobs=2)
+        assert done.token_ids == ref.token_ids and [t.chosen.token_id for t in done.logprobs] == ref.token_ids
+        assert _close([t.chosen.logprob for t in done.logprobs], texts[0].logprobs.token_logprobs)
+        assert c.complete(PROMPTS[1], max_tokens=2).logprobs is None
+    for bad in ({"top_logprobs": 21, "logprobs": True}, {"top_logprobs": 2}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="spind", messages=CHAT, max_tokens=1, **bad)
+
+
 def test_zmq_clients(daemon: Daemon, refs: dict[str, Reference]):
     ref = refs[PROMPTS[2]]
     with SpindClient(daemon.zmq_address, timeout_s=120) as c:
@@ -336,7 +383,7 @@ def malformed_http_bodies(rng: random.Random) -> list[tuple[str, bytes]]:
         "top_p": [0, 2, "x", -0.5], "top_k": [1.5, "x", -2], "seed": ["x", 1.5, 2**70], "n": [2, 0, "1"],
         "stop": [1, [1], [""], ["a"] * 20, {"a": 1}], "stream": ["yes", 1], "stream_options": [{"include_usage": 1}],
         "spind": ["x", {"drafter": "nope"}, {"drafter": 1}, {"k": -1}, {"k": "2"}, {"k": 100}, {"z": 1}],
-        "logprobs": [3], "best_of": [2], "presence_penalty": [1.0],
+        "logprobs": [21, "x", -1], "top_logprobs": [2, 21], "echo": [True], "best_of": [2], "presence_penalty": [1.0],
         "logit_bias": [{"x": 5}, {"1": 500}, {"1": "a"}, [1], {"99999999": 1}, {"-1": 1}, {"1": True}]}
     bad_inputs = {"/v1/completions": ("prompt", ["", [], 5, [1.5], [-1], ["a", "b"], {"x": 1}, True, [10**12],
                                                  list(range(1, 1100))]),

@@ -67,6 +67,27 @@ def test_logit_bias_is_parsed_and_checked():
         assert e.status == 400 and re.search(message, e.message), (bad, e.message)
 
 
+def test_logprobs_are_parsed_in_each_api_shape_and_checked():
+    """Completions: "logprobs": N; chat: "logprobs": true and "top_logprobs": N. Either way SamplingParams.logprobs."""
+    assert parse({"prompt": "hi"}).params.logprobs is None
+    assert parse({"prompt": "hi", "logprobs": 0}).params.logprobs == 0
+    assert parse({"prompt": "hi", "logprobs": 20}).params.logprobs == 20
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse(chat, is_chat=True).params.logprobs is None
+    assert parse({**chat, "logprobs": False}, is_chat=True).params.logprobs is None
+    assert parse({**chat, "logprobs": True}, is_chat=True).params.logprobs == 0
+    assert parse({**chat, "logprobs": True, "top_logprobs": 5}, is_chat=True).params.logprobs == 5
+    for body, is_chat, param, message in (
+            ({"prompt": "hi", "logprobs": 21}, False, "logprobs", r"in \[0, 20\]"),
+            ({"prompt": "hi", "logprobs": True}, False, "logprobs", "an integer"),
+            ({"prompt": "hi", "top_logprobs": 2}, False, "top_logprobs", "completions take 'logprobs': N"),
+            ({**chat, "top_logprobs": 2}, True, "top_logprobs", "needs 'logprobs': true"),
+            ({**chat, "logprobs": True, "top_logprobs": 21}, True, "top_logprobs", r"in \[0, 20\]"),
+            ({**chat, "logprobs": 3}, True, "logprobs", "a boolean")):
+        e = refused(body, is_chat)
+        assert e.status == 400 and e.param == param and re.search(message, e.message), (body, e.message)
+
+
 def test_unset_sampling_fields_take_the_models_generation_defaults(tmp_path):
     a = parse_generate(json.dumps({"prompt": "hi"}).encode(), False, LIMITS, {"temperature": 0.3, "top_k": 20})
     assert (a.params.temperature, a.params.top_p, a.params.top_k) == (0.3, 1.0, 20)
@@ -122,7 +143,7 @@ def test_prompt_batch_of_one_is_unwrapped():
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "spind": {"drafter": "nope"}}, "spind.drafter"), ({"prompt": "x", "spind": {"k": -1}}, "spind.k"),
     ({"prompt": "x", "spind": {"k": 99}}, "spind.k"), ({"prompt": "x", "spind": {"other": 1}}, "spind"),
-    ({"prompt": "x", "spind": "ngram"}, "spind"), ({"prompt": "x", "logprobs": 5}, "logprobs"),
+    ({"prompt": "x", "spind": "ngram"}, "spind"), ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "best_of": 3}, "best_of"), ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
 ])
 def test_bad_fields_are_400_naming_the_param(body, param):
@@ -194,6 +215,37 @@ def test_responses_carry_usage_and_spind():
     assert chat["usage"]["total_tokens"] == 7 and chat["spind"]["mean_accepted_length"] == 2.0
     text = ChunkFormatter("cmpl-2", "spind", is_chat=False).response("hi", "length", USAGE)
     assert text["choices"][0]["text"] == "hi" and text["choices"][0]["finish_reason"] == "length"
+
+
+def _lp(token_id: int, token: bytes, logprob: float) -> P.Logprob:
+    return P.Logprob(token_id, token.decode("utf-8", errors="replace"), token, logprob)
+
+
+LOGPROBS = [P.OutputLogprobs(_lp(5, b"Hi", -0.25), [_lp(5, b"Hi", -0.25), _lp(9, b"Hey", -2.0)]),
+            P.OutputLogprobs(_lp(7, b"\xe6", -1.5), [_lp(8, b" there", -0.5), _lp(7, b"\xe6", -1.5)])]
+
+
+def test_chat_logprobs_have_openai_shape_with_exact_bytes():
+    f = ChunkFormatter("chatcmpl-3", "spind", is_chat=True)
+    content = f.response("Hi\ufffd", "stop", USAGE, LOGPROBS)["choices"][0]["logprobs"]["content"]
+    assert content[0] == {"token": "Hi", "logprob": -0.25, "bytes": [72, 105], "top_logprobs": [
+        {"token": "Hi", "logprob": -0.25, "bytes": [72, 105]}, {"token": "Hey", "logprob": -2.0, "bytes": [72, 101, 121]}]}
+    assert content[1]["token"] == "\ufffd" and content[1]["bytes"] == [0xE6]  # part of a character: its byte
+    assert f.response("x", "stop", USAGE)["choices"][0]["logprobs"] is None  # not asked for
+    chunks = f.delta(Delta([5], "Hi", logprobs=LOGPROBS[:1]), 3) + f.delta(Delta([7], "", logprobs=LOGPROBS[1:]), 3)
+    assert [c["choices"][0]["logprobs"]["content"][0]["token"] for c in chunks] == ["Hi", "\ufffd"]
+    assert chunks[1]["choices"][0]["delta"] == {"content": ""}  # tokens without text yet still report their logprobs
+
+
+def test_completion_logprobs_have_the_legacy_shape_and_offsets_run_on_across_chunks():
+    f = ChunkFormatter("cmpl-3", "spind", is_chat=False)
+    lp = f.response("Hi\ufffd", "length", USAGE, LOGPROBS)["choices"][0]["logprobs"]
+    assert lp == {"tokens": ["Hi", "\ufffd"], "token_logprobs": [-0.25, -1.5],
+                  "top_logprobs": [{"Hi": -0.25, "Hey": -2.0}, {" there": -0.5, "\ufffd": -1.5}], "text_offset": [0, 2]}
+    f = ChunkFormatter("cmpl-4", "spind", is_chat=False)
+    chunks = [c for d in (Delta([5], "Hi", logprobs=LOGPROBS[:1]), Delta([7], "x", logprobs=LOGPROBS[1:]))
+              for c in f.delta(d, 3)]
+    assert [c["choices"][0]["logprobs"]["text_offset"] for c in chunks] == [[0], [2]]
 
 
 def test_sse_framing():

@@ -11,12 +11,14 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import SMALL_DRAFTER_LAYERS, generate, make_requests, new_req_id
 from spind.config import DrafterConfig
 from spind.drafters.model import common_prefix
 from spind.coordinator.transport.local import GenRequest, GenResult, LocalEngine
 from spind.coordinator.request import Sequence
+from spind.models.runner import ForwardItem
 from spind.worker.target import VerifyItem
 from spind.tokenizer import Tokenizer
 from spind.params import SamplingParams
@@ -226,3 +228,76 @@ def test_a_model_drafter_keeps_only_the_bias_ids_it_can_score(engine: LocalEngin
         assert drafter.params["bias-trim"].logit_bias == ((3, 1.0),)
     finally:
         drafter.free_request("bias-trim")
+
+
+# ---- logprobs: the target's own values, whatever drafted ------------------------------------------------------
+
+LOGPROB_PROMPTS = [0, 3, 5]  # a short chat prompt, a longer one, a passage to copy (where drafts are accepted)
+
+
+def _teacher_forced(engine: LocalEngine, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The target's raw log-softmax at every output position, from one forward over prompt + output (no speculation,
+    no decoding steps): what each output token's logprob must be. [len(output), V]"""
+    runner, rid = engine.target.runner, new_req_id("teacher")
+    runner.add_request(rid)
+    try:
+        logits = runner.forward([ForwardItem(rid, prompt + output[:-1], len(output))])[0]
+    finally:
+        runner.free_request(rid)
+    return logits.double().log_softmax(-1)
+
+
+def _check_logprobs(engine: LocalEngine, prompt: list[int], res: GenResult, num_top: int) -> None:
+    assert res.logprobs is not None and len(res.logprobs) == len(res.token_ids)
+    ref = _teacher_forced(engine, prompt, res.token_ids)
+    for j, (tok, lp) in enumerate(zip(res.token_ids, res.logprobs)):
+        assert lp.chosen.token_id == tok and lp.chosen.token_bytes == engine.tokenizer.token_bytes(tok)
+        assert lp.chosen.logprob == pytest.approx(float(ref[j, tok]), abs=1e-4), (res.drafter, j)
+        assert len(lp.top) == num_top
+        assert [a.logprob for a in lp.top] == pytest.approx(ref[j][[a.token_id for a in lp.top]].tolist(), abs=1e-4)
+        assert lp.top[0].logprob == pytest.approx(float(ref[j].max()), abs=1e-4)  # best first
+        assert all(a.logprob >= b.logprob for a, b in zip(lp.top, lp.top[1:]))
+
+
+def test_greedy_logprobs_equal_plain_decodings_under_every_drafter(engine: LocalEngine,
+                                                                   prompt_ids: list[list[int]]) -> None:
+    """Plain decoding and every drafter in one batch: the same tokens, the same logprobs (fp32 tolerance), and both
+    equal to one teacher-forced forward of the output."""
+    params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=4)
+    prompts = [prompt_ids[i] for i in LOGPROB_PROMPTS]
+    runs = [None, *engine.drafters]
+    requests = [GenRequest(new_req_id(str(d)), p, params, d, 4) for d in runs for p in prompts]
+    results = engine.generate(requests, max_batch=len(requests))
+    n = len(prompts)
+    plain_results = results[:n]
+    for i, d in enumerate(runs):
+        for prompt, res, plain_res in zip(prompts, results[i * n:(i + 1) * n], plain_results):
+            assert res.token_ids == plain_res.token_ids, d
+            for got, want in zip(res.logprobs, plain_res.logprobs):
+                assert got.chosen.logprob == pytest.approx(want.chosen.logprob, abs=1e-4), d
+                assert [a.token_id for a in got.top] == [a.token_id for a in want.top], d
+            _check_logprobs(engine, prompt, res, 4)
+    assert sum(r.num_accepted for r in results[n:]) > 0
+
+
+def test_sampled_logprobs_are_the_targets_under_every_drafter(engine: LocalEngine,
+                                                              prompt_ids: list[list[int]]) -> None:
+    """Sampled (with logit_bias, temperature and top-p, which the logprobs do not include): each drafter's
+    output differs, and each token's logprob is the target's raw value at its position."""
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True, logprobs=2,
+                            logit_bias=((13, 2.0),)).validate()
+    prompt = prompt_ids[5]
+    runs = [None, *engine.drafters]
+    results = engine.generate([GenRequest(new_req_id(str(d)), prompt, params, d, 4) for d in runs],
+                              max_batch=len(runs))
+    for res in results:
+        _check_logprobs(engine, prompt, res, 2)
+    assert sum(r.num_accepted for r in results) > 0
+
+
+def test_no_logprobs_unless_asked(engine: LocalEngine, capital_prompt: list[int]) -> None:
+    res = engine.generate([GenRequest(new_req_id("plain"), capital_prompt, SamplingParams(max_tokens=4), "ngram", 4),
+                           GenRequest(new_req_id("plain"), capital_prompt, SamplingParams(max_tokens=4, logprobs=0),
+                                      None, 0)])
+    assert res[0].logprobs is None
+    assert [lp.top for lp in res[1].logprobs] == [[]] * 4

@@ -13,8 +13,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from spind.worker.sampling import (SamplingParams, make_generator, sample, to_probs, verify_greedy,
-                            verify_stochastic)
+from spind.worker.sampling import (LOGPROB_FLOOR, SamplingParams, make_generator, sample, to_probs, token_logprobs,
+                                   verify_greedy, verify_stochastic)
 
 V = 6
 NUM_DRAWS = 100_000
@@ -44,6 +44,30 @@ def test_logit_bias_is_added_before_temperature_top_k_and_top_p() -> None:
 def test_bad_logit_bias_is_refused(bias: tuple) -> None:
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias=bias).validate()
+
+
+def test_token_logprobs_are_the_raw_log_softmax_with_the_best_alternatives_first() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5], [0.0, 3.0, 1.0, 1.0, -2.0], [9.0, 9.0, 9.0, 9.0, 9.0]])
+    got = token_logprobs(logits, [4, 1], 3)  # two committed tokens: the third row is not read
+    ref = logits[:2].double().log_softmax(-1)
+    assert len(got) == 2
+    for (chosen, ids, values), row, tok in zip(got, ref, [4, 1]):
+        assert chosen == pytest.approx(float(row[tok]), abs=1e-6)
+        assert ids == row.argsort(descending=True)[:3].tolist()
+        assert values == pytest.approx(row[ids].tolist(), abs=1e-6)
+    assert token_logprobs(logits, [0], 0) == [(pytest.approx(float(ref[0, 0]), abs=1e-6), [], [])]
+    assert token_logprobs(logits[:, :2], [0, 1], 20)[0][1] == [0, 1]  # no more alternatives than the vocabulary
+
+
+def test_a_probability_that_underflows_reports_the_floor_not_minus_infinity() -> None:
+    (chosen, _, values), = token_logprobs(torch.tensor([[0.0, float("-inf"), 1.0]]), [1], 3)
+    assert chosen == LOGPROB_FLOOR and values[-1] == LOGPROB_FLOOR
+
+
+@pytest.mark.parametrize("n", [-1, 21, 1.5, True, "3"])
+def test_bad_logprobs_are_refused(n: object) -> None:
+    with pytest.raises(ValueError, match=r"logprobs must be an integer in \[0, 20\]"):
+        SamplingParams(logprobs=n).validate()
 
 
 def test_speculative_sampling_follows_the_biased_target() -> None:

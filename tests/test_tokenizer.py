@@ -81,3 +81,51 @@ def test_a_llama_class_tokenizer_saved_by_transformers(add_bos: bool, tmp_path: 
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": add_bos}))
     check_like_transformers(tmp_path, add_bos)
+
+
+# ---- token bytes (logprobs report each token's exact bytes) ---------------------------------------------------
+
+BYTES_TEXT = "naïve café — 日本 🙂 the cat"
+
+
+def test_byte_level_token_bytes_join_to_the_texts_bytes(tmp_path: Path) -> None:
+    """GPT-2 / LLaMA-3 / SmolLM's shape: a token may hold part of a UTF-8 character; its bytes are still exact."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["the cat sat on the mat", "naïve café"], vocab_size=300, min_frequency=1,
+                            special_tokens=["<|end|>"])
+    tmp_path.mkdir(exist_ok=True)
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    tk = Tokenizer(tmp_path)
+    ids = tk.encode(BYTES_TEXT)
+    pieces = [tk.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == BYTES_TEXT.encode()
+    assert any(len(p) == 1 and p[0] >= 0x80 for p in pieces)  # a lone byte of a character: its text is U+FFFD
+    assert tk.token_text(ids[pieces.index(next(p for p in pieces if p[0] >= 0xF0))]) == "\ufffd"
+    end = tk.tk.token_to_id("<|end|>")
+    assert tk.token_bytes(end) == b"<|end|>" and tk.token_text(end) == "<|end|>"
+
+
+def test_sentencepiece_token_bytes_map_the_space_mark_and_byte_fallbacks(tmp_path: Path) -> None:
+    """LLaMA-2 / Mistral's shape: "\u2581" for a space, characters outside the vocabulary as <0xNN> pieces."""
+    from tokenizers import Tokenizer as Tk
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": b + 1 for b in range(256)}}
+    for piece in ("\u2581", "t", "h", "e", "c", "a", "\u2581t", "\u2581th", "\u2581the", "\u2581c", "\u2581ca",
+                  "\u2581cat"):
+        vocab[piece] = len(vocab)
+    merges = [("\u2581", "t"), ("\u2581t", "h"), ("\u2581th", "e"), ("\u2581", "c"), ("\u2581c", "a"),
+              ("\u2581ca", "t")]
+    tk = Tk(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace()
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    tmp_path.mkdir(exist_ok=True)
+    tk.save(str(tmp_path / "tokenizer.json"))
+    ours = Tokenizer(tmp_path)
+    ids = ours.encode("the cat é")
+    assert [ours.token_bytes(i) for i in ids][:2] == [b" the", b" cat"]
+    assert b"".join(ours.token_bytes(i) for i in ids) == " the cat é".encode()
+    assert ours.token_bytes(vocab["<0xC3>"]) == b"\xc3" and ours.token_text(vocab["<0xC3>"]) == "\ufffd"

@@ -102,6 +102,7 @@ class Coordinator:
             self.tokenizer = await asyncio.to_thread(Tokenizer, model_dir)
             self.generation_defaults = load_generation_defaults(model_dir)
         self.pool.on_busy = self.phases.on_busy
+        self.phases.tokenizer = self.tokenizer
         await self.pool.start()
         ph = self.phases
         try:

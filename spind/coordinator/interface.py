@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass, field
 from typing import AsyncIterator, Protocol
 
+from spind import protocol as P
 from spind.errors import StatusError
 from spind.params import SamplingParams
 from spind.state import SpindState
@@ -59,6 +60,7 @@ class Delta:
     text: str  # new text since the previous delta (text that may still turn into a stop string is held back)
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta
     usage: Usage | None = None  # on the last delta
+    logprobs: list[P.OutputLogprobs] | None = None  # one per token_ids entry, when the request asked for them
 
 
 class Engine(Protocol):

@@ -29,12 +29,13 @@ from spind.coordinator.interface import Delta, Usage
 from spind.coordinator.metrics import EngineMetrics, SlotTimes
 from spind.coordinator.profile import SystemProfile
 from spind.coordinator.recovery import RestartPolicy
-from spind.coordinator.request import RequestState, SpecStats
+from spind.coordinator.request import RequestState, SpecStats, output_logprobs
 from spind.coordinator.scheduler import KVBudget, num_admissible, plan_prefill, visible_len
 from spind.coordinator.selection.protocol import (AUTO, PLAIN, PLAIN_ARM, Arm, Capacity, RequestInfo, Selector,
                                                   SlotFeedback)
 from spind.coordinator.selection.shadow import ShadowDrafts
 from spind.coordinator.transport.pool import WorkerDied, WorkerError, WorkerPool
+from spind.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class SlotPhases:
         self.call_timeout_s = call_timeout_s
         self.restarts = restarts or RestartPolicy()
         self.selector: Selector | None = None  # set before the first slot (Coordinator.start)
+        self.tokenizer: Tokenizer | None = None  # the target's (Coordinator.start): the text of logprobs' tokens
         self.profile: SystemProfile | None = None  # the measured costs, when measured
         self.metrics = EngineMetrics()
         self.history = History()  # busy intervals, per-second throughput, latencies: for the dashboard
@@ -410,10 +412,11 @@ class SlotPhases:
             st.first_token_at = now
             self.metrics.ttft.observe(now - st.arrival)
             self.history.add_ttft(now - st.arrival)
+        logprobs = None if r.logprobs is None else output_logprobs(self.tokenizer, kept, r.logprobs[:len(kept)])
         if seq.is_finished:
-            self.finish(st, seq.finish_reason, kept)
+            self.finish(st, seq.finish_reason, kept, logprobs=logprobs)
         else:
-            self._emit(st, Delta(kept, self._text_delta(st, visible_len(seq.text, seq.params.stop))))
+            self._emit(st, Delta(kept, self._text_delta(st, visible_len(seq.text, seq.params.stop)), logprobs=logprobs))
         return feedback
 
     # ---- streaming ----------------------------------------------------------------------------------------------
@@ -447,7 +450,8 @@ class SlotPhases:
         return text
 
     # ---- finishing, faults --------------------------------------------------------------------------------------
-    def finish(self, st: RequestState, reason: str, token_ids: list[int] | None = None, detail: str = "") -> None:
+    def finish(self, st: RequestState, reason: str, token_ids: list[int] | None = None, detail: str = "",
+               logprobs: list[P.OutputLogprobs] | None = None) -> None:
         """Last delta (with usage) to the consumer; free the request everywhere; release its KV."""
         if st.status == "finished":
             return
@@ -472,7 +476,8 @@ class SlotPhases:
                                 for n, c in st.per_drafter.items()},
                       num_steps=s.num_steps, mean_accepted_length=s.mean_accepted_length,
                       finish_detail=st.finish_detail, draft_s=st.draft_s, verify_s=st.verify_s, arms=st.arms_used)
-        self._emit(st, Delta(token_ids or [], self._text_delta(st, len(st.seq.text)), st.seq.finish_reason, usage))
+        self._emit(st, Delta(token_ids or [], self._text_delta(st, len(st.seq.text)), st.seq.finish_reason, usage,
+                             logprobs))
         self.metrics.requests.labels(status=st.seq.finish_reason).inc()
         latency_s = time.perf_counter() - st.arrival
         self.metrics.latency.observe(latency_s)

@@ -137,6 +137,18 @@ class Sequence:
         return True
 
 
+def output_logprobs(tokenizer: Tokenizer | None, token_ids: list[int],
+                    raw: list[P.TokenLogprobs]) -> list[P.OutputLogprobs]:
+    """The target's per-token log-probabilities with each token's text and bytes, for the client."""
+    def entry(token_id: int, logprob: float) -> P.Logprob:
+        if tokenizer is None:
+            return P.Logprob(token_id, "", b"", logprob)
+        return P.Logprob(token_id, tokenizer.token_text(token_id), tokenizer.token_bytes(token_id), logprob)
+
+    return [P.OutputLogprobs(entry(tok, t.logprob), [entry(i, v) for i, v in zip(t.top_ids, t.top_logprobs)])
+            for tok, t in zip(token_ids, raw, strict=True)]
+
+
 def prompt_repetition(ids: list[int], n: int = 3) -> float:
     """Share of the prompt's n-grams that already occurred earlier in it: a cheap signal that the output
     may copy its context (where n-gram lookup drafts well). O(len(ids))."""

@@ -193,15 +193,17 @@ class ApiServer:
             raise ApiError(500, "the engine ended the request without output", code="internal_error") from None
 
     async def _collect(self, fmt: ChunkFormatter, first: Delta, deltas, num_prompt_tokens: int) -> web.Response:
-        parts, last = [first.text], first
+        parts, logprobs, last = [first.text], first.logprobs, first
         while last.finish_reason is None:
             last = await anext(deltas)
             parts.append(last.text)
+            if last.logprobs is not None:
+                logprobs = (logprobs or []) + last.logprobs
         if last.finish_reason == ABORT:
             raise abort_error(last.usage)
         usage = last.usage or Usage(num_prompt_tokens, 0)
-        return web.json_response(fmt.response("".join(parts), last.finish_reason, usage), headers=fmt.headers,
-                                 dumps=lambda o: json.dumps(o, ensure_ascii=False))
+        response = fmt.response("".join(parts), last.finish_reason, usage, logprobs)
+        return web.json_response(response, headers=fmt.headers, dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
     async def _stream(self, request: web.Request, fmt: ChunkFormatter, first: Delta, deltas,
                       num_prompt_tokens: int) -> web.StreamResponse:
@@ -217,7 +219,8 @@ class ApiServer:
                 d = await anext(deltas)
             if d.finish_reason == ABORT:  # after the headers went out: report in-band, as OpenAI does
                 if d.text:
-                    await resp.write(sse(fmt.delta(Delta(d.token_ids, d.text), num_prompt_tokens)[0]))
+                    chunk = fmt.delta(Delta(d.token_ids, d.text, logprobs=d.logprobs), num_prompt_tokens)[0]
+                    await resp.write(sse(chunk))
                 e = abort_error(d.usage)
                 await resp.write(sse(error_json(e.status, e.message, code=e.code)))
             else:

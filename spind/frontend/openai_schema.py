@@ -14,8 +14,9 @@ import msgspec
 
 from aiohttp import web
 
+from spind import protocol as P
 from spind.coordinator.interface import Delta, EngineError, Usage
-from spind.params import SamplingParams, is_encodable
+from spind.params import MAX_LOGPROBS, SamplingParams, is_encodable
 
 MAX_BODY_BYTES = 1 << 20
 ABORT = "abort"  # the engine's finish_reason for a request ended early; never sent as an OpenAI finish_reason
@@ -61,12 +62,12 @@ class GenerateArgs:
 
 # Fields parse_generate reads; others are ignored and named back in the X-Spind-Ignored-Fields header
 KNOWN_FIELDS = frozenset({"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-                          "top_k", "seed", "stop", "ignore_eos", "logit_bias", "stream", "stream_options",
-                          "spind"})
+                          "top_k", "seed", "stop", "ignore_eos", "logit_bias", "logprobs", "top_logprobs", "stream",
+                          "stream_options", "spind"})
 SPIND_FIELDS = ("drafter", "k")  # spind's own request fields live in the "spind" object
 
 # OpenAI fields spind does not implement: accepted only at their neutral values
-NEUTRAL_VALUES = {"n": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "presence_penalty": 0,
+NEUTRAL_VALUES = {"n": 1, "echo": False, "best_of": 1, "presence_penalty": 0,
                   "frequency_penalty": 0, "suffix": "", "tools": [], "tool_choice": "none",
                   "functions": [], "function_call": "none", "response_format": {"type": "text"}}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -162,6 +163,21 @@ def _parse_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
+def _parse_logprobs(body: dict, is_chat: bool) -> int | None:
+    """Chat: "logprobs": true with "top_logprobs": N alternatives; completions: "logprobs": N. -> N, or None (off)."""
+    if not is_chat:
+        if body.get("top_logprobs") is not None:
+            raise ApiError(400, "'top_logprobs' is a chat completions field; completions take 'logprobs': N",
+                           param="top_logprobs")
+        return _int(body, "logprobs", 0, MAX_LOGPROBS)
+    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if not _get(body, "logprobs", bool, "a boolean", False):
+        if top is not None:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return None
+    return top or 0
+
+
 def parse_generate(raw: bytes, is_chat: bool, limits: ApiLimits,
                    defaults: dict[str, float] | None = None) -> GenerateArgs:
     """Body of POST /v1/completions or /v1/chat/completions -> GenerateArgs, or ApiError (400/404)."""
@@ -198,7 +214,7 @@ def parse_generate(raw: bytes, is_chat: bool, limits: ApiLimits,
             top_k=max(0, _int(body, "top_k", -1, 2**31 - 1, int(defaults.get("top_k", 0)))),  # -1 = off
             seed=_int(body, "seed", -INT_LIMIT, INT_LIMIT - 1),
             stop=tuple(stop), ignore_eos=bool(_get(body, "ignore_eos", bool, "a boolean", False)),
-            logit_bias=_parse_logit_bias(body)).validate()
+            logit_bias=_parse_logit_bias(body), logprobs=_parse_logprobs(body, is_chat)).validate()
     except (ValueError, TypeError, OverflowError) as e:
         raise ApiError(400, str(e)) from None
     is_stream = bool(_get(body, "stream", bool, "a boolean", False))
@@ -259,6 +275,7 @@ class ChunkFormatter:
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     headers: dict[str, str] = field(default_factory=dict)  # extra HTTP headers of the response
+    _text_offset: int = 0  # completions logprobs: characters of the tokens reported so far
 
     def _chunk(self, choice: dict | None, **extra: object) -> dict:
         obj = {"id": self.req_id, "object": "chat.completion.chunk" if self.is_chat else "text_completion",
@@ -268,21 +285,39 @@ class ChunkFormatter:
         obj.update(extra)
         return obj
 
-    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False,
+                logprobs: list[P.OutputLogprobs] | None = None) -> dict:
+        lp = None if logprobs is None else self.logprobs_json(logprobs)
         if not self.is_chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
         delta = {} if text is None else {"content": text}
         if role:
             delta = {"role": "assistant", **delta}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+
+    def logprobs_json(self, logprobs: list[P.OutputLogprobs]) -> dict:
+        """OpenAI's logprobs object for some output tokens: chat's {"content": [...]}, or the completions API's
+        parallel lists (text_offset counts on from the tokens of earlier calls, as a stream goes)."""
+        if self.is_chat:
+            return {"content": [{**_token_json(t.chosen), "top_logprobs": [_token_json(a) for a in t.top]}
+                                for t in logprobs], "refusal": None}
+        offsets = []
+        for t in logprobs:
+            offsets.append(self._text_offset)
+            self._text_offset += len(t.chosen.token)
+        return {"tokens": [t.chosen.token for t in logprobs], "token_logprobs": [t.chosen.logprob for t in logprobs],
+                "top_logprobs": [{**{a.token: a.logprob for a in t.top}, t.chosen.token: t.chosen.logprob}
+                                 for t in logprobs],
+                "text_offset": offsets}
 
     def role(self) -> dict:
         """The first chat chunk: announces the assistant role with empty content."""
         return self._chunk(self._choice("", None, role=True))
 
     def delta(self, d: Delta, num_prompt_tokens: int) -> list[dict]:
-        """Chunks for one engine delta: its text (if any), then the finish chunk and usage chunk on the last."""
-        chunks = [self._chunk(self._choice(d.text, None))] if d.text else []
+        """Chunks for one engine delta: its text and its tokens' logprobs (if any), then the finish chunk and usage
+        chunk on the last."""
+        chunks = [self._chunk(self._choice(d.text, None, logprobs=d.logprobs))] if d.text or d.logprobs else []
         if d.finish_reason is not None:
             usage = d.usage or Usage(num_prompt_tokens, 0)
             chunks.append(self._chunk(self._choice(None, d.finish_reason), spind=usage.spind_json()))
@@ -290,16 +325,22 @@ class ChunkFormatter:
                 chunks.append(self._chunk(None, usage=usage.to_json(), spind=usage.spind_json()))
         return chunks
 
-    def response(self, text: str, finish_reason: str, usage: Usage) -> dict:
+    def response(self, text: str, finish_reason: str, usage: Usage,
+                 logprobs: list[P.OutputLogprobs] | None = None) -> dict:
         """The whole (non-streaming) response."""
+        lp = None if logprobs is None else self.logprobs_json(logprobs)
         if self.is_chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                       "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
         return {"id": self.req_id, "object": "chat.completion" if self.is_chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice], "usage": usage.to_json(),
                 "spind": usage.spind_json()}
+
+
+def _token_json(t: P.Logprob) -> dict:
+    return {"token": t.token, "logprob": t.logprob, "bytes": list(t.token_bytes)}
 
 
 class InFlight:

@@ -202,6 +202,7 @@ class ZmqApiServer:
         req = EngineRequest("zmq-" + uuid.uuid4().hex, prompt_ids, params, msg.drafter, msg.k)
         token_ids: list[int] = []
         parts: list[str] = []
+        logprobs: list[P.OutputLogprobs] | None = None if params.logprobs is None else []
         async with aclosing(self.engine.generate(req)) as deltas:
             probe = None if msg.stream else asyncio.create_task(self._probe(env, msg.req_id))
             try:
@@ -209,13 +210,18 @@ class ZmqApiServer:
                     if d.finish_reason == ABORT:
                         raise abort_error(d.usage)
                     usage = usage_record(d.usage or Usage(len(prompt_ids), 0)) if d.finish_reason else None
+                    lps = None if logprobs is None else d.logprobs or []
                     if msg.stream and (d.token_ids or d.text or d.finish_reason):
-                        await self._send(env, P.ClientChunk(msg.req_id, d.token_ids, d.text, d.finish_reason, usage))
+                        await self._send(env, P.ClientChunk(msg.req_id, d.token_ids, d.text, d.finish_reason, usage,
+                                                            lps))
                     token_ids += d.token_ids
                     parts.append(d.text)
+                    if logprobs is not None:
+                        logprobs += lps
                     if d.finish_reason is not None:
                         if not msg.stream:
-                            reply = P.ClientReply(msg.req_id, token_ids, "".join(parts), d.finish_reason, usage)
+                            reply = P.ClientReply(msg.req_id, token_ids, "".join(parts), d.finish_reason, usage,
+                                                  logprobs)
                             await self._send(env, reply)
                         return
             finally:

@@ -55,6 +55,21 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
+LOGPROB_FLOOR = -9999.0  # what a probability that underflows float32 reports (as vLLM does)
+
+
+def token_logprobs(rows: torch.Tensor, tokens: list[int], num_top: int) -> list[tuple[float, list[int], list[float]]]:
+    """Raw log-probabilities of committed tokens: rows [>= len(tokens), V] are the target's logits at the positions
+    that chose them. Per token: its log-softmax value, and the ids and values of the `num_top` most likely tokens
+    (most likely first). The model's own distribution, before logit_bias, temperature, top-k and top-p."""
+    lp = torch.log_softmax(rows[:len(tokens)].float(), dim=-1).nan_to_num(neginf=LOGPROB_FLOOR)  # JSON has no -inf
+    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device).unsqueeze(-1)).squeeze(-1).tolist()
+    if not num_top:
+        return [(c, [], []) for c in chosen]
+    top = lp.topk(min(num_top, lp.shape[-1]), dim=-1)
+    return list(zip(chosen, top.indices.tolist(), top.values.tolist()))
+
+
 @dataclass(frozen=True)
 class VerifyResult:
     num_accepted: int

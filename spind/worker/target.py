@@ -20,7 +20,7 @@ import torch
 from spind.models.runner import ForwardItem, ModelRunner
 from spind.params import SamplingParams
 from spind.worker.device import is_fatal_device_error
-from spind.worker.sampling import accept_greedy, biased, make_generator, to_probs, verify_stochastic
+from spind.worker.sampling import accept_greedy, biased, make_generator, to_probs, token_logprobs, verify_stochastic
 
 
 class RequestFailed(RuntimeError):
@@ -44,6 +44,8 @@ class VerifyOutput:
     num_drafted: int
     num_accepted: int
     tokens: list[int]  # newly committed: accepted drafts + one recovered/bonus token
+    # per token, when the request asks for them: (log-probability, top ids, top log-probabilities); see token_logprobs
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
 
 class TargetVerifier:
@@ -115,11 +117,13 @@ class TargetVerifier:
                 self.generators[req_id].set_state(rng[req_id])
             raise RequestFailed([r for r, _ in failed], "; ".join(w for _, w in failed))
         outs = []
-        for it, (num_accepted, tokens) in zip(items, results):
+        for it, rows, (num_accepted, tokens) in zip(items, logits, results):
             rejected = len(it.draft) - num_accepted
             self.runner.truncate(it.req_id, self.runner.length(it.req_id) - rejected)
             self.pending[it.req_id] = tokens[-1:]
-            outs.append(VerifyOutput(it.req_id, len(it.draft), num_accepted, tokens))
+            num_top = self.params[it.req_id].logprobs
+            lps = None if num_top is None else token_logprobs(rows, tokens, num_top)
+            outs.append(VerifyOutput(it.req_id, len(it.draft), num_accepted, tokens, lps))
         return outs
 
     def _accept(self, it: VerifyItem, rows: torch.Tensor, argmax: list[int] | None) -> tuple[int, list[int]]:

@@ -294,7 +294,8 @@ class Worker:
         verify_s = self._last_busy_s()
         for o in outs:
             self.mirrors[o.req_id].tokens.extend(o.tokens)
-        return [P.VerifyResult(o.req_id, o.num_drafted, o.num_accepted, o.tokens, draft_s.get(o.req_id, 0.0))
+        return [P.VerifyResult(o.req_id, o.num_drafted, o.num_accepted, o.tokens, draft_s.get(o.req_id, 0.0),
+                               None if o.logprobs is None else [P.TokenLogprobs(*t) for t in o.logprobs])
                 for o in outs], verify_s
 
     def _target(self) -> TargetVerifier:

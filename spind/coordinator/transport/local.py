@@ -14,6 +14,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from spind import protocol as P
 from spind.config import TARGET_WORKER, SpindConfig
 from spind.coordinator.engine import Coordinator
 from spind.coordinator.interface import EngineRequest
@@ -49,9 +50,11 @@ class GenResult:
     verify_s: float = 0.0
     drafters: dict[str, dict[str, int]] = field(default_factory=dict)  # per drafter used: drafted, accepted
     finish_detail: str = ""
+    logprobs: list[P.OutputLogprobs] | None = None  # per output token, when the request asked (params.logprobs)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
+        d.pop("logprobs")
         d["acceptance_rate"] = self.num_accepted / self.num_drafted if self.num_drafted else 0.0
         d["tokens_per_s"] = len(self.token_ids) / self.elapsed_s if self.elapsed_s else 0.0
         return d
@@ -139,9 +142,12 @@ class LocalEngine:
         req = EngineRequest(r.req_id, list(r.prompt_ids), r.params, "none" if r.drafter is None else r.drafter, r.k)
         token_ids: list[int] = []
         text = []
+        logprobs = None if r.params.logprobs is None else []
         async for d in self.coordinator.generate(req):
             token_ids += d.token_ids
             text.append(d.text)
+            if logprobs is not None:
+                logprobs += d.logprobs or []
             if d.finish_reason is not None:
                 u = d.usage
                 return GenResult(req_id=r.req_id, text="".join(text), token_ids=token_ids,
@@ -149,7 +155,7 @@ class LocalEngine:
                                  num_steps=u.num_steps, num_drafted=sum(v["drafted"] for v in u.drafters.values()),
                                  num_accepted=sum(v["accepted"] for v in u.drafters.values()),
                                  elapsed_s=time.perf_counter() - start, draft_s=u.draft_s, verify_s=u.verify_s,
-                                 drafters=u.drafters, finish_detail=u.finish_detail)
+                                 drafters=u.drafters, finish_detail=u.finish_detail, logprobs=logprobs)
         raise RuntimeError(f"{r.req_id}: the coordinator ended the stream without a finish")
 
     def close(self) -> None:
