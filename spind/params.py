@@ -10,6 +10,7 @@ MIN_TEMPERATURE = 1e-2  # below this, logits / T overflows fp32 softmax; such a 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+MAX_N = 128  # completions of one prompt (OpenAI's limit for n)
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit, vLLM's default max_logprobs)
 
 

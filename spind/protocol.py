@@ -76,6 +76,7 @@ class AddRequest(_Msg, tag="add_request"):
     tokens: list[TokenId]
     params: SamplingParams
     is_target: bool
+    fork_of: ReqId | None = None  # the target's request with these same tokens whose KV it shares (n > 1)
 
 
 class PrefillItem(_Rec):

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -212,7 +213,7 @@ def test_unmodified_openai_client(daemon: Daemon, refs: dict[str, Reference]):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="spind", messages=CHAT, n=2)
+        client.chat.completions.create(model="spind", messages=CHAT, response_format={"type": "json_object"})
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="spind", prompt="x", extra_body={"spind": {"drafter": "nope"}})
 
@@ -282,6 +283,44 @@ def test_logprobs_through_the_openai_client_and_zmq(daemon: Daemon, refs: dict[s
     for bad in ({"top_logprobs": 21, "logprobs": True}, {"top_logprobs": 2}):
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="spind", messages=CHAT, max_tokens=1, **bad)
+
+
+def test_n_completions_through_the_openai_client(daemon: Daemon, refs: dict[str, Reference]):
+    """n choices of one prompt (sharing its prefilled KV): greedy, n copies of the plain output; sampled and seeded,
+    reproducible; streamed, each choice's chunks by index; usage counts the prompt once."""
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
+    ref = refs[PROMPTS[1]]
+    greedy = client.completions.create(model="spind", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, n=4,
+                                       extra_body={"spind": {"drafter": "ngram"}})
+    assert [(c.index, c.text) for c in greedy.choices] == [(i, ref.text) for i in range(4)]
+    assert greedy.usage.prompt_tokens == len(ref.prompt_ids)
+    assert greedy.usage.completion_tokens == 4 * len(ref.token_ids)
+
+    def sampled() -> list[str]:
+        out = client.chat.completions.create(model="spind", messages=CHAT, max_tokens=MAX_TOKENS, temperature=1.0,
+                                             seed=3, n=3, extra_body={"spind": {"drafter": "int8", "k": 3}})
+        return [c.message.content for c in out.choices]
+    first = sampled()
+    assert sampled() == first and len(set(first)) >= 2
+    texts, finished, usage = ["", "", ""], set(), None
+    for chunk in client.chat.completions.create(model="spind", messages=CHAT, max_tokens=MAX_TOKENS, temperature=1.0,
+                                                seed=3, n=3, stream=True, stream_options={"include_usage": True},
+                                                extra_body={"spind": {"drafter": "int8", "k": 3}}):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason is not None:
+                finished.add(c.index)
+        usage = chunk.usage or usage
+    assert texts == first and finished == {0, 1, 2}
+    assert usage.completion_tokens >= 3 and usage.prompt_tokens == len(refs["chat"].prompt_ids)
+    status, metrics = 0, ""
+    with urllib.request.urlopen(daemon.url + "/metrics") as resp:
+        status, metrics = resp.status, resp.read().decode()
+    shared = next(float(line.split()[-1]) for line in metrics.splitlines()
+                  if line.startswith("spind_shared_prompt_tokens_total"))
+    assert status == 200 and shared >= 3 * (len(ref.prompt_ids) - 1)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="spind", prompt="x", max_tokens=1, n=129)
 
 
 def test_zmq_clients(daemon: Daemon, refs: dict[str, Reference]):
@@ -380,7 +419,7 @@ def malformed_http_bodies(rng: random.Random) -> list[tuple[str, bytes]]:
     """Bodies that are each wrong in one way, for both endpoints: bad fields, bad JSON, truncations, noise."""
     bad_fields = {
         "model": [1, "nope", [], {}], "max_tokens": [0, -1, "1", 1.5, True, 10**9], "temperature": ["x", -1, 1e9, []],
-        "top_p": [0, 2, "x", -0.5], "top_k": [1.5, "x", -2], "seed": ["x", 1.5, 2**70], "n": [2, 0, "1"],
+        "top_p": [0, 2, "x", -0.5], "top_k": [1.5, "x", -2], "seed": ["x", 1.5, 2**70], "n": [129, 0, "1"],
         "stop": [1, [1], [""], ["a"] * 20, {"a": 1}], "stream": ["yes", 1], "stream_options": [{"include_usage": 1}],
         "spind": ["x", {"drafter": "nope"}, {"drafter": 1}, {"k": -1}, {"k": "2"}, {"k": 100}, {"z": 1}],
         "logprobs": [21, "x", -1], "top_logprobs": [2, 21], "echo": [True], "best_of": [2], "presence_penalty": [1.0],

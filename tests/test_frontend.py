@@ -24,7 +24,7 @@ from spind import protocol as P
 from spind.client import make_request
 from spind.frontend.api import ApiServer
 from spind.models.loader import load_generation_defaults
-from spind.frontend.openai_schema import (MAX_BODY_BYTES, ApiError, ApiLimits, ChunkFormatter, InFlight, error_json,
+from spind.frontend.openai_schema import (MAX_BODY_BYTES, ApiError, ApiLimits, Choice, ChunkFormatter, InFlight, error_json,
                                         from_engine_error, parse_generate, sse)
 from spind.frontend.daemon_cli import load_daemon_config, probe_url
 from spind.coordinator.interface import Delta, EngineError, Usage
@@ -139,7 +139,8 @@ def test_prompt_batch_of_one_is_unwrapped():
     ({"prompt": "x", "max_tokens": "5"}, "max_tokens"), ({"prompt": "x", "max_tokens": True}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 10**6}, "max_tokens"), ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "top_k": 1.5}, "top_k"), ({"prompt": "x", "seed": 2**64}, "seed"),
-    ({"prompt": "x", "stop": 3}, "stop"), ({"prompt": "x", "n": 2}, "n"), ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "stop": 3}, "stop"), ({"prompt": "x", "n": 0}, "n"), ({"prompt": "x", "n": 129}, "n"),
+    ({"prompt": "x", "n": 1.5}, "n"), ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "spind": {"drafter": "nope"}}, "spind.drafter"), ({"prompt": "x", "spind": {"k": -1}}, "spind.k"),
     ({"prompt": "x", "spind": {"k": 99}}, "spind.k"), ({"prompt": "x", "spind": {"other": 1}}, "spind"),
@@ -187,11 +188,11 @@ def test_chat_stream_chunks_have_openai_shape():
     role = f.role()
     assert role["object"] == "chat.completion.chunk" and role["usage"] is None
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    mid = f.delta(Delta([1], "Hel"), 3)
+    mid = f.delta(Delta([1], "Hel"))
     assert len(mid) == 1 and mid[0]["choices"][0]["delta"] == {"content": "Hel"}
     assert mid[0]["choices"][0]["finish_reason"] is None
-    assert f.delta(Delta([], ""), 3) == []  # held-back text: nothing to send yet
-    last = f.delta(Delta([2], "lo", "stop", USAGE), 3)
+    assert f.delta(Delta([], "")) == []  # held-back text: nothing to send yet
+    last = f.delta(Delta([2], "lo", "stop", USAGE)) + [f.usage_chunk(USAGE)]
     assert [c["choices"][0]["delta"] for c in last[:2]] == [{"content": "lo"}, {}]
     assert last[1]["choices"][0]["finish_reason"] == "stop" and last[1]["spind"] == USAGE.spind_json()
     assert last[2]["choices"] == [] and last[2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4,
@@ -202,18 +203,18 @@ def test_chat_stream_chunks_have_openai_shape():
 
 def test_completion_stream_chunks_without_usage():
     f = ChunkFormatter("cmpl-1", "spind", is_chat=False)
-    chunks = f.delta(Delta([1], "a", "length", USAGE), 3)
+    chunks = f.delta(Delta([1], "a", "length", USAGE))
     assert [c["object"] for c in chunks] == ["text_completion"] * 2 and "usage" not in chunks[0]
     assert chunks[0]["choices"][0] == {"index": 0, "text": "a", "logprobs": None, "finish_reason": None}
     assert chunks[1]["choices"][0]["finish_reason"] == "length" and chunks[1]["spind"]["time_slots"] == 2
 
 
 def test_responses_carry_usage_and_spind():
-    chat = ChunkFormatter("chatcmpl-2", "spind", is_chat=True).response("hi", "stop", USAGE)
+    chat = ChunkFormatter("chatcmpl-2", "spind", is_chat=True).response([Choice("hi", "stop")], USAGE)
     assert chat["object"] == "chat.completion" and chat["choices"][0]["message"] == {"role": "assistant",
                                                                                       "content": "hi"}
     assert chat["usage"]["total_tokens"] == 7 and chat["spind"]["mean_accepted_length"] == 2.0
-    text = ChunkFormatter("cmpl-2", "spind", is_chat=False).response("hi", "length", USAGE)
+    text = ChunkFormatter("cmpl-2", "spind", is_chat=False).response([Choice("hi", "length")], USAGE)
     assert text["choices"][0]["text"] == "hi" and text["choices"][0]["finish_reason"] == "length"
 
 
@@ -227,25 +228,42 @@ LOGPROBS = [P.OutputLogprobs(_lp(5, b"Hi", -0.25), [_lp(5, b"Hi", -0.25), _lp(9,
 
 def test_chat_logprobs_have_openai_shape_with_exact_bytes():
     f = ChunkFormatter("chatcmpl-3", "spind", is_chat=True)
-    content = f.response("Hi\ufffd", "stop", USAGE, LOGPROBS)["choices"][0]["logprobs"]["content"]
+    content = f.response([Choice("Hi\ufffd", "stop", LOGPROBS)], USAGE)["choices"][0]["logprobs"]["content"]
     assert content[0] == {"token": "Hi", "logprob": -0.25, "bytes": [72, 105], "top_logprobs": [
         {"token": "Hi", "logprob": -0.25, "bytes": [72, 105]}, {"token": "Hey", "logprob": -2.0, "bytes": [72, 101, 121]}]}
     assert content[1]["token"] == "\ufffd" and content[1]["bytes"] == [0xE6]  # part of a character: its byte
-    assert f.response("x", "stop", USAGE)["choices"][0]["logprobs"] is None  # not asked for
-    chunks = f.delta(Delta([5], "Hi", logprobs=LOGPROBS[:1]), 3) + f.delta(Delta([7], "", logprobs=LOGPROBS[1:]), 3)
+    assert f.response([Choice("x", "stop")], USAGE)["choices"][0]["logprobs"] is None  # not asked for
+    chunks = f.delta(Delta([5], "Hi", logprobs=LOGPROBS[:1])) + f.delta(Delta([7], "", logprobs=LOGPROBS[1:]))
     assert [c["choices"][0]["logprobs"]["content"][0]["token"] for c in chunks] == ["Hi", "\ufffd"]
     assert chunks[1]["choices"][0]["delta"] == {"content": ""}  # tokens without text yet still report their logprobs
 
 
 def test_completion_logprobs_have_the_legacy_shape_and_offsets_run_on_across_chunks():
     f = ChunkFormatter("cmpl-3", "spind", is_chat=False)
-    lp = f.response("Hi\ufffd", "length", USAGE, LOGPROBS)["choices"][0]["logprobs"]
+    lp = f.response([Choice("Hi\ufffd", "length", LOGPROBS)], USAGE)["choices"][0]["logprobs"]
     assert lp == {"tokens": ["Hi", "\ufffd"], "token_logprobs": [-0.25, -1.5],
                   "top_logprobs": [{"Hi": -0.25, "Hey": -2.0}, {" there": -0.5, "\ufffd": -1.5}], "text_offset": [0, 2]}
     f = ChunkFormatter("cmpl-4", "spind", is_chat=False)
     chunks = [c for d in (Delta([5], "Hi", logprobs=LOGPROBS[:1]), Delta([7], "x", logprobs=LOGPROBS[1:]))
-              for c in f.delta(d, 3)]
+              for c in f.delta(d)]
     assert [c["choices"][0]["logprobs"]["text_offset"] for c in chunks] == [[0], [2]]
+
+
+def test_n_choices_are_indexed_with_their_own_offsets_and_usage_merges():
+    f = ChunkFormatter("cmpl-5", "spind", is_chat=False)
+    chunks = [c for d in (Delta([5], "Hi", logprobs=LOGPROBS[:1], index=1), Delta([5], "Hi", logprobs=LOGPROBS[:1]),
+                          Delta([7], "x", "stop", USAGE, logprobs=LOGPROBS[1:], index=1)) for c in f.delta(d)]
+    assert [c["choices"][0]["index"] for c in chunks] == [1, 0, 1, 1]
+    assert [c["choices"][0]["logprobs"]["text_offset"] for c in chunks[:3]] == [[0], [0], [2]]  # per choice
+    assert chunks[3]["choices"][0]["finish_reason"] == "stop"
+    response = ChunkFormatter("chatcmpl-5", "spind", is_chat=True).response(
+        [Choice("a", "stop"), Choice("bc", "length")], Usage.merge([USAGE, USAGE]))
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in response["choices"]] == [
+        (0, "a", "stop"), (1, "bc", "length")]
+    assert response["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}  # prompt once
+    assert response["spind"]["drafters"] == {"ngram": {"drafted": 12, "accepted": 4}}
+    assert response["spind"]["time_slots"] == 4 and response["spind"]["mean_accepted_length"] == 2.0
+    assert parse({"prompt": "hi", "n": 4}).n == 4 and parse({"prompt": "hi"}).n == 1
 
 
 def test_sse_framing():

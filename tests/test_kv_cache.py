@@ -107,6 +107,44 @@ def test_lifecycle_errors() -> None:
         kv.truncate("a", 1)
 
 
+def test_fork_shares_blocks_until_one_writes_and_frees_them_with_their_last_holder() -> None:
+    kv = _tiny(num_blocks=6)
+    kv.allocate("a")
+    kv.reserve("a", BLOCK + 2)  # one whole block and a partial one
+    kv.commit("a", BLOCK + 2)
+    kv.k[0][:] = torch.arange(kv.k[0].numel(), dtype=torch.float32).view_as(kv.k[0])
+    kv.fork("a", "b")
+    assert kv.seqs["b"].block_table == kv.seqs["a"].block_table and kv.length("b") == BLOCK + 2
+    assert kv.num_free_blocks == 4 and kv.num_shared_blocks("b") == 2
+    assert torch.equal(kv.slots("b", 0, BLOCK + 2), kv.slots("a", 0, BLOCK + 2))
+    before = kv.k[0][kv.slots("a", 0, BLOCK + 2)].clone()
+
+    kv.reserve("b", BLOCK + 3)  # b writes position BLOCK + 2, in the shared partial block: b gets a copy
+    kv.make_writable("b", BLOCK + 2, BLOCK + 3)
+    assert kv.seqs["b"].block_table[0] == kv.seqs["a"].block_table[0]  # the whole block stays shared
+    assert kv.seqs["b"].block_table[1] != kv.seqs["a"].block_table[1] and kv.num_free_blocks == 3
+    assert torch.equal(kv.k[0][kv.slots("b", 0, BLOCK + 2)], before)  # the copy holds a's KV
+    kv.k[0][kv.slots("b", BLOCK + 2, BLOCK + 3)] = -1.0
+    assert torch.equal(kv.k[0][kv.slots("a", 0, BLOCK + 2)], before)  # a never sees b's write
+    kv.make_writable("a", BLOCK + 2, BLOCK + 3)  # a's partial block is its own again: written in place
+    assert kv.num_free_blocks == 3
+
+    kv.free("a")  # the shared block stays for b
+    assert kv.num_free_blocks == 4 and kv.num_shared_blocks("b") == 0
+    kv.truncate("b", 0)
+    assert kv.num_free_blocks == 6
+
+
+def test_copy_on_write_needs_a_free_block() -> None:
+    kv = _tiny(num_blocks=1)
+    kv.allocate("a")
+    kv.reserve("a", 2)
+    kv.commit("a", 2)
+    kv.fork("a", "b")
+    with pytest.raises(KVCacheFullError, match="no block free"):
+        kv.make_writable("b", 2, 3)
+
+
 def test_runner_refuses_forward_past_the_pool(engine: LocalEngine) -> None:
     runner = ModelRunner(engine.target.runner.model, num_blocks=2, block_size=BLOCK)
     runner.add_request("a")

@@ -16,6 +16,7 @@ import torch
 from conftest import SMALL_DRAFTER_LAYERS, generate, make_requests, new_req_id
 from spind.config import DrafterConfig
 from spind.drafters.model import common_prefix
+from spind.coordinator.interface import EngineError, EngineRequest
 from spind.coordinator.transport.local import GenRequest, GenResult, LocalEngine
 from spind.coordinator.request import Sequence
 from spind.models.runner import ForwardItem
@@ -301,3 +302,70 @@ def test_no_logprobs_unless_asked(engine: LocalEngine, capital_prompt: list[int]
                                       None, 0)])
     assert res[0].logprobs is None
     assert [lp.top for lp in res[1].logprobs] == [[]] * 4
+
+
+# ---- n > 1: completions of one prompt share its prefilled KV ----------------------------------------------------
+
+def _generate_n(engine: LocalEngine, prompt: list[int], params: SamplingParams, n: int, drafter: str = "none",
+                k: int | None = None) -> list[GenResult]:
+    """One request of n completions through the coordinator: each choice's tokens, logprobs and finish reason."""
+    async def run() -> list[GenResult]:
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list] = [[] for _ in range(n)]
+        reasons: list[str] = [""] * n
+        async for d in engine.coordinator.generate(EngineRequest(new_req_id("n"), prompt, params, drafter, k, n)):
+            tokens[d.index] += d.token_ids
+            logprobs[d.index] += d.logprobs or []
+            reasons[d.index] = d.finish_reason or reasons[d.index]
+        return [GenResult(req_id=str(i), text="", token_ids=t, finish_reason=r, drafter=drafter,
+                          num_prompt_tokens=len(prompt), num_steps=0, num_drafted=0, num_accepted=0, elapsed_s=0.0,
+                          logprobs=lp if params.logprobs is not None else None)
+                for i, (t, lp, r) in enumerate(zip(tokens, logprobs, reasons))]
+    return engine.loop.run_until_complete(run())
+
+
+def _free_target_blocks(engine: LocalEngine) -> int:
+    """Once the target worker has done what it was sent (its ops run in order): its free KV blocks."""
+    stats = engine.loop.run_until_complete(engine.coordinator.worker_stats("target"))
+    return stats.kv["target"].num_free_blocks
+
+
+def _shared_tokens(engine: LocalEngine) -> float:
+    return engine.coordinator.phases.metrics.shared_prompt_tokens._value.get()
+
+
+def test_greedy_n_gives_n_copies_of_plain_decoding_from_one_prefill(engine: LocalEngine,
+                                                                     prompt_ids: list[list[int]]) -> None:
+    prompt = prompt_ids[5]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    plain_res = engine.generate([GenRequest(new_req_id("plain"), prompt, params, None, 0)])[0]
+    free = _free_target_blocks(engine)
+    for drafter in ("none", "ngram"):
+        shared = _shared_tokens(engine)
+        choices = _generate_n(engine, prompt, params, 4, drafter, 4)
+        assert [c.token_ids for c in choices] == [plain_res.token_ids] * 4, drafter
+        assert _shared_tokens(engine) - shared == 3 * (len(prompt) - 1)  # three choices never prefilled it
+    assert _free_target_blocks(engine) == free  # every shared block went back
+
+
+def test_sampled_n_choices_differ_are_seeded_and_each_is_the_targets(engine: LocalEngine,
+                                                                      prompt_ids: list[list[int]]) -> None:
+    """Copy on write keeps each choice's KV its own: every choice's logprobs equal a teacher-forced forward of its
+    own output. Seeded: the same choices again, and choice 0 is the n = 1 output (with the same drafter: speculative
+    sampling is exact in distribution, but which random draws it consumes depends on the drafts)."""
+    prompt = prompt_ids[0]
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True, logprobs=1)
+    choices = _generate_n(engine, prompt, params, 4, "int8", 3)
+    assert len({tuple(c.token_ids) for c in choices}) >= 3
+    for c in choices:
+        _check_logprobs(engine, prompt, c, 1)
+    again = _generate_n(engine, prompt, params, 4, "int8", 3)
+    assert [c.token_ids for c in again] == [c.token_ids for c in choices]
+    single = engine.generate([GenRequest(new_req_id("one"), prompt, params, "int8", 3)])[0]
+    assert single.token_ids == choices[0].token_ids
+
+
+def test_n_is_checked(engine: LocalEngine, capital_prompt: list[int]) -> None:
+    for n in (0, 129, 1.5):
+        with pytest.raises(EngineError, match=r"n must be an integer in \[1, 128\]"):
+            engine.coordinator.generate(EngineRequest(new_req_id("n"), capital_prompt, SamplingParams(), n=n))

@@ -27,19 +27,21 @@ unchanged. A request whose data makes a worker op fail is failed alone; the othe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import AsyncIterator
 
 from spind import protocol as P
 from spind.config import TARGET_WORKER, SpindConfig
+from spind.params import MAX_N
 from spind.coordinator.interface import Delta, EngineError, EngineRequest
 from spind.coordinator.lockstep import Lockstep
 from spind.coordinator.phases import SlotPhases
 from spind.coordinator.pipeline import Pipeline
 from spind.coordinator.profile import load_or_measure
 from spind.coordinator.recovery import RestartPolicy
-from spind.coordinator.request import RequestState, Sequence, prompt_repetition
+from spind.coordinator.request import RequestState, Sequence, choice_id, choice_params, prompt_repetition
 from spind.coordinator.selection.baselines import build_selector
 from spind.coordinator.selection.protocol import AUTO, PLAIN, Selector
 from spind.coordinator.snapshot import build_state
@@ -164,13 +166,14 @@ class Coordinator:
 
     def generate(self, req: EngineRequest) -> AsyncIterator[Delta]:
         try:
-            st = self._check(req)
+            group = self._check(req)
         except EngineError:
             self.phases.metrics.requests.labels(status="rejected").inc()
             raise
-        self.phases.add(st)
+        for st in group:
+            self.phases.add(st)
         self._wakeup.set()
-        return self._stream(st)
+        return self._stream(group)
 
     def encode_prompt(self, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
         """Thread-safe (front ends call it off the event loop); a text too long to fit is refused before it
@@ -267,13 +270,20 @@ class Coordinator:
             raise EngineError(f"the prompt has {num_chars} characters, more than {self.max_model_len} tokens (the "
                               f"context limit) can hold", 413, "context_length_exceeded")
 
-    def _check(self, req: EngineRequest) -> RequestState:
+    def _check(self, req: EngineRequest) -> list[RequestState]:
+        """The request's n completions (one request each, choice 0 under the request's own id), or EngineError."""
         if not self.is_accepting:
             raise EngineError("the engine is not accepting requests (starting or draining)", 503, "unavailable")
         ph = self.phases
-        if len(ph.waiting) >= self.cfg.server.max_waiting:
+        if type(req.n) is not int or not 1 <= req.n <= MAX_N:
+            raise EngineError(f"n must be an integer in [1, {MAX_N}]")
+        if req.n > self.cfg.server.max_waiting:
+            raise EngineError(f"n = {req.n} is more completions than the queue holds ([server] max_waiting = "
+                              f"{self.cfg.server.max_waiting})")
+        if len(ph.waiting) + req.n > self.cfg.server.max_waiting:
             raise EngineError(f"too many queued requests ({len(ph.waiting)})", 503, "overloaded")
-        if req.req_id in ph.requests:
+        ids = [req.req_id] + [choice_id(req.req_id, i) for i in range(1, req.n)]
+        if any(r in ph.requests for r in ids):
             raise EngineError(f"request id {req.req_id!r} is already in use")
         try:
             params = req.params.validate()
@@ -296,23 +306,31 @@ class Coordinator:
         blocks = ph.budget.blocks_for(min(n + params.max_tokens, self.max_model_len))
         if blocks > ph.budget.num_blocks:
             raise EngineError("request needs more KV cache than the whole pool", 413, "context_length_exceeded")
-        seq = Sequence(req.req_id, req.prompt_ids, params, self.tokenizer.eos_token_ids, self.max_model_len,
-                       self.tokenizer)
-        return RequestState(req, seq, blocks, asyncio.Queue(), prompt_repetition(req.prompt_ids))
+        queue: asyncio.Queue = asyncio.Queue()  # the completions' deltas, interleaved
+        repetition = prompt_repetition(req.prompt_ids)
+        group: list[RequestState] = []
+        for i, req_id in enumerate(ids):
+            choice = req if i == 0 else dataclasses.replace(req, req_id=req_id, params=choice_params(params, i))
+            seq = Sequence(req_id, req.prompt_ids, choice.params if i else params, self.tokenizer.eos_token_ids,
+                           self.max_model_len, self.tokenizer)
+            group.append(RequestState(choice, seq, blocks, queue, repetition, index=i,
+                                      leader=group[0] if group else None))
+        return group
 
-    async def _stream(self, st: RequestState) -> AsyncIterator[Delta]:
+    async def _stream(self, group: list[RequestState]) -> AsyncIterator[Delta]:
+        left = len(group)
         try:
-            while True:
-                delta = await st.queue.get()
+            while left:
+                delta = await group[0].queue.get()
                 yield delta
-                if delta.finish_reason is not None:
-                    return
+                left -= delta.finish_reason is not None
         finally:  # consumer closed early (client gone) -> abort and free everywhere
-            if st.status == "waiting":
-                self.phases.finish(st, "abort", detail="the client went away")
-            elif st.status == "running":
-                st.is_abort_requested = True
-                self._wakeup.set()
+            for st in group:
+                if st.status == "waiting":
+                    self.phases.finish(st, "abort", detail="the client went away")
+                elif st.status == "running":
+                    st.is_abort_requested = True
+                    self._wakeup.set()
 
     # ---- the time-slot loop ---------------------------------------------------------------------
     async def replace_loop(self, loop: Lockstep | Pipeline) -> None:

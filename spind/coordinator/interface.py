@@ -24,6 +24,7 @@ class EngineRequest:
     params: SamplingParams
     drafter: str = "auto"  # "auto" (the configured selection policy) | a drafter name | "none"
     k: int | None = None  # tokens drafted per step; None = config
+    n: int = 1  # completions of the prompt: n requests sharing its prefilled KV, their deltas tagged with `index`
 
 
 @dataclass
@@ -44,6 +45,25 @@ class Usage:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
+    @staticmethod
+    def merge(usages: list["Usage"]) -> "Usage":
+        """The usage of a request's n completions: the prompt once, the rest summed."""
+        if len(usages) == 1:
+            return usages[0]
+        drafters: dict[str, dict[str, int]] = {}
+        for u in usages:
+            for name, counts in u.drafters.items():
+                into = drafters.setdefault(name, {})
+                for key, value in counts.items():
+                    into[key] = into.get(key, 0) + value
+        num_steps = sum(u.num_steps for u in usages)
+        committed = sum(u.mean_accepted_length * u.num_steps for u in usages)
+        return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages), drafters=drafters,
+                     num_steps=num_steps, mean_accepted_length=committed / num_steps if num_steps else 0.0,
+                     finish_detail="; ".join(dict.fromkeys(u.finish_detail for u in usages if u.finish_detail)),
+                     draft_s=sum(u.draft_s for u in usages), verify_s=sum(u.verify_s for u in usages),
+                     arms=[a for u in usages for a in u.arms])
+
     def spind_json(self) -> dict:
         out = {"drafters": self.drafters, "time_slots": self.num_steps,
                "mean_accepted_length": round(self.mean_accepted_length, 4)}
@@ -61,6 +81,7 @@ class Delta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta
     usage: Usage | None = None  # on the last delta
     logprobs: list[P.OutputLogprobs] | None = None  # one per token_ids entry, when the request asked for them
+    index: int = 0  # which of the request's n completions (EngineRequest.n) it belongs to
 
 
 class Engine(Protocol):
@@ -72,7 +93,8 @@ class Engine(Protocol):
         """drain=True: refuse new requests, finish in-flight ones, then stop workers."""
 
     def generate(self, req: EngineRequest) -> AsyncIterator[Delta]:
-        """Stream a request's deltas. Raises EngineError before the first delta for bad or unfittable input
+        """Stream a request's deltas (of its n completions, interleaved, each ending with a delta that has its
+        finish_reason; the stream ends after the last). Raises EngineError before the first delta for bad or unfittable input
         (400 bad input, 413 prompt over the context limit, 503 overloaded or draining). Closing the iterator
         early (client gone) aborts the request and frees its KV on every worker."""
 

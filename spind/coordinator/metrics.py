@@ -24,6 +24,8 @@ class EngineMetrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("spind_requests", "Finished requests by status", ("status",), registry=r)
         self.prompt_tokens = Counter("spind_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.shared_prompt_tokens = Counter("spind_shared_prompt_tokens", "Prompt tokens whose KV a completion (n > 1) "
+                                            "shares with the completion that prefilled it", registry=r)
         self.generation_tokens = Counter("spind_generation_tokens", "Generated (committed) tokens", registry=r)
         self.latency = Histogram("spind_request_latency_seconds", "Arrival to last token", buckets=LATENCY_BUCKETS,
                                  registry=r)

@@ -162,7 +162,7 @@ class SlotPhases:
             except Exception as e:  # this request's data cannot even be sent (it passed the checks): it alone fails
                 log.exception("admitting request %s", st.req_id)
                 self.fail_requests(WorkerError(TARGET_WORKER, f"cannot send the request: {e}", [st.req_id]))
-        pending = [st for st in self.running if not st.is_prefilled]
+        pending = [st for st in self.running if not st.is_prefilled and st.fork_of is None]
         sizes = plan_prefill([st.num_prefill_left for st in pending], self.cfg.runtime.max_prefill_tokens)
         return [(st, size) for st, size in zip(pending, sizes) if size]
 
@@ -172,7 +172,13 @@ class SlotPhases:
         self.running.append(st)
         self.metrics.prompt_tokens.inc(st.seq.num_prompt_tokens)
         self.history.add_prompt_tokens(st.seq.num_prompt_tokens)
-        self._add_to_target(st)
+        leader = st.leader
+        if leader is not None and leader.status == "running" and leader.fork_of is None \
+                and TARGET_WORKER in leader.synced and leader.num_prefill_left > 0 and not leader.seq.num_output_tokens:
+            st.fork_of = leader  # its KV comes from the leader's prefill (prefilled), not a prefill of its own
+            leader.forks.append(st)
+        else:
+            self._add_to_target(st)
         name = st.req.drafter if st.req.drafter != AUTO else self.selector.precompute_hint(st.req_id)
         if name in self.model_drafters:  # the drafter it will most likely draft with: its KV is worth precomputing
             self._precompute(st, name)
@@ -251,9 +257,31 @@ class SlotPhases:
         return self.pool.cast(TARGET_WORKER, P.Prefill(0, items, threads))
 
     def prefilled(self, chunks: Chunks) -> None:
-        """The target wrote these chunks' KV."""
+        """The target wrote these chunks' KV. A request whose prefill this completes gives its KV to the completions
+        of its prompt waiting for it (n > 1), before any verify can add to it."""
         for st, n in chunks:
             st.num_target_kv += n
+            if st.forks and st.is_prefilled:
+                self._fork(st)
+
+    def _fork(self, leader: RequestState) -> None:
+        for st in leader.forks:
+            if st.status != "running" or st.fork_of is not leader:
+                continue
+            tokens = list(st.seq.token_ids)
+            self.pool.cast(TARGET_WORKER, P.AddRequest(0, st.req_id, tokens, st.seq.params, True, leader.req_id))
+            st.synced[TARGET_WORKER] = len(tokens)
+            st.num_target_kv, st.fork_of = leader.num_target_kv, None
+            self.metrics.shared_prompt_tokens.inc(leader.num_target_kv)
+        leader.forks.clear()
+
+    def _unfork(self, leader: RequestState) -> None:
+        """The leader will not prefill (it ended, or the target restarted): its waiting completions prefill alone."""
+        for st in leader.forks:
+            if st.status == "running" and st.fork_of is leader:
+                st.fork_of = None
+                self._add_to_target(st)
+        leader.forks.clear()
 
     def needs_draft(self, st: RequestState, arm: Arm) -> bool:
         """Drafted on a drafter worker (not plain, not inline beside the target, room left to draft)."""
@@ -422,6 +450,7 @@ class SlotPhases:
     # ---- streaming ----------------------------------------------------------------------------------------------
     def _emit(self, st: RequestState, delta: Delta) -> None:
         """A delta onto its request's stream, or held back in order while `hold_deltas` is on."""
+        delta.index = st.index
         if self._held is None:
             st.queue.put_nowait(delta)
         else:
@@ -465,6 +494,8 @@ class SlotPhases:
         elif st in self.waiting:
             self.waiting.remove(st)
         st.status = "finished"
+        if st.forks:
+            self._unfork(st)
         st.seq.finish_reason = st.seq.finish_reason or reason
         st.finish_detail = st.finish_detail or detail
         self.requests.pop(st.req_id, None)
@@ -519,5 +550,7 @@ class SlotPhases:
             for st in self.running:
                 st.synced.pop(name, None)
                 st.precomputed -= hosted
-                if name == TARGET_WORKER:
+                if name == TARGET_WORKER:  # each prefills its own sequence again: nothing is shared
+                    st.fork_of = None
+                    st.forks.clear()
                     self._add_to_target(st)

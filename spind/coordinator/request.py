@@ -13,6 +13,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from spind import protocol as P
 from spind.coordinator.interface import EngineRequest
 from spind.coordinator.selection.protocol import Arm
@@ -149,6 +151,20 @@ def output_logprobs(tokenizer: Tokenizer | None, token_ids: list[int],
             for tok, t in zip(token_ids, raw, strict=True)]
 
 
+def choice_id(req_id: str, index: int) -> str:
+    """The request id of completion `index` > 0 of a request (n > 1); completion 0 keeps the request's own."""
+    return f"{req_id}/{index}"
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Completion `index`'s parameters: a seeded request's completions each draw from a random stream of their own,
+    derived from the seed (completion 0 keeps it: n = 1 and choice 0 of n = 4 give the same output)."""
+    if params.seed is None or index == 0:
+        return params
+    mixed = (params.seed + index * 0x9E3779B97F4A7C15) % 2**64  # a golden-ratio step: no two choices collide
+    return msgspec.structs.replace(params, seed=mixed - 2**64 if mixed >= 2**63 else mixed)
+
+
 def prompt_repetition(ids: list[int], n: int = 3) -> float:
     """Share of the prompt's n-grams that already occurred earlier in it: a cheap signal that the output
     may copy its context (where n-gram lookup drafts well). O(len(ids))."""
@@ -216,6 +232,11 @@ class RequestState:
     cycle_arm: Arm | None = None  # the arm of its current cycle (SELECTED .. AWAITING_AHEAD)
     draft: P.DraftRecord | None = None  # DRAFTED: the draft for its next verify pass
     ahead: Ahead | None = None  # its draft ahead, while one is in flight or waits to be used
+    # n > 1: the completions of one prompt share a queue; each is a request of its own, `index` its choice
+    index: int = 0
+    leader: "RequestState | None" = None  # choice 0, whose prefilled KV the others share (None for choice 0)
+    fork_of: "RequestState | None" = None  # the leader while this waits for its prefill, to share its KV
+    forks: list["RequestState"] = field(default_factory=list)  # (leader) the choices waiting for its prefill
 
     def reset_cycle(self) -> None:
         """Back to READY with no arm, draft or draft ahead (its workers restarted, or its cycle ended)."""

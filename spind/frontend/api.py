@@ -22,6 +22,7 @@ import msgspec
 from aiohttp import ClientPayloadError, web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from spind import protocol as P
 from spind.coordinator.interface import Delta, Engine, EngineError, EngineRequest, Usage
 from spind.state import ApiState, encode_state
 from spind.frontend.openai_schema import (
@@ -29,6 +30,7 @@ from spind.frontend.openai_schema import (
     MAX_BODY_BYTES,
     ApiError,
     ApiLimits,
+    Choice,
     ChunkFormatter,
     InFlight,
     abort_error,
@@ -153,7 +155,8 @@ class ApiServer:
             raise from_engine_error(e) from None
         prefix = "chatcmpl-" if is_chat else "cmpl-"
         req = EngineRequest(prefix + uuid.uuid4().hex, prompt_ids,
-                            args.sampling_params(len(prompt_ids), self.limits.max_model_len), args.drafter, args.k)
+                            args.sampling_params(len(prompt_ids), self.limits.max_model_len), args.drafter, args.k,
+                            args.n)
         fmt = ChunkFormatter(req.req_id, self.limits.model_name, is_chat, args.include_usage)
         if args.ignored:  # unknown fields are ignored, as vLLM does, and named back so nobody is misled
             fmt.headers["X-Spind-Ignored-Fields"] = ",".join(args.ignored)
@@ -166,8 +169,8 @@ class ApiServer:
             async with aclosing(stream) as deltas:
                 first = await self._first_delta(deltas)
                 if args.is_stream:
-                    return await self._stream(request, fmt, first, deltas, len(prompt_ids))
-                return await self._collect(fmt, first, deltas, len(prompt_ids))
+                    return await self._stream(request, fmt, first, deltas, args.n)
+                return await self._collect(fmt, first, deltas, args.n)
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The whole body within body_timeout_s, however it trickles in: then a 408 and the connection closed
@@ -192,40 +195,52 @@ class ApiServer:
         except StopAsyncIteration:
             raise ApiError(500, "the engine ended the request without output", code="internal_error") from None
 
-    async def _collect(self, fmt: ChunkFormatter, first: Delta, deltas, num_prompt_tokens: int) -> web.Response:
-        parts, logprobs, last = [first.text], first.logprobs, first
-        while last.finish_reason is None:
-            last = await anext(deltas)
-            parts.append(last.text)
-            if last.logprobs is not None:
-                logprobs = (logprobs or []) + last.logprobs
-        if last.finish_reason == ABORT:
-            raise abort_error(last.usage)
-        usage = last.usage or Usage(num_prompt_tokens, 0)
-        response = fmt.response("".join(parts), last.finish_reason, usage, logprobs)
+    async def _collect(self, fmt: ChunkFormatter, first: Delta, deltas, n: int) -> web.Response:
+        """The n choices' deltas (interleaved) gathered into one response; any choice aborted fails the request."""
+        texts: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list[P.OutputLogprobs] | None] = [None] * n
+        last: list[Delta | None] = [None] * n
+        d = first
+        while True:
+            texts[d.index].append(d.text)
+            if d.logprobs is not None:
+                logprobs[d.index] = (logprobs[d.index] or []) + d.logprobs
+            if d.finish_reason == ABORT:
+                raise abort_error(d.usage)
+            if d.finish_reason is not None:
+                last[d.index] = d
+                if all(x is not None for x in last):
+                    break
+            d = await anext(deltas)
+        choices = [Choice("".join(t), x.finish_reason, lp) for t, x, lp in zip(texts, last, logprobs)]
+        response = fmt.response(choices, Usage.merge([x.usage for x in last]))
         return web.json_response(response, headers=fmt.headers, dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
     async def _stream(self, request: web.Request, fmt: ChunkFormatter, first: Delta, deltas,
-                      num_prompt_tokens: int) -> web.StreamResponse:
+                      n: int) -> web.StreamResponse:
         resp = web.StreamResponse(headers={**SSE_HEADERS, **fmt.headers})
         await resp.prepare(request)
         if fmt.is_chat:
-            await resp.write(sse(fmt.role()))
-        d = first
+            for i in range(n):
+                await resp.write(sse(fmt.role(i)))
+        d, usages = first, []
         try:
-            while d.finish_reason is None:
-                for chunk in fmt.delta(d, num_prompt_tokens):
+            while True:
+                if d.finish_reason == ABORT:  # after the headers went out: report in-band, as OpenAI does
+                    if d.text:
+                        await resp.write(sse(fmt.delta(Delta(d.token_ids, d.text, index=d.index))[0]))
+                    e = abort_error(d.usage)
+                    await resp.write(sse(error_json(e.status, e.message, code=e.code)))
+                    break
+                for chunk in fmt.delta(d):
                     await resp.write(sse(chunk))
+                if d.finish_reason is not None:
+                    usages.append(d.usage)
+                    if len(usages) == n:
+                        if fmt.include_usage:
+                            await resp.write(sse(fmt.usage_chunk(Usage.merge(usages))))
+                        break
                 d = await anext(deltas)
-            if d.finish_reason == ABORT:  # after the headers went out: report in-band, as OpenAI does
-                if d.text:
-                    chunk = fmt.delta(Delta(d.token_ids, d.text, logprobs=d.logprobs), num_prompt_tokens)[0]
-                    await resp.write(sse(chunk))
-                e = abort_error(d.usage)
-                await resp.write(sse(error_json(e.status, e.message, code=e.code)))
-            else:
-                for chunk in fmt.delta(d, num_prompt_tokens):
-                    await resp.write(sse(chunk))
         except EngineError as e:
             await resp.write(sse(error_json(e.status, str(e), code=e.code)))
         await resp.write(sse("[DONE]"))

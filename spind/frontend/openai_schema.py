@@ -16,7 +16,7 @@ from aiohttp import web
 
 from spind import protocol as P
 from spind.coordinator.interface import Delta, EngineError, Usage
-from spind.params import MAX_LOGPROBS, SamplingParams, is_encodable
+from spind.params import MAX_LOGPROBS, MAX_N, SamplingParams, is_encodable
 
 MAX_BODY_BYTES = 1 << 20
 ABORT = "abort"  # the engine's finish_reason for a request ended early; never sent as an OpenAI finish_reason
@@ -49,6 +49,7 @@ class GenerateArgs:
     has_max_tokens: bool
     drafter: str = "auto"
     k: int | None = None
+    n: int = 1  # completions of the prompt, sharing its prefilled KV
     is_stream: bool = False
     include_usage: bool = False
     ignored: tuple[str, ...] = ()  # fields of the body spind does not know and ignores (as vLLM does)
@@ -62,12 +63,12 @@ class GenerateArgs:
 
 # Fields parse_generate reads; others are ignored and named back in the X-Spind-Ignored-Fields header
 KNOWN_FIELDS = frozenset({"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-                          "top_k", "seed", "stop", "ignore_eos", "logit_bias", "logprobs", "top_logprobs", "stream",
+                          "top_k", "seed", "stop", "ignore_eos", "logit_bias", "logprobs", "top_logprobs", "n", "stream",
                           "stream_options", "spind"})
 SPIND_FIELDS = ("drafter", "k")  # spind's own request fields live in the "spind" object
 
 # OpenAI fields spind does not implement: accepted only at their neutral values
-NEUTRAL_VALUES = {"n": 1, "echo": False, "best_of": 1, "presence_penalty": 0,
+NEUTRAL_VALUES = {"echo": False, "best_of": 1, "presence_penalty": 0,
                   "frequency_penalty": 0, "suffix": "", "tools": [], "tool_choice": "none",
                   "functions": [], "function_call": "none", "response_format": {"type": "text"}}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -224,8 +225,9 @@ def parse_generate(raw: bytes, is_chat: bool, limits: ApiLimits,
     include_usage = bool(_get(options or {}, "include_usage", bool, "a boolean", False))
     drafter, k = _parse_spind(body, limits)
     ignored = tuple(sorted(set(body) - KNOWN_FIELDS - set(NEUTRAL_VALUES)))
+    n = _int(body, "n", 1, MAX_N, 1)
     return GenerateArgs(prompt=prompt, messages=messages, params=params, has_max_tokens=max_tokens is not None,
-                        drafter=drafter, k=k, is_stream=is_stream, include_usage=include_usage, ignored=ignored)
+                        drafter=drafter, k=k, n=n, is_stream=is_stream, include_usage=include_usage, ignored=ignored)
 
 
 def check_serving(status: str) -> None:
@@ -266,8 +268,18 @@ def abort_error(usage: Usage | None) -> ApiError:
 
 
 @dataclass
+class Choice:
+    """One completion of a whole (non-streamed) response."""
+
+    text: str
+    finish_reason: str
+    logprobs: list[P.OutputLogprobs] | None = None
+
+
+@dataclass
 class ChunkFormatter:
-    """OpenAI response and stream-chunk objects for one request (`text_completion` or `chat.completion`)."""
+    """OpenAI response and stream-chunk objects for one request (`text_completion` or `chat.completion`), whose n
+    completions are its choices, by `index`."""
 
     req_id: str
     model: str
@@ -275,7 +287,7 @@ class ChunkFormatter:
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     headers: dict[str, str] = field(default_factory=dict)  # extra HTTP headers of the response
-    _text_offset: int = 0  # completions logprobs: characters of the tokens reported so far
+    _text_offset: dict[int, int] = field(default_factory=dict)  # completions logprobs: per choice, characters so far
 
     def _chunk(self, choice: dict | None, **extra: object) -> dict:
         obj = {"id": self.req_id, "object": "chat.completion.chunk" if self.is_chat else "text_completion",
@@ -286,56 +298,62 @@ class ChunkFormatter:
         return obj
 
     def _choice(self, text: str | None, finish_reason: str | None, role: bool = False,
-                logprobs: list[P.OutputLogprobs] | None = None) -> dict:
-        lp = None if logprobs is None else self.logprobs_json(logprobs)
+                logprobs: list[P.OutputLogprobs] | None = None, index: int = 0) -> dict:
+        lp = None if logprobs is None else self.logprobs_json(logprobs, index)
         if not self.is_chat:
-            return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
+            return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
         delta = {} if text is None else {"content": text}
         if role:
             delta = {"role": "assistant", **delta}
-        return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
 
-    def logprobs_json(self, logprobs: list[P.OutputLogprobs]) -> dict:
-        """OpenAI's logprobs object for some output tokens: chat's {"content": [...]}, or the completions API's
-        parallel lists (text_offset counts on from the tokens of earlier calls, as a stream goes)."""
+    def logprobs_json(self, logprobs: list[P.OutputLogprobs], index: int = 0) -> dict:
+        """OpenAI's logprobs object for some output tokens of choice `index`: chat's {"content": [...]}, or the
+        completions API's parallel lists (text_offset counts on from the tokens of earlier calls, as a stream goes)."""
         if self.is_chat:
             return {"content": [{**_token_json(t.chosen), "top_logprobs": [_token_json(a) for a in t.top]}
                                 for t in logprobs], "refusal": None}
         offsets = []
+        at = self._text_offset.get(index, 0)
         for t in logprobs:
-            offsets.append(self._text_offset)
-            self._text_offset += len(t.chosen.token)
+            offsets.append(at)
+            at += len(t.chosen.token)
+        self._text_offset[index] = at
         return {"tokens": [t.chosen.token for t in logprobs], "token_logprobs": [t.chosen.logprob for t in logprobs],
                 "top_logprobs": [{**{a.token: a.logprob for a in t.top}, t.chosen.token: t.chosen.logprob}
                                  for t in logprobs],
                 "text_offset": offsets}
 
-    def role(self) -> dict:
-        """The first chat chunk: announces the assistant role with empty content."""
-        return self._chunk(self._choice("", None, role=True))
+    def role(self, index: int = 0) -> dict:
+        """A choice's first chat chunk: announces the assistant role with empty content."""
+        return self._chunk(self._choice("", None, role=True, index=index))
 
-    def delta(self, d: Delta, num_prompt_tokens: int) -> list[dict]:
-        """Chunks for one engine delta: its text and its tokens' logprobs (if any), then the finish chunk and usage
-        chunk on the last."""
-        chunks = [self._chunk(self._choice(d.text, None, logprobs=d.logprobs))] if d.text or d.logprobs else []
+    def delta(self, d: Delta) -> list[dict]:
+        """Chunks for one engine delta: its text and its tokens' logprobs (if any), then, on its choice's last, the
+        finish chunk (with that choice's spind usage)."""
+        chunks = [self._chunk(self._choice(d.text, None, logprobs=d.logprobs, index=d.index))] \
+            if d.text or d.logprobs else []
         if d.finish_reason is not None:
-            usage = d.usage or Usage(num_prompt_tokens, 0)
-            chunks.append(self._chunk(self._choice(None, d.finish_reason), spind=usage.spind_json()))
-            if self.include_usage:
-                chunks.append(self._chunk(None, usage=usage.to_json(), spind=usage.spind_json()))
+            spind = (d.usage.spind_json() if d.usage is not None else {})
+            chunks.append(self._chunk(self._choice(None, d.finish_reason, index=d.index), spind=spind))
         return chunks
 
-    def response(self, text: str, finish_reason: str, usage: Usage,
-                 logprobs: list[P.OutputLogprobs] | None = None) -> dict:
+    def usage_chunk(self, usage: Usage) -> dict:
+        """The stream's last chunk, after every choice finished (stream_options.include_usage)."""
+        return self._chunk(None, usage=usage.to_json(), spind=usage.spind_json())
+
+    def response(self, choices: list[Choice], usage: Usage) -> dict:
         """The whole (non-streaming) response."""
-        lp = None if logprobs is None else self.logprobs_json(logprobs)
-        if self.is_chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                      "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+        out = []
+        for i, c in enumerate(choices):
+            lp = None if c.logprobs is None else self.logprobs_json(c.logprobs, i)
+            if self.is_chat:
+                out.append({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                            "finish_reason": c.finish_reason})
+            else:
+                out.append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
         return {"id": self.req_id, "object": "chat.completion" if self.is_chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": usage.to_json(),
+                "created": self.created, "model": self.model, "choices": out, "usage": usage.to_json(),
                 "spind": usage.spind_json()}
 
 

@@ -5,6 +5,11 @@ token's KV lives at slot `block_table[pos // block_size] * block_size + pos % bl
 memory budget exact (admission asks `can_allocate`), rollback cheap (truncate frees whole trailing blocks),
 and give the verification modes their unit (a decomposed plan splits a long sequence at block boundaries).
 
+Blocks are reference-counted so that sequences can share them: `fork` gives a new sequence another's blocks (the
+n completions of one prompt share its prefilled KV), and `make_writable` copies a shared block before a sequence
+writes into it (copy on write), so no sequence ever sees another's tokens. A block returns to the free list when
+its last sequence lets it go.
+
 Block tables live in one host tensor `tables: [rows, max_blocks_per_seq]` int32, a row per sequence,
 updated incrementally as blocks are reserved and freed, so a forward gathers its batch's tables with one
 `index_select` instead of rebuilding them from lists. Entries past a sequence's blocks are 0.
@@ -45,6 +50,7 @@ class KVCache:
         for t in self.k + self.v:
             t[:block_size].zero_()
         self._free_blocks = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._refs = [0] * num_blocks  # sequences holding each block
         self.tables = torch.zeros(INITIAL_ROWS, self.max_blocks_per_seq, dtype=torch.int32)
         self._free_rows = list(range(INITIAL_ROWS - 1, -1, -1))
         self.seqs: dict[str, SeqKV] = {}
@@ -88,9 +94,52 @@ class KVCache:
             raise KVCacheFullError(f"{req_id}: {new_length} tokens exceed the context limit of the cache")
         if need > self.num_free_blocks:
             raise KVCacheFullError(f"KV cache full: need {need} blocks, {self.num_free_blocks} free")
-        new = [self._free_blocks.pop() for _ in range(need)]
+        new = [self._take() for _ in range(need)]
         self.tables[seq.row, len(seq.block_table):len(seq.block_table) + need] = torch.tensor(new, dtype=torch.int32)
         seq.block_table.extend(new)
+
+    def fork(self, src: str, dst: str) -> None:
+        """A new sequence `dst` holding `src`'s KV: the same blocks, shared until one of them writes (make_writable)."""
+        s = self.seqs[src]
+        self.allocate(dst)
+        d = self.seqs[dst]
+        d.block_table, d.length = list(s.block_table), s.length
+        for b in s.block_table:
+            self._refs[b] += 1
+        n = len(s.block_table)
+        self.tables[d.row, :n] = self.tables[s.row, :n]
+
+    def num_shared_blocks(self, req_id: str) -> int:
+        return sum(self._refs[b] > 1 for b in self.seqs[req_id].block_table)
+
+    def make_writable(self, req_id: str, start: int, end: int) -> None:
+        """Before writing positions [start, end): each block of theirs that another sequence shares is copied into a
+        block of this sequence's own (copy on write). Call after `reserve`."""
+        seq = self.seqs[req_id]
+        for i in range(start // self.block_size, min(len(seq.block_table), self.blocks_for(end))):
+            old = seq.block_table[i]
+            if self._refs[old] == 1:
+                continue
+            if not self._free_blocks:
+                raise KVCacheFullError(f"KV cache full: no block free to copy {req_id}'s shared block into")
+            new = self._take()
+            lo, hi, at = old * self.block_size, (old + 1) * self.block_size, new * self.block_size
+            for t in self.k + self.v:
+                t[at:at + self.block_size].copy_(t[lo:hi])
+            self._refs[old] -= 1
+            seq.block_table[i] = new
+            self.tables[seq.row, i] = new
+
+    def _take(self) -> int:
+        b = self._free_blocks.pop()
+        self._refs[b] = 1
+        return b
+
+    def _release(self, blocks: list[int]) -> None:
+        for b in reversed(blocks):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free_blocks.append(b)
 
     def commit(self, req_id: str, num_tokens: int) -> None:
         """KV of num_tokens more positions has been written."""
@@ -105,13 +154,13 @@ class KVCache:
         keep = self.blocks_for(length)
         if len(seq.block_table) > keep:
             self.tables[seq.row, keep:len(seq.block_table)] = 0
-            self._free_blocks.extend(reversed(seq.block_table[keep:]))
+            self._release(seq.block_table[keep:])
             del seq.block_table[keep:]
 
     def free(self, req_id: str) -> None:
         seq = self.seqs.pop(req_id, None)
         if seq is not None:
-            self._free_blocks.extend(reversed(seq.block_table))
+            self._release(seq.block_table)
             self.tables[seq.row] = 0
             self._free_rows.append(seq.row)
 

@@ -133,6 +133,10 @@ class ModelRunner:
     def free_request(self, req_id: str) -> None:
         self.kv.free(req_id)
 
+    def fork(self, src: str, dst: str) -> None:
+        """A new request holding `src`'s KV, its blocks shared (copied on write)."""
+        self.kv.fork(src, dst)
+
     def has_request(self, req_id: str) -> bool:
         return self.kv.has(req_id)
 
@@ -163,6 +167,7 @@ class ModelRunner:
             starts.append(start)
         for it, start in zip(items, starts):  # only after every check: a refused batch allocates nothing
             self.kv.reserve(it.req_id, start + len(it.tokens))
+            self.kv.make_writable(it.req_id, start, start + len(it.tokens))  # a block it shares: copied first
         meta, tokens, positions, rows = self._prepare(items, starts)
         if self.graph is not None and all(it.num_logits == len(it.tokens) for it in items):
             logits = self.graph(tokens, positions, meta).index_select(0, rows)  # verify: every row is needed

@@ -68,6 +68,16 @@ class TargetVerifier:
         self.params[req_id] = params
         self.generators[req_id] = make_generator(params.seed)
 
+    def fork(self, src: str, dst: str, params: SamplingParams) -> None:
+        """Register `dst` as a copy of `src` (same committed tokens) sharing its KV blocks, copied on write: one of
+        the n completions of a prompt that `src` prefilled. Its own sampling parameters and random stream."""
+        if src not in self.pending:
+            raise ValueError(f"{dst}: cannot share the KV of {src}, which this worker does not hold")
+        self.runner.fork(src, dst)
+        self.pending[dst] = list(self.pending[src])
+        self.params[dst] = params
+        self.generators[dst] = make_generator(params.seed)
+
     def free_request(self, req_id: str) -> None:
         if self.runner.has_request(req_id):
             self.runner.free_request(req_id)

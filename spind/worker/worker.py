@@ -197,7 +197,12 @@ class Worker:
         if msg.is_target:
             if self.target is None:
                 raise ValueError(f"worker {self.name!r} does not host the target")
-            self.target.add_request(msg.req_id, msg.tokens, params)
+            if msg.fork_of is None:
+                self.target.add_request(msg.req_id, msg.tokens, params)
+            elif self._mirror(msg.fork_of).tokens != msg.tokens:
+                raise ValueError(f"{msg.req_id}: its tokens are not those of {msg.fork_of}, whose KV it would share")
+            else:
+                self.target.fork(msg.fork_of, msg.req_id, params)
         self.mirrors[msg.req_id] = Mirror(params, list(msg.tokens))
 
     def free_request(self, req_id: str) -> None:
