@@ -26,7 +26,7 @@ import zmq.asyncio
 
 from spind import protocol as P
 from spind.errors import StatusError
-from spind.params import SamplingParams
+from spind.params import Grammar, SamplingParams
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:8001"
 
@@ -47,14 +47,17 @@ class Completion:
 def make_request(prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
                  max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, stop: list[str] | tuple[str, ...] = (), ignore_eos: bool = False,
-                 logit_bias: dict[int, float] | None = None, logprobs: int | None = None, drafter: str = "auto",
-                 k: int | None = None, stream: bool = True, api_key: str = "") -> P.ClientRequest:
+                 logit_bias: dict[int, float] | None = None, logprobs: int | None = None,
+                 grammar: Grammar | None = None, drafter: str = "auto", k: int | None = None, stream: bool = True,
+                 api_key: str = "") -> P.ClientRequest:
     """Build a ClientRequest: `prompt` is text or token ids, or pass chat `messages` instead; `logit_bias` maps
     token ids to biases in [-100, 100] (-100 bans a token); `logprobs=N` returns each output token's log-probability
-    under the target and its N most likely alternatives (`Completion.logprobs`)."""
+    under the target and its N most likely alternatives (`Completion.logprobs`); `grammar` constrains the output
+    (`Grammar("json_schema", json.dumps(schema))`, `Grammar("regex", ...)`, `Grammar("grammar", lark_or_gbnf)`)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), top_k=top_k,
                             seed=seed, stop=tuple(stop), ignore_eos=ignore_eos,
-                            logit_bias=tuple(sorted((logit_bias or {}).items())), logprobs=logprobs)
+                            logit_bias=tuple(sorted((logit_bias or {}).items())), logprobs=logprobs,
+                            grammar=grammar)
     text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
     chat = None if messages is None else [P.ChatMessage(m["role"], m["content"]) for m in messages]
     return P.ClientRequest(req_id=uuid.uuid4().hex, params=params, prompt=text, prompt_ids=ids, messages=chat,

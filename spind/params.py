@@ -10,8 +10,17 @@ MIN_TEMPERATURE = 1e-2  # below this, logits / T overflows fp32 softmax; such a 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+MAX_GRAMMAR_CHARS = 1 << 16  # a JSON schema, regex or grammar's text
 MAX_N = 128  # completions of one prompt (OpenAI's limit for n)
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit, vLLM's default max_logprobs)
+
+
+class Grammar(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Structured output (spind.grammar): the output must match it. kind: "json_schema" (text: the schema as JSON;
+    OpenAI's json_object is the schema {"type": "object"}), "regex", or "grammar" (Lark or GBNF)."""
+
+    kind: str
+    text: str
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -29,6 +38,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # alternatives (0 <= n <= MAX_LOGPROBS). Raw: the model's log-softmax, before logit_bias, temperature, top-k and
     # top-p (vLLM's default), so the values are those of plain decoding whichever drafter ran and however it sampled
     logprobs: int | None = None
+    # the output follows this grammar: the target's distribution is masked to what it allows at every position, and
+    # draft tokens it refuses are cut before the verify. Output that ends at max_tokens may be incomplete
+    grammar: Grammar | None = None
 
     def validate(self) -> "SamplingParams":
         """Raise ValueError on anything a worker could choke on; returns self (normalised) when valid."""
@@ -53,6 +65,14 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         self._validate_logit_bias()
         if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token)")
+        if self.grammar is not None:
+            if not isinstance(self.grammar, Grammar) or self.grammar.kind not in ("json_schema", "regex", "grammar") \
+                    or not isinstance(self.grammar.text, str) or not self.grammar.text:
+                raise ValueError('a grammar needs a kind ("json_schema", "regex" or "grammar") and its text')
+            if len(self.grammar.text) > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"a grammar takes at most {MAX_GRAMMAR_CHARS} characters")
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot go with a grammar: the output ends where the grammar does")
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             # As vLLM does: a vanishing temperature is greedy decoding, not a softmax that overflows.
             return msgspec.structs.replace(self, temperature=0.0)

@@ -77,6 +77,7 @@ class AddRequest(_Msg, tag="add_request"):
     params: SamplingParams
     is_target: bool
     fork_of: ReqId | None = None  # the target's request with these same tokens whose KV it shares (n > 1)
+    num_output: Count = 0  # the last tokens that are output, not prompt (a re-prefill: its grammar has passed them)
 
 
 class PrefillItem(_Rec):

@@ -27,7 +27,7 @@ import zmq
 
 from spind import protocol as P
 from spind.client import AsyncSpindClient, SpindClient, SpindError, http_json, make_request
-from spind.params import SamplingParams
+from spind.params import Grammar, SamplingParams
 from daemon_util import Daemon, free_port, start_daemon
 
 pytestmark = pytest.mark.e2e
@@ -321,6 +321,57 @@ def test_n_completions_through_the_openai_client(daemon: Daemon, refs: dict[str,
     assert status == 200 and shared >= 3 * (len(ref.prompt_ids) - 1)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="spind", prompt="x", max_tokens=1, n=129)
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "city": {"type": "string", "maxLength": 24}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+EXTRACT = [{"role": "user", "content": "Reply in JSON with name, age and city: Ana Lima is 31 and lives in Porto."}]
+
+
+def test_structured_output_through_the_openai_client(daemon: Daemon):
+    """response_format json_schema: 60 sampled requests at once, every output parses and validates; greedy output is
+    the same under every drafter; json_object and spind's regex; bad grammars are 400s."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+    async def sampled() -> list:
+        client = openai.AsyncOpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
+        try:
+            return await asyncio.gather(*[client.chat.completions.create(
+                model="spind", messages=EXTRACT, max_tokens=120, temperature=1.0, seed=i, response_format=fmt,
+                extra_body={"spind": {"drafter": ("auto", "ngram", "int8", "none")[i % 4]}}) for i in range(60)])
+        finally:
+            await client.close()
+    outs = run(sampled())
+    for out in outs:
+        assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
+        jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
+    greedy = [client.chat.completions.create(model="spind", messages=EXTRACT, max_tokens=80, temperature=0,
+                                             response_format=fmt, extra_body={"spind": spind}).choices[0].message.content
+              for spind in ({"drafter": "none"}, {"drafter": "ngram", "k": 4}, {"drafter": "int8", "k": 4})]
+    assert greedy[1] == greedy[0] and greedy[2] == greedy[0] and json.loads(greedy[0])["city"]
+    anything = client.chat.completions.create(model="spind", messages=EXTRACT, max_tokens=80, temperature=0,
+                                              response_format={"type": "json_object"})
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    regex = client.completions.create(model="spind", prompt="Is Paris in France? Answer:", max_tokens=8,
+                                      temperature=0, extra_body={"spind": {"regex": "(Yes|No)[.!]"}})
+    assert regex.choices[0].text in ("Yes.", "Yes!", "No.", "No!")
+    with SpindClient(daemon.zmq_address, timeout_s=120) as c:
+        done = c.complete(messages=EXTRACT, max_tokens=80, drafter="ngram",
+                          grammar=Grammar("json_schema", json.dumps(PERSON)))
+        assert done.text == greedy[0]
+        with pytest.raises(SpindError) as e:
+            c.complete(PROMPTS[0], max_tokens=4, grammar=Grammar("regex", "(unclosed"))
+        assert e.value.status == 400 and "regex does not compile" in str(e.value)
+    for bad in ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+                {"response_format": {"type": "xml"}}, {"extra_body": {"spind": {"regex": "(unclosed"}}},
+                {"extra_body": {"spind": {"grammar": "root ::= ???"}}}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="spind", messages=EXTRACT, max_tokens=4, **bad)
 
 
 def test_zmq_clients(daemon: Daemon, refs: dict[str, Reference]):

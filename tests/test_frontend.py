@@ -28,6 +28,7 @@ from spind.frontend.openai_schema import (MAX_BODY_BYTES, ApiError, ApiLimits, C
                                         from_engine_error, parse_generate, sse)
 from spind.frontend.daemon_cli import load_daemon_config, probe_url
 from spind.coordinator.interface import Delta, EngineError, Usage
+from spind.params import Grammar
 from spind.frontend.server import PidInfo
 from spind.coordinator.transport.process_pool import default_run_dir, prepare_run_dir
 from spind.frontend.zmq_api import Envelope, ZmqApiServer, client_prompt, split_frames
@@ -85,6 +86,31 @@ def test_logprobs_are_parsed_in_each_api_shape_and_checked():
             ({**chat, "logprobs": True, "top_logprobs": 21}, True, "top_logprobs", r"in \[0, 20\]"),
             ({**chat, "logprobs": 3}, True, "logprobs", "a boolean")):
         e = refused(body, is_chat)
+        assert e.status == 400 and e.param == param and re.search(message, e.message), (body, e.message)
+
+
+def test_response_format_and_spind_grammars_are_parsed_and_checked():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert parse({"prompt": "hi"}).params.grammar is None
+    assert parse({"prompt": "hi", "response_format": {"type": "text"}}).params.grammar is None
+    assert parse({"prompt": "hi", "response_format": {"type": "json_object"}}).params.grammar == Grammar(
+        "json_schema", '{"type": "object"}')
+    g = parse({"prompt": "hi", "response_format": {"type": "json_schema",
+                                                   "json_schema": {"name": "a", "schema": schema}}}).params.grammar
+    assert g.kind == "json_schema" and json.loads(g.text) == schema
+    assert parse({"prompt": "hi", "spind": {"regex": "[0-9]+"}}).params.grammar == Grammar("regex", "[0-9]+")
+    assert parse({"prompt": "hi", "spind": {"grammar": 'root ::= "a"'}}).params.grammar == Grammar("grammar",
+                                                                                                'root ::= "a"')
+    for body, param, message in (
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format", "schema"),
+            ({"response_format": {"type": "yaml"}}, "response_format", "text, json_object or json_schema"),
+            ({"response_format": "json"}, "response_format", "must be an object"),
+            ({"spind": {"regex": "a", "grammar": "b"}}, "spind", "one of"),
+            ({"spind": {"regex": 5}}, "regex", "a string"),
+            ({"regex": "a"}, "regex", "spind extension"),
+            ({"response_format": {"type": "json_object"}, "spind": {"regex": "a"}}, "response_format", "not both"),
+            ({"response_format": {"type": "json_object"}, "ignore_eos": True}, None, "ignore_eos")):
+        e = refused({"prompt": "hi", **body})
         assert e.status == 400 and e.param == param and re.search(message, e.message), (body, e.message)
 
 

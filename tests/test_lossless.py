@@ -8,7 +8,11 @@ every drafter at every k must reproduce plain decoding token for token. The batc
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 import torch
@@ -22,7 +26,7 @@ from spind.coordinator.request import Sequence
 from spind.models.runner import ForwardItem
 from spind.worker.target import VerifyItem
 from spind.tokenizer import Tokenizer
-from spind.params import SamplingParams
+from spind.params import Grammar, SamplingParams
 
 KS = (1, 4, 8)
 SHORT_REQUEST = 2  # index of the request whose max_tokens (3) ends it in the middle of a k >= 4 draft
@@ -369,3 +373,101 @@ def test_n_is_checked(engine: LocalEngine, capital_prompt: list[int]) -> None:
     for n in (0, 129, 1.5):
         with pytest.raises(EngineError, match=r"n must be an integer in \[1, 128\]"):
             engine.coordinator.generate(EngineRequest(new_req_id("n"), capital_prompt, SamplingParams(), n=n))
+
+
+# ---- structured output: a grammar on the target's distribution, drafts cut where it refuses them --------------------
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "city": {"type": "string", "maxLength": 24}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def extract_prompt(tokenizer: Tokenizer) -> list[int]:
+    return tokenizer.apply_chat([{"role": "user", "content": "Reply in JSON with name, age and city: John Smith is 42 "
+                                                             "and lives in Paris, where he moved in 2010."}])
+
+
+def _plain_under_grammar(engine: LocalEngine, prompt: list[int], grammar: Grammar, max_tokens: int) -> list[int]:
+    """Greedy decoding one token per forward, each the argmax of the target's logits masked by a fresh llguidance
+    matcher: the reference, built apart from the verifier's code."""
+    import llguidance
+
+    from spind.grammar import to_llguidance
+
+    tok = engine.tokenizer
+    vocab = engine.target.runner.model.args.vocab_size
+    lltok = llguidance.LLTokenizer(engine.tokenizer.tk.to_str(), n_vocab=vocab, eos_token=sorted(tok.eos_token_ids))
+    matcher = llguidance.LLMatcher(lltok, to_llguidance(grammar), log_level=0)
+    runner, rid, out = engine.target.runner, new_req_id("ref"), []
+    runner.add_request(rid)
+    try:
+        step = prompt
+        for _ in range(max_tokens):
+            logits = runner.forward([ForwardItem(rid, step, 1)])[0][0]
+            bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+            allowed = torch.from_numpy(np.unpackbits(bits, bitorder="little")[:vocab].astype(bool))
+            allowed[[i for i in range(vocab) if lltok.is_special_token(i) and i not in tok.eos_token_ids]] = False
+            nxt = int(logits.masked_fill(~allowed, float("-inf")).argmax())
+            if nxt in tok.eos_token_ids:
+                break
+            assert matcher.consume_token(nxt)
+            out.append(nxt)
+            step = [nxt]
+    finally:
+        runner.free_request(rid)
+    return out
+
+
+def test_greedy_json_schema_output_is_plain_decoding_under_the_grammar_for_every_drafter(
+        engine: LocalEngine, extract_prompt: list[int]) -> None:
+    grammar = Grammar("json_schema", json.dumps(PERSON))
+    want = _plain_under_grammar(engine, extract_prompt, grammar, 64)
+    params = SamplingParams(max_tokens=64, grammar=grammar).validate()
+    runs = [None, *engine.drafters]
+    results = engine.generate([GenRequest(new_req_id(str(d)), extract_prompt, params, d, 4) for d in runs],
+                              max_batch=len(runs))
+    for d, res in zip(runs, results):
+        assert res.token_ids == want, d
+        assert res.finish_reason == "stop" and json.loads(res.text).keys() == PERSON["properties"].keys(), res.text
+    assert sum(r.num_accepted for r in results) > 0
+
+
+def test_sampled_json_schema_outputs_all_validate(engine: LocalEngine, extract_prompt: list[int]) -> None:
+    import jsonschema
+
+    grammar = Grammar("json_schema", json.dumps(PERSON))
+    requests = [GenRequest(new_req_id(str(d)), extract_prompt,
+                           SamplingParams(max_tokens=96, temperature=1.2, seed=i, grammar=grammar).validate(), d, 3)
+                for i, d in enumerate([None, *engine.drafters] * 3)]
+    for res in engine.generate(requests, max_batch=len(requests)):
+        assert res.finish_reason == "stop", res.text
+        jsonschema.validate(json.loads(res.text), PERSON)
+
+
+def test_a_regex_and_a_gbnf_grammar_shape_the_output(engine: LocalEngine, extract_prompt: list[int]) -> None:
+    regex = SamplingParams(max_tokens=24, grammar=Grammar("regex", r"(yes|no), [0-9]{2}")).validate()
+    gbnf = SamplingParams(max_tokens=24, grammar=Grammar("grammar", 'root ::= "age=" [0-9]+ ";"')).validate()
+    out = engine.generate([GenRequest(new_req_id("re"), extract_prompt, regex, "ngram", 4),
+                           GenRequest(new_req_id("gbnf"), extract_prompt, gbnf, "int8", 4)])
+    assert re.fullmatch(r"(yes|no), [0-9]{2}", out[0].text) and out[0].finish_reason == "stop"
+    assert re.fullmatch(r"age=[0-9]+;", out[1].text) and out[1].finish_reason == "stop"
+
+
+def test_a_re_prefilled_request_resumes_its_grammar_where_it_was(engine: LocalEngine,
+                                                                 extract_prompt: list[int]) -> None:
+    """After a worker restart the target re-adds a request from its committed sequence: the grammar is advanced past
+    the output so far (AddRequest.num_output), so the continuation is the one it would have had."""
+    grammar = Grammar("json_schema", json.dumps(PERSON))
+    params = SamplingParams(max_tokens=64, grammar=grammar).validate()
+    want = engine.generate([GenRequest(new_req_id("whole"), extract_prompt, params, None, 0)])[0].token_ids
+    target, rid, done = engine.target, new_req_id("resumed"), want[:9]
+    target.add_request(rid, extract_prompt + done, params, num_output=len(done))
+    try:
+        target.prefill([(rid, len(extract_prompt) + len(done) - 1)])
+        while len(done) < len(want) + 1:
+            done += target.verify([VerifyItem(rid, [])])[0].tokens
+    finally:
+        target.free_request(rid)
+    assert done[:len(want)] == want and done[len(want)] in engine.tokenizer.eos_token_ids

@@ -86,6 +86,31 @@ def test_speculative_sampling_follows_the_biased_target() -> None:
     assert _chi_square_p_value(counts, p[0].double().numpy()) > MIN_P_VALUE
 
 
+def test_a_draft_cut_by_a_grammar_keeps_sampling_exact() -> None:
+    """A grammar masks the target (p = 0 outside it); the drafter proposes from its unmasked q. A proposal the
+    grammar refuses is cut before the verify, and its position samples from norm(max(p - q, 0)), as verifying it
+    would have: the emitted tokens still follow p. (Sampling the bonus from p there instead would not: checked.)"""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(1, V, generator=g)
+    allowed = torch.tensor([[True, False, True, True, False, True]])
+    p = to_probs(logits.masked_fill(~allowed, float("-inf")), SamplingParams(temperature=1.0)).expand(2, V)
+    q = to_probs(logits * 0.5, SamplingParams(temperature=1.0))  # puts mass on the refused tokens too
+    gen = make_generator(9)
+    exact, naive = np.zeros(V, dtype=np.int64), np.zeros(V, dtype=np.int64)
+    for _ in range(40_000):
+        x = sample(q[0], gen)
+        if allowed[0, x]:
+            tok = verify_stochastic(p, [x], q[:1], gen).tokens[0]
+            exact[tok] += 1
+            naive[tok] += 1
+        else:  # cut: no draft left to verify, the cut proposal's row goes along
+            exact[verify_stochastic(p[:1], [], None, gen, cut_q=q[0]).tokens[0]] += 1
+            naive[verify_stochastic(p[:1], [], None, gen).tokens[0]] += 1
+    assert exact[~allowed[0].numpy()].sum() == 0
+    assert _chi_square_p_value(exact, p[0].double().numpy()) > MIN_P_VALUE
+    assert _chi_square_p_value(naive, p[0].double().numpy()) < 1e-6
+
+
 def test_top_k_keeps_the_k_largest() -> None:
     logits = torch.tensor([[0.3, 2.0, -1.0, 1.5, 0.9, -0.2], [5.0, 4.0, 3.0, 2.0, 1.0, 0.0]])
     probs = to_probs(logits, SamplingParams(temperature=1.0, top_k=3))

@@ -34,6 +34,7 @@ from typing import AsyncIterator
 
 from spind import protocol as P
 from spind.config import TARGET_WORKER, SpindConfig
+from spind.grammar import check_grammar
 from spind.params import MAX_N
 from spind.coordinator.interface import Delta, EngineError, EngineRequest
 from spind.coordinator.lockstep import Lockstep
@@ -290,6 +291,8 @@ class Coordinator:
             self._check_ids(req.prompt_ids)
             if any(t >= self.vocab_size for t, _ in params.logit_bias):
                 raise ValueError(f"logit_bias token ids must be below the vocabulary size {self.vocab_size}")
+            if params.grammar is not None:
+                check_grammar(params.grammar)
         except (ValueError, TypeError) as e:
             raise EngineError(str(e)) from None
         n = len(req.prompt_ids)

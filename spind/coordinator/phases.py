@@ -185,7 +185,8 @@ class SlotPhases:
 
     def _add_to_target(self, st: RequestState) -> None:
         tokens = list(st.seq.token_ids)  # a snapshot: an in-process worker may read it after more commits
-        self.pool.cast(TARGET_WORKER, P.AddRequest(0, st.req_id, tokens, st.seq.params, True))
+        self.pool.cast(TARGET_WORKER, P.AddRequest(0, st.req_id, tokens, st.seq.params, True,
+                                                   num_output=st.seq.num_output_tokens))
         st.synced[TARGET_WORKER] = len(tokens)
         st.num_target_kv = 0
 

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from spind import protocol as P
 from spind.coordinator.interface import Delta, EngineError, Usage
-from spind.params import MAX_LOGPROBS, MAX_N, SamplingParams, is_encodable
+from spind.params import MAX_LOGPROBS, MAX_N, Grammar, SamplingParams, is_encodable
 
 MAX_BODY_BYTES = 1 << 20
 ABORT = "abort"  # the engine's finish_reason for a request ended early; never sent as an OpenAI finish_reason
@@ -64,13 +64,13 @@ class GenerateArgs:
 # Fields parse_generate reads; others are ignored and named back in the X-Spind-Ignored-Fields header
 KNOWN_FIELDS = frozenset({"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                           "top_k", "seed", "stop", "ignore_eos", "logit_bias", "logprobs", "top_logprobs", "n", "stream",
-                          "stream_options", "spind"})
-SPIND_FIELDS = ("drafter", "k")  # spind's own request fields live in the "spind" object
+                          "stream_options", "response_format", "spind"})
+SPIND_FIELDS = ("drafter", "k", "regex", "grammar")  # spind's own request fields live in the "spind" object
 
 # OpenAI fields spind does not implement: accepted only at their neutral values
 NEUTRAL_VALUES = {"echo": False, "best_of": 1, "presence_penalty": 0,
                   "frequency_penalty": 0, "suffix": "", "tools": [], "tool_choice": "none",
-                  "functions": [], "function_call": "none", "response_format": {"type": "text"}}
+                  "functions": [], "function_call": "none"}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 INT_LIMIT = 2**63
 
@@ -140,14 +140,35 @@ def check_extension(drafter: str, k: int | None, limits: ApiLimits) -> None:
         raise ApiError(400, f"'k' must be in [0, {limits.max_k}], got {k}", param="spind.k")
 
 
-def _parse_spind(body: dict, limits: ApiLimits) -> tuple[str, int | None]:
+def _parse_spind(body: dict, limits: ApiLimits) -> tuple[str, int | None, Grammar | None]:
     ext = _get(body, "spind", dict, 'an object {"drafter": ..., "k": ...}', {})
-    unknown = set(ext) - {"drafter", "k"}
+    unknown = set(ext) - set(SPIND_FIELDS)
     if unknown:
         raise ApiError(400, f"unknown 'spind' field(s): {', '.join(sorted(unknown))}", param="spind")
     drafter, k = _get(ext, "drafter", str, "a string", "auto"), _get(ext, "k", int, "an integer")
     check_extension(drafter, k, limits)
-    return drafter, k
+    grammars = [Grammar(kind, _get(ext, kind, str, "a string")) for kind in ("regex", "grammar") if ext.get(kind)]
+    if len(grammars) > 1:
+        raise ApiError(400, "give one of 'spind.regex' and 'spind.grammar'", param="spind")
+    return drafter, k, grammars[0] if grammars else None
+
+
+def _parse_response_format(body: dict) -> Grammar | None:
+    """OpenAI's response_format: text (no grammar), json_object (any JSON object), or json_schema with its schema."""
+    rf = _get(body, "response_format", dict, 'an object {"type": "text" | "json_object" | "json_schema", ...}')
+    if rf is None or rf.get("type") == "text":
+        return None
+    if rf.get("type") == "json_object":
+        return Grammar("json_schema", '{"type": "object"}')
+    if rf.get("type") == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise ApiError(400, "'response_format' of type json_schema needs \"json_schema\": {\"name\": ..., "
+                                "\"schema\": {...}}", param="response_format")
+        return Grammar("json_schema", json.dumps(schema))
+    raise ApiError(400, f"'response_format' type must be text, json_object or json_schema, got {rf.get('type')!r}",
+                   param="response_format")
 
 
 def _parse_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
@@ -199,6 +220,10 @@ def parse_generate(raw: bytes, is_chat: bool, limits: ApiLimits,
         if name in body:
             raise ApiError(400, f"'{name}' is a spind extension: send it inside the \"spind\" object, as "
                                 f"\"spind\": {{\"{name}\": ...}}", param=name)
+    drafter, k, grammar = _parse_spind(body, limits)
+    response_format = _parse_response_format(body)
+    if grammar is not None and response_format is not None:
+        raise ApiError(400, "give either 'response_format' or a spind grammar, not both", param="response_format")
     defaults = defaults or {}  # the model's generation defaults, else OpenAI's
     prompt, messages = (None, parse_messages(body.get("messages"))) if is_chat else (_parse_prompt(body), None)
     max_tokens = _int(body, "max_tokens", 1, limits.max_model_len)
@@ -215,7 +240,8 @@ def parse_generate(raw: bytes, is_chat: bool, limits: ApiLimits,
             top_k=max(0, _int(body, "top_k", -1, 2**31 - 1, int(defaults.get("top_k", 0)))),  # -1 = off
             seed=_int(body, "seed", -INT_LIMIT, INT_LIMIT - 1),
             stop=tuple(stop), ignore_eos=bool(_get(body, "ignore_eos", bool, "a boolean", False)),
-            logit_bias=_parse_logit_bias(body), logprobs=_parse_logprobs(body, is_chat)).validate()
+            logit_bias=_parse_logit_bias(body), logprobs=_parse_logprobs(body, is_chat),
+            grammar=grammar or response_format).validate()
     except (ValueError, TypeError, OverflowError) as e:
         raise ApiError(400, str(e)) from None
     is_stream = bool(_get(body, "stream", bool, "a boolean", False))
@@ -223,7 +249,6 @@ def parse_generate(raw: bytes, is_chat: bool, limits: ApiLimits,
     if options is not None and not is_stream:
         raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
     include_usage = bool(_get(options or {}, "include_usage", bool, "a boolean", False))
-    drafter, k = _parse_spind(body, limits)
     ignored = tuple(sorted(set(body) - KNOWN_FIELDS - set(NEUTRAL_VALUES)))
     n = _int(body, "n", 1, MAX_N, 1)
     return GenerateArgs(prompt=prompt, messages=messages, params=params, has_max_tokens=max_tokens is not None,

@@ -45,6 +45,10 @@ class ProbsReceiver(Protocol):
     def take(self, keys: list[tuple[int, str]], timeout_s: float) -> dict[str, torch.Tensor]:
         """The probabilities sent under each (slot, req_id), waiting for any still in flight."""
 
+    def put_back(self, taken: dict[tuple[int, str], torch.Tensor]) -> None:
+        """Hold taken probabilities again: the verify that took them changed nothing (a request in it failed), and
+        the others' drafts are verified again."""
+
 
 def to_record(slot: int, req_id: str, probs: torch.Tensor) -> P.DraftProbs:
     arr = probs.detach().to("cpu", torch.float32).contiguous().numpy()
@@ -76,6 +80,10 @@ class LocalProbsChannel:
             out = {r: self._items.pop((slot, r)) for slot, r in keys}
             drop_stale(self._items, max(slot for slot, _ in keys))
             return out
+
+    def put_back(self, taken: dict[tuple[int, str], torch.Tensor]) -> None:
+        with self._cond:
+            self._items.update(taken)
 
 
 class ZmqProbsSender:
@@ -112,6 +120,9 @@ class ZmqProbsReceiver:
         out = {r: self._held.pop((slot, r)) for slot, r in keys}
         drop_stale(self._held, max(slot for slot, _ in keys))
         return out
+
+    def put_back(self, taken: dict[tuple[int, str], torch.Tensor]) -> None:
+        self._held.update(taken)
 
     def close(self) -> None:
         self.sock.close(linger=0)

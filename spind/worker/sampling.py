@@ -90,9 +90,13 @@ def accept_greedy(target: list[int], draft: list[int]) -> VerifyResult:
 
 
 def verify_stochastic(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
-                      generator: torch.Generator) -> VerifyResult:
+                      generator: torch.Generator, cut_q: torch.Tensor | None = None) -> VerifyResult:
     """Rejection sampling. p [k+1, V] target probs; q [k, V] drafter probs, or None for a point mass
-    (a deterministic drafter such as n-gram lookup, for which q(x) = 1 at the drafted token)."""
+    (a deterministic drafter such as n-gram lookup, for which q(x) = 1 at the drafted token).
+
+    cut_q [V]: the draft went on past these k tokens with a token that p cannot produce (a grammar refused it, so it
+    was cut before the verify), drafted from cut_q. That token is rejected for certain, so position k samples the
+    recovered token from norm(max(p - cut_q, 0)), not the bonus from p: exactly what verifying it would have done."""
     k = len(draft)
     if k:
         rows, idx = torch.arange(k, device=p.device), torch.tensor(draft, device=p.device)
@@ -103,8 +107,12 @@ def verify_stochastic(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
         n = int(rejected[0]) if len(rejected) else k
     else:
         n = 0
-    if n == k:
+    if n == k and cut_q is None:
         return VerifyResult(k, draft + [sample(p[k], generator)])
+    if n == k:
+        residual = (p[k] - cut_q).clamp_min(0)
+        total = residual.sum()
+        return VerifyResult(k, draft + [sample(residual / total if total > 0 else p[k], generator)])
     q_n = torch.zeros_like(p[n]).index_fill_(0, torch.tensor([draft[n]], device=p.device), 1.0) if q is None else q[n]
     residual = (p[n] - q_n).clamp_min(0)
     total = residual.sum()

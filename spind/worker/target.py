@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spind.grammar import Grammars
 from spind.models.runner import ForwardItem, ModelRunner
 from spind.params import SamplingParams
 from spind.worker.device import is_fatal_device_error
@@ -49,8 +50,9 @@ class VerifyOutput:
 
 
 class TargetVerifier:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, grammars: Grammars | None = None) -> None:
         self.runner = runner
+        self.grammars = grammars  # structured output: requests with a grammar (None: this target cannot)
         self.pending: dict[str, list[int]] = {}
         self.params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator] = {}
@@ -59,10 +61,15 @@ class TargetVerifier:
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 
-    def add_request(self, req_id: str, tokens: list[int], params: SamplingParams) -> None:
-        """Register a request whose committed sequence is `tokens` (a prompt, or a re-prefill)."""
+    def add_request(self, req_id: str, tokens: list[int], params: SamplingParams, num_output: int = 0) -> None:
+        """Register a request whose committed sequence is `tokens` (a prompt, or a re-prefill: then its last
+        `num_output` tokens are output, which its grammar has already passed)."""
         if not tokens:
             raise ValueError("empty prompt")
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("this target cannot enforce a grammar")
+            self.grammars.add(req_id, params.grammar, tokens[len(tokens) - num_output:] if num_output else [])
         self.runner.add_request(req_id)
         self.pending[req_id] = list(tokens)
         self.params[req_id] = params
@@ -74,6 +81,8 @@ class TargetVerifier:
         if src not in self.pending:
             raise ValueError(f"{dst}: cannot share the KV of {src}, which this worker does not hold")
         self.runner.fork(src, dst)
+        if self.grammars is not None:
+            self.grammars.fork(src, dst)
         self.pending[dst] = list(self.pending[src])
         self.params[dst] = params
         self.generators[dst] = make_generator(params.seed)
@@ -81,6 +90,8 @@ class TargetVerifier:
     def free_request(self, req_id: str) -> None:
         if self.runner.has_request(req_id):
             self.runner.free_request(req_id)
+        if self.grammars is not None:
+            self.grammars.free(req_id)
         for d in (self.pending, self.params, self.generators):
             d.pop(req_id, None)
 
@@ -102,21 +113,29 @@ class TargetVerifier:
             del self.pending[req_id][:n]
 
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+        proposed = {it.req_id: len(it.draft) for it in items}
+        cut_q, allowed = self._apply_grammars(items)
         before = {it.req_id: self.runner.length(it.req_id) for it in items}
         rng = {it.req_id: self.generators[it.req_id].get_state() for it in items}
         logits = self.runner.forward(
             [ForwardItem(it.req_id, self.pending[it.req_id] + it.draft, len(it.draft) + 1) for it in items])
+        # what acceptance reads: the logits masked to what each request's grammar allows (logprobs read them raw)
+        masked = [rows if it.req_id not in allowed else
+                  rows.masked_fill(~allowed[it.req_id].to(rows.device), float("-inf"))
+                  for it, rows in zip(items, logits)]
         # the target's argmax of every greedy request's rows in one device->host copy (not a sync per request)
         greedy = [i for i, it in enumerate(items) if self.params[it.req_id].is_greedy]
-        flat = torch.cat([biased(logits[i], self.params[items[i].req_id]).argmax(-1) for i in greedy]).tolist() \
+        flat = torch.cat([biased(masked[i], self.params[items[i].req_id]).argmax(-1) for i in greedy]).tolist() \
             if greedy else []
         picks, at = {}, 0
         for i in greedy:
             picks[i], at = flat[at:at + len(logits[i])], at + len(logits[i])
         results, failed = [], []
-        for i, (it, rows) in enumerate(zip(items, logits)):
+        for i, (it, rows) in enumerate(zip(items, masked)):
             try:
-                results.append(self._accept(it, rows, picks.get(i)))
+                if it.req_id in allowed:
+                    self.grammars.check(it.req_id, allowed[it.req_id])
+                results.append(self._accept(it, rows, picks.get(i), cut_q.get(it.req_id)))
             except (RuntimeError, ValueError) as e:
                 if is_fatal_device_error(e):  # the device, not this request's data: no request is at fault
                     raise
@@ -131,14 +150,42 @@ class TargetVerifier:
             rejected = len(it.draft) - num_accepted
             self.runner.truncate(it.req_id, self.runner.length(it.req_id) - rejected)
             self.pending[it.req_id] = tokens[-1:]
+            if it.req_id in allowed:
+                self.grammars.commit(it.req_id, tokens)
             num_top = self.params[it.req_id].logprobs
             lps = None if num_top is None else token_logprobs(rows, tokens, num_top)
-            outs.append(VerifyOutput(it.req_id, len(it.draft), num_accepted, tokens, lps))
+            outs.append(VerifyOutput(it.req_id, proposed[it.req_id], num_accepted, tokens, lps))
         return outs
 
-    def _accept(self, it: VerifyItem, rows: torch.Tensor, argmax: list[int] | None) -> tuple[int, list[int]]:
+    def _apply_grammars(self, items: list[VerifyItem]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Cut each grammar request's draft at its first token the grammar refuses (before the forward: it costs
+        nothing), and the tokens the grammar allows at each position left to verify. Returns the proposal row of
+        each cut token (a sampled draft's: see verify_stochastic) and the allowed masks [len(draft) + 1, V]."""
+        constrained = [it for it in items if self.grammars is not None and it.req_id in self.grammars]
+        if not constrained:
+            return {}, {}
+        cut_q, ends = {}, {}
+        eos = self.grammars.eos_ids
+        for it in constrained:
+            n = self.grammars.valid_prefix(it.req_id, it.draft)
+            end = next((j for j, t in enumerate(it.draft[:n]) if t in eos), None)
+            if end is not None:  # the output ends at this EOS: nothing after it is verified
+                ends[it.req_id], n = end, end + 1
+            elif n < len(it.draft) and it.draft_probs is not None:
+                cut_q[it.req_id] = it.draft_probs[n]
+            if n < len(it.draft):
+                it.draft = it.draft[:n]
+                it.draft_probs = None if it.draft_probs is None else it.draft_probs[:n]
+        masks = self.grammars.allowed([(it.req_id, it.draft) for it in constrained])
+        for it, m in zip(constrained, masks):
+            if it.req_id in ends:
+                m[ends[it.req_id] + 1:] = True  # past the end: whatever comes is dropped with it
+        return cut_q, {it.req_id: m for it, m in zip(constrained, masks)}
+
+    def _accept(self, it: VerifyItem, rows: torch.Tensor, argmax: list[int] | None,
+                cut_q: torch.Tensor | None = None) -> tuple[int, list[int]]:
         """Accepted drafts + the recovered/bonus token of one request (no state changes); `argmax`: the rows'
-        argmax, for a greedy request."""
+        argmax, for a greedy request; `cut_q`: see verify_stochastic."""
         params = self.params[it.req_id]
         if params.is_greedy:
             res = accept_greedy(argmax, it.draft)
@@ -146,5 +193,5 @@ class TargetVerifier:
             probs = to_probs(rows, params)
             if not torch.isfinite(probs).all():
                 raise ValueError("the sampling parameters give a non-finite distribution")
-            res = verify_stochastic(probs, it.draft, it.draft_probs, self.generators[it.req_id])
+            res = verify_stochastic(probs, it.draft, it.draft_probs, self.generators[it.req_id], cut_q)
         return res.num_accepted, res.tokens

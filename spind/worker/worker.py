@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from spind import protocol as P
 from spind.config import TARGET_WORKER, DrafterConfig, SpindConfig, canonical_device, resolve_dtype
 from spind.drafters import Drafter, DraftInput, load_drafter_model, make_drafter
+from spind.grammar import Grammars
 from spind.models.llama import LlamaModel, layer_subset, load_llama
 from spind.models.loader import resolve_model_dir
 from spind.models.runner import ModelRunner, resolve_kv_dtype
@@ -91,7 +92,9 @@ class Worker:
                                                      cfg.model.max_model_len, r.max_batch_size,
                                                      cuda_graphs=r.cuda_graphs,
                                                      graph_query_lens=tuple(sorted({1, *(k + 1 for k in ks)})),
-                                                     kv_cache_dtype=r.kv_cache_dtype))
+                                                     kv_cache_dtype=r.kv_cache_dtype),
+                                         Grammars(model_dir / "tokenizer.json", target.args.vocab_size,
+                                                  sorted(tokenizer.eos_token_ids)))
         self.drafters: dict[str, Drafter] = {d.name: make_drafter(d, cfg, drafter_models[d.name], num_blocks)
                                              for d in hosted}
         for drafter in self.drafters.values():  # they run on this worker's device
@@ -198,7 +201,7 @@ class Worker:
             if self.target is None:
                 raise ValueError(f"worker {self.name!r} does not host the target")
             if msg.fork_of is None:
-                self.target.add_request(msg.req_id, msg.tokens, params)
+                self.target.add_request(msg.req_id, msg.tokens, params, msg.num_output)
             elif self._mirror(msg.fork_of).tokens != msg.tokens:
                 raise ValueError(f"{msg.req_id}: its tokens are not those of {msg.fork_of}, whose KV it would share")
             else:
@@ -295,7 +298,12 @@ class Worker:
         vitems = [VerifyItem(it.req_id, drafts[it.req_id][0],
                              None if drafts[it.req_id][1] is None else drafts[it.req_id][1].to(device))
                   for it in items]
-        outs = self._timed("verify", len(items), lambda: target.verify(vitems))
+        try:
+            outs = self._timed("verify", len(items), lambda: target.verify(vitems))
+        except RequestFailed:  # nothing changed: the other requests' drafts come again, their probabilities with them
+            if wanted:
+                self.probs_in.put_back({key: probs[key[1]] for key in wanted})
+            raise
         verify_s = self._last_busy_s()
         for o in outs:
             self.mirrors[o.req_id].tokens.extend(o.tokens)
