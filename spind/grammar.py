@@ -108,6 +108,18 @@ class Grammars:
         """How many of the draft's tokens the grammar allows in a row from the request's state."""
         return self.matchers[req_id].validate_tokens(draft) if draft else 0
 
+    def forced(self, req_id: str, draft: list[int]) -> list[int]:
+        """The tokens the grammar forces after the request's state and `draft` (valid): JSON's keys, quotes and
+        punctuation between values. The matcher is left where it was."""
+        m = self.matchers[req_id]
+        if draft and not m.consume_tokens(draft):
+            raise GrammarError(f"{req_id}: a draft that was validated was refused")
+        try:
+            return m.compute_ff_tokens()
+        finally:
+            if draft:
+                m.rollback(len(draft))
+
     def allowed(self, items: list[tuple[str, list[int]]]):
         """Per (req_id, draft): a bool tensor [len(draft) + 1, vocab_rows] of the tokens the grammar allows at each
         verified position (row j: after the draft's first j tokens, which must be valid: see valid_prefix)."""

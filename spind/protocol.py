@@ -115,6 +115,7 @@ class VerifyItem(_Rec):
     probs_slot: int = -1  # the slot of the Propose that drafted it (a pipelined draft waits for a later verify)
     inline_drafter: Name = ""  # a drafter hosted on the target worker drafts k tokens right before verifying
     k: Count = 0
+    max_draft: Count = 0  # a request with a grammar: the tokens it forces may lengthen the draft up to this (0: never)
 
 
 class Verify(_Msg, tag="verify"):
@@ -219,6 +220,7 @@ class Verified(_Msg, tag="verified"):
     results: list[VerifyResult]
     verify_s: Seconds = 0.0  # wall time of the verify forward
     busy: list[BusyInterval] = []
+    grammar_s: Seconds = 0.0  # of which: structured output's grammar work (draft cuts, masks, advancing matchers)
 
 
 class Profiled(_Msg, tag="profiled"):

@@ -17,7 +17,7 @@ from aiohttp import web
 from spind.bench.cli import daemon_urls, peer_urls, serve_settings
 from spind.bench.datasets import Prompt
 from spind.bench.serve import (PEER, Level, RequestRecord, ServeSettings, add_identity, add_ratios, check_prompts,
-                               compare_table, free_port, load_serve_prompts, percentile, prompt_slices,
+                               compare_table, follows_schema, free_port, load_serve_prompts, percentile, prompt_slices,
                                prompts_needed, render_table, run_serve_bench, summarize, versus_peers)
 
 
@@ -52,6 +52,19 @@ def test_summarize_one_level() -> None:
     assert row["num_slots"] == 40
     assert row["slot_ms"] == pytest.approx((140 * 60.0 - 100 * 50.0) / 40)
     assert row["overhead_ms_per_slot"] == pytest.approx((140 * 0.75 - 100 * 1.0) / 40)
+
+
+def test_structured_output_rows_count_valid_outputs_and_the_grammars_cost_per_token() -> None:
+    schema = json.dumps({"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}})
+    assert follows_schema('{"a": 3}', schema) and not follows_schema('{"a": "x"}', schema)
+    assert not follows_schema('{"a": 3', schema) and not follows_schema("", schema)
+    records = [record(0.1, 1.0, 10), record(0.1, 1.0, 10), record(0.1, 1.0, 10)]
+    records[0].schema_valid, records[1].schema_valid = True, False
+    row = summarize(Level("spind", 64, 1, "ngram"), records, 1.0, {"grammar_s": 0.5, "grammar_tokens": 100},
+                    {"grammar_s": 0.6, "grammar_tokens": 300})
+    assert row["schema_valid"] == "1/2" and row["grammar_ms_per_token"] == pytest.approx(0.5)
+    plain = summarize(Level("spind", 64, 1, "ngram"), [record(0.1, 1.0, 10)], 1.0, {}, {})
+    assert plain["schema_valid"] is None and plain["grammar_ms_per_token"] is None
 
 
 def test_summarize_without_successes_or_slots() -> None:

@@ -350,9 +350,10 @@ def test_structured_output_through_the_openai_client(daemon: Daemon):
         assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
         jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
     client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
-    greedy = [client.chat.completions.create(model="spind", messages=EXTRACT, max_tokens=80, temperature=0,
-                                             response_format=fmt, extra_body={"spind": spind}).choices[0].message.content
-              for spind in ({"drafter": "none"}, {"drafter": "ngram", "k": 4}, {"drafter": "int8", "k": 4})]
+    greedy = [client.chat.completions.create(
+        model="spind", messages=EXTRACT, max_tokens=80, temperature=0, response_format=fmt,
+        extra_body={"spind": spind}).choices[0].message.content
+        for spind in ({"drafter": "none"}, {"drafter": "ngram", "k": 4}, {"drafter": "int8", "k": 4})]
     assert greedy[1] == greedy[0] and greedy[2] == greedy[0] and json.loads(greedy[0])["city"]
     anything = client.chat.completions.create(model="spind", messages=EXTRACT, max_tokens=80, temperature=0,
                                               response_format={"type": "json_object"})

@@ -24,8 +24,8 @@ from spind import protocol as P
 from spind.client import make_request
 from spind.frontend.api import ApiServer
 from spind.models.loader import load_generation_defaults
-from spind.frontend.openai_schema import (MAX_BODY_BYTES, ApiError, ApiLimits, Choice, ChunkFormatter, InFlight, error_json,
-                                        from_engine_error, parse_generate, sse)
+from spind.frontend.openai_schema import (MAX_BODY_BYTES, ApiError, ApiLimits, Choice, ChunkFormatter, InFlight,
+                                          error_json, from_engine_error, parse_generate, sse)
 from spind.frontend.daemon_cli import load_daemon_config, probe_url
 from spind.coordinator.interface import Delta, EngineError, Usage
 from spind.params import Grammar
@@ -256,7 +256,8 @@ def test_chat_logprobs_have_openai_shape_with_exact_bytes():
     f = ChunkFormatter("chatcmpl-3", "spind", is_chat=True)
     content = f.response([Choice("Hi\ufffd", "stop", LOGPROBS)], USAGE)["choices"][0]["logprobs"]["content"]
     assert content[0] == {"token": "Hi", "logprob": -0.25, "bytes": [72, 105], "top_logprobs": [
-        {"token": "Hi", "logprob": -0.25, "bytes": [72, 105]}, {"token": "Hey", "logprob": -2.0, "bytes": [72, 101, 121]}]}
+        {"token": "Hi", "logprob": -0.25, "bytes": [72, 105]},
+        {"token": "Hey", "logprob": -2.0, "bytes": [72, 101, 121]}]}
     assert content[1]["token"] == "\ufffd" and content[1]["bytes"] == [0xE6]  # part of a character: its byte
     assert f.response([Choice("x", "stop")], USAGE)["choices"][0]["logprobs"] is None  # not asked for
     chunks = f.delta(Delta([5], "Hi", logprobs=LOGPROBS[:1])) + f.delta(Delta([7], "", logprobs=LOGPROBS[1:]))

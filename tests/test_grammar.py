@@ -95,3 +95,19 @@ def test_a_matcher_in_error_fails_its_request_at_the_next_check(grammars: Gramma
         grammars.check("r", row)
     with pytest.raises(GrammarError, match="does not follow its grammar"):
         grammars.add("s", SCHEMA, tok.encode("nope"))
+
+
+def test_forced_tokens_are_the_keys_the_schema_leaves_no_choice_about(grammars: Grammars, tok: Tokenizer) -> None:
+    two = Grammar("json_schema", json.dumps({"type": "object", "additionalProperties": False,
+                                             "required": ["first", "second"],
+                                             "properties": {"first": {"type": "integer"},
+                                                            "second": {"type": "integer"}}}))
+    grammars.add("r", two, [])
+    draft = tok.encode('{"first": 1, "')
+    forced = grammars.forced("r", draft)
+    assert tok.decode(forced).startswith("second") and grammars.valid_prefix("r", draft + forced) == len(draft) + len(
+        forced)
+    assert grammars.forced("r", []) == [] or tok.decode(grammars.forced("r", [])).startswith("{")
+    assert grammars.valid_prefix("r", draft) == len(draft)  # the matcher is back where it was
+    (row,) = grammars.allowed([("r", [])])
+    assert torch.equal(row[0], _mask_of(grammars, two, []) & ~grammars._non_eos_special)

@@ -6,7 +6,9 @@ Each workload yields `Prompt`s picked at evenly spaced records (deterministic, n
 - `mt_bench`:  first turn of the MT-bench questions, chat;
 - `humaneval`: a function signature + docstring to complete, raw text (no chat template);
 - `gsm8k`:     a grade-school math word problem, chat;
-- `passage`:   "repeat / summarise this passage" over AlpacaEval answers — output that copies its context.
+- `passage`:   "repeat / summarise this passage" over AlpacaEval answers — output that copies its context;
+- `extract`:   JSON extraction with a schema per prompt (structured output): a document card or the named entities
+               of an AlpacaEval passage, the quantities of a GSM8K problem, the task of an Alpaca instruction.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Prompt:
     text: str
     is_chat: bool  # wrap in the model's chat template; False = a raw completion prompt
     category: str = ""  # the record's own category, where it has one (MT-bench's writing, coding, ...)
+    schema: str = ""  # a JSON schema (as JSON) the output must follow: sent as response_format json_schema
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
@@ -105,9 +108,67 @@ def _passage(root: Path) -> list[Prompt]:
     return [Prompt("passage", f"{PASSAGE_TASKS[i % len(PASSAGE_TASKS)]}\n\n{t}", True) for i, t in enumerate(texts)]
 
 
+def _strings(max_chars: int, max_items: int) -> dict:
+    return {"type": "array", "items": {"type": "string", "maxLength": max_chars}, "maxItems": max_items}
+
+
+# Extraction schemas: every string and array bounded, so a sampled output ends well within a few hundred tokens
+EXTRACT_SCHEMAS = {
+    "card": {"type": "object", "additionalProperties": False,
+             "required": ["title", "topic", "key_points", "sentiment"],
+             "properties": {"title": {"type": "string", "maxLength": 80}, "topic": {"type": "string", "maxLength": 40},
+                            "key_points": _strings(120, 4),
+                            "sentiment": {"enum": ["positive", "neutral", "negative"]}}},
+    "entities": {"type": "object", "additionalProperties": False,
+                 "required": ["people", "places", "organizations", "dates"],
+                 "properties": {k: _strings(40, 5) for k in ("people", "places", "organizations", "dates")}},
+    "quantities": {"type": "object", "additionalProperties": False, "required": ["quantities", "asked_for", "answer"],
+                   "properties": {"quantities": {"type": "array", "maxItems": 6, "items": {
+                       "type": "object", "additionalProperties": False, "required": ["name", "value"],
+                       "properties": {"name": {"type": "string", "maxLength": 40}, "value": {"type": "number"}}}},
+                       "asked_for": {"type": "string", "maxLength": 120}, "answer": {"type": "number"}}},
+    "task": {"type": "object", "additionalProperties": False, "required": ["task", "input_kind", "answer"],
+             "properties": {"task": {"type": "string", "maxLength": 80},
+                            "input_kind": {"enum": ["text", "list", "sentence", "code", "numbers", "other"]},
+                            "answer": {"type": "string", "maxLength": 300}}},
+}
+EXTRACT_TASKS = {
+    "card": "Describe the following text as a JSON document card: a title, its topic, up to four key points "
+            "and its overall sentiment.",
+    "entities": "List the people, places, organizations and dates named in the following text, as JSON.",
+    "quantities": "Read the following math problem. As JSON, list every quantity it gives (a short name and its "
+                  "value), say what it asks for, and give the numeric answer.",
+    "task": "Classify the following instruction and its input as JSON: what the task is, what kind of input it "
+            "has, and your answer to it.",
+}
+
+
+def _extract_prompt(kind: str, text: str) -> Prompt:
+    schema = json.dumps(EXTRACT_SCHEMAS[kind])
+    return Prompt("extract", f"{EXTRACT_TASKS[kind]} Reply with only a JSON object following this JSON schema:\n"
+                             f"{schema}\n\n{text}", True, kind, schema)
+
+
+def _extract(root: Path) -> list[Prompt]:
+    """A card and the entities of AlpacaEval passages, GSM8K problems, Alpaca instructions with input: as many of
+    each kind, in a fixed shuffled order."""
+    lo, hi = PASSAGE_CHARS
+    passages = [r["output"].strip() for r in _read_json(root / "alpaca_eval" / "text_davinci_003_model_outputs.json")
+                if lo <= len(r["output"].strip()) <= hi]
+    problems = [r["question"] for r in _read_jsonl(root / "gsm8k" / "test.jsonl")]
+    tasks = [f"Instruction: {r['instruction']}\nInput: {r['input']}"
+             for r in _read_json(root / "alpaca" / "alpaca_5000.json") if r["input"].strip()]
+    groups = [[_extract_prompt("card", t) for t in passages[0::2]],
+              [_extract_prompt("entities", t) for t in passages[1::2]],
+              [_extract_prompt("quantities", t) for t in problems], [_extract_prompt("task", t) for t in tasks]]
+    prompts = [p for group in zip(*groups) for p in group]
+    random.Random(0).shuffle(prompts)  # a fixed order that any even spread (load_prompts) samples every kind from
+    return prompts
+
+
 WORKLOADS: dict[str, Callable[[Path], list[Prompt]]] = {
     "alpaca": _alpaca, "mt_bench": _mt_bench, "mtbench": _mt_bench, "cp": _cp, "humaneval": _humaneval,
-    "gsm8k": _gsm8k, "passage": _passage,
+    "gsm8k": _gsm8k, "passage": _passage, "extract": _extract,
 }
 # the paper's Mix blends Alpaca, ChatGPT Prompts and Chatbot Instruction Prompts; the third cannot be had offline,
 # so passage (output that copies its context) takes its place: the workload whose best drafter differs most

@@ -96,6 +96,7 @@ class RequestRecord:
     mean_accepted_length: float = 0.0
     error: str | None = None
     output: str = ""  # the streamed text, for the identity check against `none`
+    schema_valid: bool | None = None  # a prompt with a schema: the output parses and follows it
 
 
 # ---- prompts (pure) ---------------------------------------------------------------------------------------
@@ -162,6 +163,9 @@ def summarize(level: Level, records: list[RequestRecord], wall_s: float, slots_b
     latencies = [r.latency_s for r in ok]
     (n0, slot0, over0), (n1, slot1, over1) = _slot_totals(slots_before), _slot_totals(slots_after)
     num_slots = n1 - n0
+    checked = [r.schema_valid for r in ok if r.schema_valid is not None]
+    grammar_tokens = slots_after.get("grammar_tokens", 0) - slots_before.get("grammar_tokens", 0)
+    grammar_ms = (slots_after.get("grammar_s", 0.0) - slots_before.get("grammar_s", 0.0)) * 1e3
     return {
         "daemon": level.daemon, "max_tokens": level.max_tokens, "drafter": level.drafter,
         "concurrency": level.concurrency, "num_requests": len(records),
@@ -178,6 +182,9 @@ def summarize(level: Level, records: list[RequestRecord], wall_s: float, slots_b
         "overhead_ms_per_slot": (over1 - over0) / num_slots if num_slots else None,
         "speedup_vs_none": None,
         "same_as_none": None,
+        # structured output: outputs that follow their schema, and the target's grammar work per committed token
+        "schema_valid": f"{sum(checked)}/{len(checked)}" if checked else None,
+        "grammar_ms_per_token": grammar_ms / grammar_tokens if grammar_tokens else None,
     }
 
 
@@ -249,6 +256,10 @@ async def send_request(session: aiohttp.ClientSession, url: str, prompt: Prompt,
     None: a peer's request (no "spind" field), which names its `model`."""
     body: dict = {"max_tokens": rec.max_tokens, "temperature": settings.temperature,
                   "ignore_eos": settings.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+    if prompt.schema:  # structured output: the output ends where its JSON does (ignore_eos cannot go with it)
+        spec = {"name": prompt.category or "extract", "schema": json.loads(prompt.schema)}
+        body["response_format"] = {"type": "json_schema", "json_schema": spec}
+        body["ignore_eos"] = False
     if drafter is not None:
         body["spind"] = {"drafter": drafter}
     if model is not None:
@@ -267,7 +278,20 @@ async def send_request(session: aiohttp.ClientSession, url: str, prompt: Prompt,
     except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         rec.error = f"{type(e).__name__}: {e}"
     rec.latency_s = rec.latency_s or time.perf_counter() - start
+    if prompt.schema and rec.error is None:
+        rec.schema_valid = follows_schema(rec.output, prompt.schema)
     return rec
+
+
+def follows_schema(text: str, schema: str) -> bool:
+    """The output is one JSON value that validates against the schema (given as JSON)."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), json.loads(schema))
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, is_chat: bool, start: float, rec: RequestRecord) -> None:
@@ -429,6 +453,10 @@ def render_table(results: dict) -> str:
              fmt(r["mean_accepted_length"]), fmt(r["slot_ms"], 1), fmt(r["overhead_ms_per_slot"], 3),
              fmt(r["speedup_vs_none"]), r["same_as_none"] or "-"]
             for r in results["rows"]]
+    if any(r.get("schema_valid") for r in results["rows"]):
+        header += ["valid", "grammar ms/tok"]
+        for line, r in zip(rows, results["rows"]):
+            line += [r.get("schema_valid") or "-", fmt(r.get("grammar_ms_per_token"), 3)]
     tables = [format_table(title, header, rows)]
     labels = list(results["daemons"])
     if len(labels) > 1:

@@ -94,7 +94,8 @@ class Engine(Protocol):
 
     def generate(self, req: EngineRequest) -> AsyncIterator[Delta]:
         """Stream a request's deltas (of its n completions, interleaved, each ending with a delta that has its
-        finish_reason; the stream ends after the last). Raises EngineError before the first delta for bad or unfittable input
+        finish_reason; the stream ends after the last). Raises EngineError before the first delta for bad or
+        unfittable input
         (400 bad input, 413 prompt over the context limit, 503 overloaded or draining). Closing the iterator
         early (client gone) aborts the request and frees its KV on every worker."""
 

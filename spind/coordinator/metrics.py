@@ -69,6 +69,8 @@ class SlotTimes:
     last_overhead_s: float = 0.0
     total_slot_s: float = 0.0
     total_overhead_s: float = 0.0
+    grammar_s: float = 0.0  # the target's structured-output work (Verified.grammar_s)
+    grammar_tokens: int = 0  # tokens committed to requests with a grammar
 
     def record(self, slot_s: float, overhead_s: float) -> None:
         self.num_slots += 1
@@ -80,4 +82,5 @@ class SlotTimes:
         n = max(self.num_slots, 1)
         return {"num_slots": self.num_slots, "last_slot_ms": self.last_slot_s * 1e3,
                 "mean_slot_ms": self.total_slot_s / n * 1e3, "last_overhead_ms": self.last_overhead_s * 1e3,
-                "mean_overhead_ms": self.total_overhead_s / n * 1e3}
+                "mean_overhead_ms": self.total_overhead_s / n * 1e3, "grammar_s": self.grammar_s,
+                "grammar_tokens": self.grammar_tokens}

@@ -39,6 +39,7 @@ from spind.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+MAX_FORCED = 16  # grammar-forced tokens a draft may grow by (a JSON key and its punctuation)
 Chunks = list[tuple[RequestState, int]]  # (request, prompt tokens the target prefills for it this slot)
 
 
@@ -358,18 +359,22 @@ class SlotPhases:
         for st in batch:
             arm = arms.get(st.req_id, PLAIN_ARM)
             d = drafts.get(st.req_id)
+            # a speculating request with a grammar: the tokens the grammar forces may lengthen its draft up to this
+            forced = st.seq.max_draft(arm.k + MAX_FORCED) if arm.drafter and st.seq.params.grammar else 0
             if arm.drafter is not None and self.drafter_worker[arm.drafter] == TARGET_WORKER:
-                items.append(P.VerifyItem(st.req_id, [], inline_drafter=arm.drafter, k=st.seq.max_draft(arm.k)))
+                items.append(P.VerifyItem(st.req_id, [], inline_drafter=arm.drafter, k=st.seq.max_draft(arm.k),
+                                          max_draft=forced))
             elif d is not None:
-                items.append(P.VerifyItem(st.req_id, d.tokens, d.has_probs, d.slot))
+                items.append(P.VerifyItem(st.req_id, d.tokens, d.has_probs, d.slot, max_draft=forced))
             else:
-                items.append(P.VerifyItem(st.req_id, []))
+                items.append(P.VerifyItem(st.req_id, [], max_draft=forced))
         if not items:
             return VerifyOutcome()
         reply = await self.await_workers(
             self.pool.call(TARGET_WORKER, P.Verify(0, self.slot_id, items, threads), self.call_timeout_s))
         if [r.req_id for r in reply.results] != [st.req_id for st in batch]:
             raise WorkerError(TARGET_WORKER, "verify results do not match the batch")
+        self.times.grammar_s += reply.grammar_s
         return VerifyOutcome(list(batch), reply.results, reply.verify_s)
 
     async def verify_isolating(self, batch: list[RequestState], arms: dict[str, Arm],
@@ -419,6 +424,8 @@ class SlotPhases:
             self.drafter_counters[name].record(r.num_drafted, r.num_accepted)
             self.metrics.record_verify(name, r.num_drafted, r.num_accepted)
         kept = seq.append(r.tokens)
+        if seq.params.grammar is not None:
+            self.times.grammar_tokens += len(kept)
         st.num_target_kv = len(seq.token_ids) - 1
         st.synced[TARGET_WORKER] = len(seq.token_ids)
         d = drafts.get(st.req_id)

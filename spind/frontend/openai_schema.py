@@ -63,8 +63,8 @@ class GenerateArgs:
 
 # Fields parse_generate reads; others are ignored and named back in the X-Spind-Ignored-Fields header
 KNOWN_FIELDS = frozenset({"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-                          "top_k", "seed", "stop", "ignore_eos", "logit_bias", "logprobs", "top_logprobs", "n", "stream",
-                          "stream_options", "response_format", "spind"})
+                          "top_k", "seed", "stop", "ignore_eos", "logit_bias", "logprobs", "top_logprobs", "n",
+                          "stream", "stream_options", "response_format", "spind"})
 SPIND_FIELDS = ("drafter", "k", "regex", "grammar")  # spind's own request fields live in the "spind" object
 
 # OpenAI fields spind does not implement: accepted only at their neutral values

@@ -13,6 +13,7 @@ and rerun the others: one bad request never costs another its slot.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ class VerifyItem:
     req_id: str
     draft: list[int]
     draft_probs: torch.Tensor | None = None  # [len(draft), V]; None = point mass
+    max_draft: int = 0  # a request with a grammar: the tokens it forces may lengthen the draft up to this
 
 
 @dataclass
@@ -53,6 +55,7 @@ class TargetVerifier:
     def __init__(self, runner: ModelRunner, grammars: Grammars | None = None) -> None:
         self.runner = runner
         self.grammars = grammars  # structured output: requests with a grammar (None: this target cannot)
+        self.grammar_s = 0.0  # seconds the last verify spent on grammars
         self.pending: dict[str, list[int]] = {}
         self.params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator] = {}
@@ -114,7 +117,9 @@ class TargetVerifier:
 
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
         proposed = {it.req_id: len(it.draft) for it in items}
+        t0 = time.perf_counter()
         cut_q, allowed = self._apply_grammars(items)
+        self.grammar_s = time.perf_counter() - t0  # this verify's grammar work (cuts, masks, commits): its cost
         before = {it.req_id: self.runner.length(it.req_id) for it in items}
         rng = {it.req_id: self.generators[it.req_id].get_state() for it in items}
         logits = self.runner.forward(
@@ -145,7 +150,7 @@ class TargetVerifier:
                 self.runner.truncate(req_id, length)
                 self.generators[req_id].set_state(rng[req_id])
             raise RequestFailed([r for r, _ in failed], "; ".join(w for _, w in failed))
-        outs = []
+        outs, t0 = [], time.perf_counter()
         for it, rows, (num_accepted, tokens) in zip(items, logits, results):
             rejected = len(it.draft) - num_accepted
             self.runner.truncate(it.req_id, self.runner.length(it.req_id) - rejected)
@@ -154,7 +159,11 @@ class TargetVerifier:
                 self.grammars.commit(it.req_id, tokens)
             num_top = self.params[it.req_id].logprobs
             lps = None if num_top is None else token_logprobs(rows, tokens, num_top)
-            outs.append(VerifyOutput(it.req_id, proposed[it.req_id], num_accepted, tokens, lps))
+            # drafted: what the drafter proposed (tokens the grammar refused count as rejected) and what it forced
+            num_drafted = proposed[it.req_id] + len(it.draft) - min(len(it.draft), proposed[it.req_id])
+            outs.append(VerifyOutput(it.req_id, num_drafted, num_accepted, tokens, lps))
+        if allowed:
+            self.grammar_s += time.perf_counter() - t0  # the commits, and the (small) rest of this loop
         return outs
 
     def _apply_grammars(self, items: list[VerifyItem]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -176,6 +185,13 @@ class TargetVerifier:
             if n < len(it.draft):
                 it.draft = it.draft[:n]
                 it.draft_probs = None if it.draft_probs is None else it.draft_probs[:n]
+            # Tokens the grammar forces next join the draft, where that keeps sampling exact: a point-mass draft (or a
+            # greedy request) whose proposal at each position is a function of the tokens before it; not a sampled
+            # draft from q (a cut one must reject at its cut: verify_stochastic's cut_q)
+            room = it.max_draft - len(it.draft)
+            if room > 0 and end is None and (it.draft_probs is None or self.params[it.req_id].is_greedy):
+                it.draft = it.draft + self.grammars.forced(it.req_id, it.draft)[:room]
+                it.draft_probs = None
         masks = self.grammars.allowed([(it.req_id, it.draft) for it in constrained])
         for it, m in zip(constrained, masks):
             if it.req_id in ends:

@@ -148,7 +148,7 @@ class Worker:
         if isinstance(msg, P.Verify):
             self._use_threads(msg.threads)
             results, verify_s = self.verify(msg.slot, msg.items)
-            return P.Verified(msg.seq, results, verify_s, self._take_busy())
+            return P.Verified(msg.seq, results, verify_s, self._take_busy(), self._target().grammar_s)
         if isinstance(msg, P.Precompute):
             self.enqueue_precompute(msg.items)
             return self._ack(msg.seq)
@@ -296,7 +296,7 @@ class Worker:
             drafts.update((r, (drafts[r][0], probs[r])) for _, r in wanted)
         device = target.runner.model.device  # q [len(draft), V] meets the target's p on its device
         vitems = [VerifyItem(it.req_id, drafts[it.req_id][0],
-                             None if drafts[it.req_id][1] is None else drafts[it.req_id][1].to(device))
+                             None if drafts[it.req_id][1] is None else drafts[it.req_id][1].to(device), it.max_draft)
                   for it in items]
         try:
             outs = self._timed("verify", len(items), lambda: target.verify(vitems))
