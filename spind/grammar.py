@@ -21,6 +21,10 @@ from pathlib import Path
 from spind.params import Grammar
 
 GRAMMAR_KINDS = ("json_schema", "regex", "grammar")  # "grammar": Lark or GBNF (llama.cpp's EBNF)
+# JSON between tokens: any whitespace, but at most 20 characters of it in a row, so that a model caught in a
+# whitespace loop cannot spend its whole max_tokens inside one gap of valid JSON (a schema's own "x-guidance"
+# options override this, as llguidance applies them after these defaults)
+JSON_DEFAULTS = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}"}
 
 
 class GrammarError(ValueError):
@@ -33,7 +37,9 @@ def to_llguidance(grammar: Grammar) -> str:
     import llguidance
 
     try:
-        fmt = {"json_schema": "json_schema", "regex": "regex", "grammar": "grammar"}[grammar.kind]
+        if grammar.kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(grammar.text, defaults=JSON_DEFAULTS)
+        fmt = {"regex": "regex", "grammar": "grammar"}[grammar.kind]
         return llguidance.grammar_from(fmt, grammar.text)
     except KeyError:
         raise GrammarError(f"unknown grammar kind {grammar.kind!r}; one of {', '.join(GRAMMAR_KINDS)}") from None

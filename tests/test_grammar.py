@@ -111,3 +111,17 @@ def test_forced_tokens_are_the_keys_the_schema_leaves_no_choice_about(grammars: 
     assert grammars.valid_prefix("r", draft) == len(draft)  # the matcher is back where it was
     (row,) = grammars.allowed([("r", [])])
     assert torch.equal(row[0], _mask_of(grammars, two, []) & ~grammars._non_eos_special)
+
+
+def test_json_whitespace_runs_are_bounded_unless_the_schema_says_otherwise(grammars: Grammars,
+                                                                          tok: Tokenizer) -> None:
+    """A model looping on whitespace inside valid JSON cannot spend its max_tokens in one gap."""
+    grammars.add("r", SCHEMA, [])
+    assert grammars.valid_prefix("r", tok.encode("{" + " " * 20 + '"a": 1}')) == len(tok.encode("{" + " " * 20
+                                                                                              + '"a": 1}'))
+    text = "{" + " " * 21 + '"a": 1}'
+    assert grammars.valid_prefix("r", tok.encode(text)) < len(tok.encode(text))
+    loose = Grammar("json_schema", json.dumps({**json.loads(SCHEMA.text),
+                                               "x-guidance": {"whitespace_pattern": "[ ]*"}}))
+    grammars.add("s", loose, [])
+    assert grammars.valid_prefix("s", tok.encode(text)) == len(tok.encode(text))

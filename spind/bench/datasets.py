@@ -112,26 +112,29 @@ def _strings(max_chars: int, max_items: int) -> dict:
     return {"type": "array", "items": {"type": "string", "maxLength": max_chars}, "maxItems": max_items}
 
 
-# Extraction schemas: every string and array bounded, so a sampled output ends well within a few hundred tokens
+NUMBER = {"type": "integer", "minimum": -10**9, "maximum": 10**9}  # a bounded "number" could run on in decimals
+# Extraction schemas: every string, number and array bounded, so that even a degenerate output (a small model
+# repeating itself, one character per token) ends within EXTRACT_MAX_TOKENS
 EXTRACT_SCHEMAS = {
     "card": {"type": "object", "additionalProperties": False,
              "required": ["title", "topic", "key_points", "sentiment"],
-             "properties": {"title": {"type": "string", "maxLength": 80}, "topic": {"type": "string", "maxLength": 40},
-                            "key_points": _strings(120, 4),
+             "properties": {"title": {"type": "string", "maxLength": 60}, "topic": {"type": "string", "maxLength": 30},
+                            "key_points": _strings(60, 3),
                             "sentiment": {"enum": ["positive", "neutral", "negative"]}}},
     "entities": {"type": "object", "additionalProperties": False,
                  "required": ["people", "places", "organizations", "dates"],
-                 "properties": {k: _strings(40, 5) for k in ("people", "places", "organizations", "dates")}},
+                 "properties": {k: _strings(24, 3) for k in ("people", "places", "organizations", "dates")}},
     "quantities": {"type": "object", "additionalProperties": False, "required": ["quantities", "asked_for", "answer"],
-                   "properties": {"quantities": {"type": "array", "maxItems": 6, "items": {
+                   "properties": {"quantities": {"type": "array", "maxItems": 5, "items": {
                        "type": "object", "additionalProperties": False, "required": ["name", "value"],
-                       "properties": {"name": {"type": "string", "maxLength": 40}, "value": {"type": "number"}}}},
-                       "asked_for": {"type": "string", "maxLength": 120}, "answer": {"type": "number"}}},
+                       "properties": {"name": {"type": "string", "maxLength": 30}, "value": NUMBER}}},
+                       "asked_for": {"type": "string", "maxLength": 80}, "answer": NUMBER}},
     "task": {"type": "object", "additionalProperties": False, "required": ["task", "input_kind", "answer"],
-             "properties": {"task": {"type": "string", "maxLength": 80},
+             "properties": {"task": {"type": "string", "maxLength": 60},
                             "input_kind": {"enum": ["text", "list", "sentence", "code", "numbers", "other"]},
-                            "answer": {"type": "string", "maxLength": 300}}},
+                            "answer": {"type": "string", "maxLength": 160}}},
 }
+EXTRACT_MAX_TOKENS = 512  # `bench serve --dataset extract --max-tokens 512`: no output of these schemas is longer
 EXTRACT_TASKS = {
     "card": "Describe the following text as a JSON document card: a title, its topic, up to four key points "
             "and its overall sentiment.",

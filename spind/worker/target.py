@@ -6,6 +6,11 @@ Invariant per request: the target's KV holds every committed token but the newes
 `pending + draft`, reads the last `len(draft) + 1` logits rows, keeps the KV of the accepted drafts and
 rolls back the rest, leaving exactly one pending token (the recovered or bonus one).
 
+A request with a grammar (structured output, spind/grammar.py) has its draft cut where the grammar refuses it
+(and lengthened by the tokens it forces) before the forward, and its logits masked to what the grammar allows
+before acceptance; logprobs read the raw logits. `fork` starts one of a prompt's n completions on another's
+prefilled KV.
+
 `verify` is transactional: if one request's verification fails (its data, not the model), every request's
 KV is rolled back to where it was and `RequestFailed` names the culprits, so the caller can fail them alone
 and rerun the others: one bad request never costs another its slot.
