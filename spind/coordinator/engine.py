@@ -313,7 +313,7 @@ class Coordinator:
         repetition = prompt_repetition(req.prompt_ids)
         group: list[RequestState] = []
         for i, req_id in enumerate(ids):
-            choice = req if i == 0 else dataclasses.replace(req, req_id=req_id, params=choice_params(params, i))
+            choice = req if i == 0 else dataclasses.replace(req, req_id=req_id, params=choice_params(params, i), n=1)
             seq = Sequence(req_id, req.prompt_ids, choice.params if i else params, self.tokenizer.eos_token_ids,
                            self.max_model_len, self.tokenizer)
             group.append(RequestState(choice, seq, blocks, queue, repetition, index=i,

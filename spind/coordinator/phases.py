@@ -172,17 +172,21 @@ class SlotPhases:
         st.status = "running"
         self.running.append(st)
         self.metrics.prompt_tokens.inc(st.seq.num_prompt_tokens)
-        self.history.add_prompt_tokens(st.seq.num_prompt_tokens)
-        leader = st.leader
-        if leader is not None and leader.status == "running" and leader.fork_of is None \
-                and TARGET_WORKER in leader.synced and leader.num_prefill_left > 0 and not leader.seq.num_output_tokens:
-            st.fork_of = leader  # its KV comes from the leader's prefill (prefilled), not a prefill of its own
-            leader.forks.append(st)
+        if st.leader is not None and self._is_prefilling(st.leader):
+            st.fork_of = st.leader  # its KV comes from the leader's prefill (prefilled), not a prefill of its own
+            st.leader.forks.append(st)
         else:
+            self.history.add_prompt_tokens(st.seq.num_prompt_tokens)
             self._add_to_target(st)
         name = st.req.drafter if st.req.drafter != AUTO else self.selector.precompute_hint(st.req_id)
         if name in self.model_drafters:  # the drafter it will most likely draft with: its KV is worth precomputing
             self._precompute(st, name)
+
+    @staticmethod
+    def _is_prefilling(st: RequestState) -> bool:
+        """On the target with its own prompt still to prefill: its completions (n > 1) can wait to share its KV."""
+        return st.status == "running" and st.fork_of is None and TARGET_WORKER in st.synced \
+            and st.num_prefill_left > 0 and not st.seq.num_output_tokens
 
     def _add_to_target(self, st: RequestState) -> None:
         tokens = list(st.seq.token_ids)  # a snapshot: an in-process worker may read it after more commits
