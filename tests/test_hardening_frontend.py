@@ -117,7 +117,7 @@ def test_garbage_deflate_body_is_400():
     run_app(StubEngine(), check)
 
 
-@pytest.mark.parametrize("field,value", [("response_format", {"type": "json_object"}),
+@pytest.mark.parametrize("field,value", [("response_format", {"type": "xml"}),
                                          ("functions", [{"name": "f", "parameters": {}}]),
                                          ("function_call", "auto"),
                                          ("tools", [{"type": "function", "function": {"name": "f"}}])])
