@@ -164,8 +164,9 @@ class TargetVerifier:
                 self.grammars.commit(it.req_id, tokens)
             num_top = self.params[it.req_id].logprobs
             lps = None if num_top is None else token_logprobs(rows, tokens, num_top)
-            # drafted: what the drafter proposed (tokens the grammar refused count as rejected) and what it forced
-            num_drafted = proposed[it.req_id] + len(it.draft) - min(len(it.draft), proposed[it.req_id])
+            # drafted: what the drafter proposed (tokens a grammar refused count as rejected drafts), or the verified
+            # draft's length where the tokens a grammar forced made it longer
+            num_drafted = max(proposed[it.req_id], len(it.draft))
             outs.append(VerifyOutput(it.req_id, num_drafted, num_accepted, tokens, lps))
         if allowed:
             self.grammar_s += time.perf_counter() - t0  # the commits, and the (small) rest of this loop
