@@ -6,10 +6,12 @@ either), it builds its tokenizer from the model's own tokenizer.json, it compile
 ahead-of-time compile of large schemas on the request path), and its matcher validates a run of draft tokens and
 rolls back, which is what verifying speculative drafts under a grammar needs.
 
-- `check_grammar` (coordinator, at admission): a grammar that does not compile is the request's 400.
+- `check_grammar` (front ends, off the event loop, then the engine at admission): a grammar that does not compile
+  is the request's 400.
 - `Grammars` (target worker): one matcher per request, advanced by what each verify commits. Before a verify
-  forward it cuts each draft at its first token the grammar refuses (such drafts cost nothing); after the
-  forward it masks every verified position's logits to the tokens the grammar allows there.
+  forward it cuts each draft at its first token the grammar refuses (such drafts cost nothing) and gives the
+  tokens the grammar forces next (`forced`: a JSON key), which may lengthen it; after the forward it masks every
+  verified position's logits to the tokens the grammar allows there.
 """
 
 from __future__ import annotations
@@ -48,19 +50,30 @@ def to_llguidance(grammar: Grammar) -> str:
 
 
 def check_grammar(grammar: Grammar) -> None:
-    """Raise GrammarError unless llguidance compiles the grammar (without a tokenizer: the coordinator's check)."""
+    """Raise GrammarError unless llguidance compiles the grammar (without a tokenizer: the coordinator's check).
+    A large grammar can take 100 ms or more to compile: front ends call this off the event loop first, and the
+    engine's own call at admission then finds the answer cached."""
+    error = _grammar_error(grammar)
+    if error:
+        raise GrammarError(error)
+
+
+@lru_cache(maxsize=256)
+def _grammar_error(grammar: Grammar) -> str:
     import llguidance
 
     if grammar.kind == "json_schema":
         try:
             schema = json.loads(grammar.text)
         except ValueError as e:
-            raise GrammarError(f"the JSON schema is not JSON: {e}") from None
+            return f"the JSON schema is not JSON: {e}"
         if not isinstance(schema, (dict, bool)):
-            raise GrammarError("a JSON schema must be an object")
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(to_llguidance(grammar))
-    if is_error:
-        raise GrammarError(f"the {grammar.kind.replace('_', ' ')} does not compile: {messages[0]}")
+            return "a JSON schema must be an object"
+    try:
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(to_llguidance(grammar))
+    except GrammarError as e:
+        return str(e)
+    return f"the {grammar.kind.replace('_', ' ')} does not compile: {messages[0]}" if is_error else ""
 
 
 class Grammars:

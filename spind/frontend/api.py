@@ -34,6 +34,7 @@ from spind.frontend.openai_schema import (
     ChunkFormatter,
     InFlight,
     abort_error,
+    check_grammar_off_loop,
     check_serving,
     error_json,
     error_response,
@@ -153,6 +154,7 @@ class ApiServer:
             prompt_ids = await asyncio.to_thread(self.engine.encode_prompt, args.prompt, args.messages)
         except EngineError as e:
             raise from_engine_error(e) from None
+        await check_grammar_off_loop(args.params)
         prefix = "chatcmpl-" if is_chat else "cmpl-"
         req = EngineRequest(prefix + uuid.uuid4().hex, prompt_ids,
                             args.sampling_params(len(prompt_ids), self.limits.max_model_len), args.drafter, args.k,

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from spind import protocol as P
 from spind.coordinator.interface import Delta, EngineError, Usage
+from spind.grammar import GrammarError, check_grammar
 from spind.params import MAX_LOGPROBS, MAX_N, Grammar, SamplingParams, is_encodable
 
 MAX_BODY_BYTES = 1 << 20
@@ -253,6 +254,16 @@ def parse_generate(raw: bytes, is_chat: bool, limits: ApiLimits,
     n = _int(body, "n", 1, MAX_N, 1)
     return GenerateArgs(prompt=prompt, messages=messages, params=params, has_max_tokens=max_tokens is not None,
                         drafter=drafter, k=k, n=n, is_stream=is_stream, include_usage=include_usage, ignored=ignored)
+
+
+async def check_grammar_off_loop(params: SamplingParams) -> None:
+    """A request's grammar compiled off the event loop (a large one takes 100 ms or more), or ApiError(400)."""
+    if params.grammar is None:
+        return
+    try:
+        await asyncio.to_thread(check_grammar, params.grammar)
+    except GrammarError as e:
+        raise ApiError(400, str(e)) from None  # from response_format or spind.regex / spind.grammar
 
 
 def check_serving(status: str) -> None:

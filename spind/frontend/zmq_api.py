@@ -30,7 +30,8 @@ import zmq.asyncio
 from spind import protocol as P
 from spind.coordinator.interface import Engine, EngineError, EngineRequest, Usage
 from spind.frontend.openai_schema import (ABORT, ApiError, ApiLimits, InFlight, abort_error, check_extension,
-                                          check_serving, check_text, from_engine_error, parse_messages)
+                                          check_grammar_off_loop, check_serving, check_text, from_engine_error,
+                                          parse_messages)
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +200,7 @@ class ZmqApiServer:
         except (ValueError, TypeError) as e:
             raise ApiError(400, str(e)) from None
         prompt_ids = await asyncio.to_thread(self.engine.encode_prompt, prompt, messages)  # off the event loop
+        await check_grammar_off_loop(params)
         req = EngineRequest("zmq-" + uuid.uuid4().hex, prompt_ids, params, msg.drafter, msg.k)
         token_ids: list[int] = []
         parts: list[str] = []
