@@ -110,11 +110,13 @@ def verify_stochastic(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
     if n == k and cut_q is None:
         return VerifyResult(k, draft + [sample(p[k], generator)])
     if n == k:
-        residual = (p[k] - cut_q).clamp_min(0)
-        total = residual.sum()
-        return VerifyResult(k, draft + [sample(residual / total if total > 0 else p[k], generator)])
+        return VerifyResult(k, draft + [_recover(p[k], cut_q, generator)])
     q_n = torch.zeros_like(p[n]).index_fill_(0, torch.tensor([draft[n]], device=p.device), 1.0) if q is None else q[n]
-    residual = (p[n] - q_n).clamp_min(0)
+    return VerifyResult(n, draft[:n] + [_recover(p[n], q_n, generator)])
+
+
+def _recover(p: torch.Tensor, q: torch.Tensor, generator: torch.Generator) -> int:
+    """The token that replaces a rejected draft: sampled from norm(max(p - q, 0)) (p itself where that is empty)."""
+    residual = (p - q).clamp_min(0)
     total = residual.sum()
-    recovered = sample(residual / total if total > 0 else p[n], generator)
-    return VerifyResult(n, draft[:n] + [recovered])
+    return sample(residual / total if total > 0 else p, generator)
