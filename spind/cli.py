@@ -121,8 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from spind.bench import cli as bench_cli
     from spind.frontend import daemon_cli
+    from spind.bench.datasets import DEFAULT_DATASETS_DIR
+    from spind.train import cli as train_cli
     daemon_cli.add_parsers(sub, add_config_args)
     bench_cli.add_parsers(sub, add_config_args)
+    train_cli.add_parser(sub, DEFAULT_DATASETS_DIR)
     return parser
 
 

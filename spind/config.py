@@ -23,7 +23,7 @@ from spind.policy import Policy
 DEFAULT_CONFIG_PATH: Traversable = resources.files("spind").joinpath("config.toml")
 TARGET_WORKER = "target"  # the worker that hosts the target model (and verifies)
 
-DRAFTER_KINDS = ("ngram", "self", "model")
+DRAFTER_KINDS = ("ngram", "self", "model", "eagle")
 SELF_DRAFT_VARIANTS = ("bf16", "int8-weight-only", "int8-dynamic", "layers", "gguf", "gguf-q16", "gguf-q8")
 # "auto" (resolve_dtype: per the worker's device), float dtypes, then quantized targets (spind/models/quant.py): "gguf"
 # runs the GGUF's own blocks (Q4_0, Q4_1, Q8_0) with spind's batch-invariant CPU kernel at fp32 precision, "gguf-q16" /
@@ -78,9 +78,9 @@ class RuntimeConfig:
 @dataclass(frozen=True)
 class DrafterConfig:
     name: str
-    kind: str  # ngram | self | model
+    kind: str  # ngram | self | model | eagle
     variant: str = ""  # for kind=self: bf16 | int8-weight-only | int8-dynamic | layers | gguf | gguf-q16 | gguf-q8
-    path: str = ""  # for kind=model: HF directory or .gguf
+    path: str = ""  # kind=model: HF directory or .gguf; kind=eagle: the head's directory ("default": spind's own)
     layers: tuple[int, ...] = ()  # for variant=layers (and optionally gguf): which target layers to keep
     vocab: int = 0  # for variant=gguf: keep token ids [0, vocab) in the draft's lm_head (BPE merge order); 0 = all
     worker: str = "draft"  # worker process that hosts it (one per device / CPU slot)
@@ -278,8 +278,11 @@ def validate(cfg: SpindConfig) -> SpindConfig:
             raise ConfigError(f"[[drafters]] {d.name}: vocab must be >= 0, and only a 'gguf*' self-draft trims it")
         if any(i < 0 for i in d.layers):
             raise ConfigError(f"[[drafters]] {d.name}: layers must be layer indices >= 0, got {list(d.layers)}")
-        if d.kind == "model" and not d.path:
-            raise ConfigError(f"[[drafters]] {d.name}: kind 'model' needs path = ...")
+        if d.kind in ("model", "eagle") and not d.path:
+            raise ConfigError(f"[[drafters]] {d.name}: kind {d.kind!r} needs path = ...")
+        if d.kind == "eagle" and d.worker != TARGET_WORKER:
+            raise ConfigError(f"[[drafters]] {d.name}: an eagle head reads the target's hidden states, so it runs "
+                              f"on the target's worker: worker = {TARGET_WORKER!r}")
         if d.ngram_min < 1 or d.ngram_max < d.ngram_min:
             raise ConfigError(f"[[drafters]] {d.name}: need 1 <= ngram_min <= ngram_max")
     if any(d.max_batch_size < 0 for d in cfg.drafters):

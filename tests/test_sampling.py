@@ -184,10 +184,14 @@ def test_point_mass_draft_rejected_never_repeats_the_draft() -> None:
 class TwoStepWorld:
     """A target p(x0) p(x1 | x0) and a drafter q(x0) q(x1 | x0) (or a deterministic drafter: q = None)."""
 
-    def __init__(self, seed: int, stochastic_drafter: bool) -> None:
+    def __init__(self, seed: int, stochastic_drafter: bool, draft_vocab: list[int] | None = None) -> None:
         target0, target1 = _logits(seed, 1), _logits(seed + 1, V)  # row x0 of target1: logits of x1 | x0
         # the drafter approximates the target: its logits are the target's plus noise, so supports overlap
         draft0, draft1 = target0 + 0.8 * _logits(seed + 2, 1), target1 + 0.8 * _logits(seed + 3, V)
+        if draft_vocab is not None:  # a draft head's truncated vocabulary (EAGLE-3): q is zero outside it
+            outside = torch.ones(V, dtype=torch.bool)
+            outside[draft_vocab] = False
+            draft0, draft1 = draft0.masked_fill(outside, float("-inf")), draft1.masked_fill(outside, float("-inf"))
         # both sides go through to_probs with temperature, top-k and top-p, as the engine does
         self.p0, self.p1 = to_probs(target0, PARAMS)[0], to_probs(target1, PARAMS)  # p1[x0] = p(x1 | x0)
         self.q0, self.q1 = to_probs(draft0, PARAMS)[0], to_probs(draft1, PARAMS)
@@ -228,9 +232,13 @@ def _chi_square_p_value(observed: np.ndarray, expected_probs: np.ndarray) -> flo
     return float(chisquare(observed[support], expected).pvalue)
 
 
-@pytest.mark.parametrize("stochastic_drafter", [True, False], ids=["q-sampled", "q-point-mass"])
-def test_first_two_emitted_tokens_follow_the_target(stochastic_drafter: bool) -> None:
-    world = TwoStepWorld(seed=11, stochastic_drafter=stochastic_drafter)
+@pytest.mark.parametrize("stochastic_drafter, draft_vocab", [(True, None), (False, None), (True, "half")],
+                         ids=["q-sampled", "q-point-mass", "q-sampled-over-a-draft-vocabulary"])
+def test_first_two_emitted_tokens_follow_the_target(stochastic_drafter: bool, draft_vocab: str | None) -> None:
+    """The third case is an eagle head's: it drafts from its own vocabulary, half the target's here, so the
+    target emits tokens the drafter can never propose, and must still emit them as often as p says."""
+    world = TwoStepWorld(seed=11, stochastic_drafter=stochastic_drafter,
+                         draft_vocab=None if draft_vocab is None else list(range(0, V, 2)))
     expected = world.expected_joint()
     assert (expected == 0).any() and not torch.allclose(world.p0, world.q0)  # top-k/p bite; q differs from p
     joint = np.zeros((V, V), dtype=np.int64)

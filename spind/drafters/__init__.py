@@ -14,7 +14,10 @@ from spind.models.quant import GGUF_DTYPES, float_dtype_for, quantize_linears, t
 from spind.tokenizer import Tokenizer
 
 __all__ = ["Draft", "DraftInput", "Drafter", "build_drafter", "load_drafter_model", "make_drafter",
-           "TokenizerMismatchError"]
+           "resolve_head_dir", "TokenizerMismatchError"]
+
+# the draft head spind trains for its embedded default model and ships (see its MODEL_CARD.md)
+DEFAULT_HEAD_DIR = Path(__file__).parent / "heads" / "smollm2-135m-instruct-eagle3"
 
 
 class TokenizerMismatchError(ValueError):
@@ -44,7 +47,7 @@ def load_drafter_model(dc: DrafterConfig, cfg: SpindConfig, target_dir: Path, ta
                        device: str, dtype: str) -> LlamaModel | None:
     """A drafter's model (None for n-gram lookup); `dtype`: [model].dtype as resolved on `device`. Apart from
     `make_drafter` so a worker can size the KV pools of all its models once they are loaded."""
-    if dc.kind == "ngram":
+    if dc.kind in ("ngram", "eagle"):  # model-free, or a head beside the target (make_eagle_drafters)
         return None
     if dc.kind == "self":
         if dc.variant == "bf16":
@@ -67,11 +70,20 @@ def load_drafter_model(dc: DrafterConfig, cfg: SpindConfig, target_dir: Path, ta
 
 
 def make_drafter(dc: DrafterConfig, cfg: SpindConfig, model: LlamaModel | None, num_blocks: int) -> Drafter:
+    if dc.kind == "eagle":
+        raise ValueError(f"drafter {dc.name!r}: an eagle head is built beside its target (make_eagle_drafters)")
     if model is None:
         return NgramDrafter(dc.name, dc.ngram_max, dc.ngram_min)
     r = cfg.runtime
     return ModelDrafter(dc.name, dc.kind, model, num_blocks, r.kv_block_size, r.attention, cfg.model.max_model_len,
                         r.max_batch_size, cuda_graphs=r.cuda_graphs and model.device.type == "cuda")
+
+
+def resolve_head_dir(path: str, cache_dir: Path | None = None) -> Path:
+    """An eagle drafter's `path`: "default" is the head shipped for the embedded default model."""
+    if path == "default":
+        return DEFAULT_HEAD_DIR
+    return Path(path).expanduser()
 
 
 def load_vocab_size(model_dir: Path) -> int:

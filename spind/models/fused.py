@@ -104,11 +104,16 @@ class FusedStack:
         return cls(model, modes.pop()) if len(eps) == 1 else None
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_caches: list[torch.Tensor],
-                 v_caches: list[torch.Tensor], write_slots: torch.Tensor, plan: tuple) -> torch.Tensor:
+                 v_caches: list[torch.Tensor], write_slots: torch.Tensor, plan: tuple, start: int = 0,
+                 stop: int | None = None) -> torch.Tensor:
+        """Layers [start, stop) (all by default): a forward that records the hidden state between two layers (a
+        feature-level draft head's input) runs the stack in segments, the same kernels in the same order."""
+        stop = len(self.norms) // 2 if stop is None else stop
         slots, slot_start, cu_q, ctx_lens = plan
-        return self.ops.decoder_layers(h, self.weights, self.q8_0, self.out_features, self.norms,
-                                       self.eps, self.digits, cos, sin, k_caches, v_caches, write_slots,
-                                       slots, slot_start, cu_q, ctx_lens, self.scale, self.num_heads,
+        return self.ops.decoder_layers(h, self.weights[4 * start:4 * stop], self.q8_0[4 * start:4 * stop],
+                                       self.out_features[4 * start:4 * stop], self.norms[2 * start:2 * stop],
+                                       self.eps, self.digits, cos, sin, k_caches[start:stop], v_caches[start:stop],
+                                       write_slots, slots, slot_start, cu_q, ctx_lens, self.scale, self.num_heads,
                                        self.num_kv_heads)
 
 

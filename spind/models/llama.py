@@ -60,28 +60,48 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache,
-                attend: AttentionBackend, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+                attend: AttentionBackend, logits_rows: torch.Tensor | None = None,
+                feature_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens, positions: [T]; KV of the new tokens is written at meta.slot_mapping. `attend` must have been
         planned for `meta` (outside, so that a captured CUDA graph of this forward never re-plans).
 
-        Returns fp32 logits [len(logits_rows), vocab] (all T rows when logits_rows is None).
+        Returns fp32 logits [len(logits_rows), vocab] (all T rows when logits_rows is None); with `feature_layers`,
+        also every row's features (a draft head's input, see `feature_width`): [T, len(feature_layers) * hidden],
+        fp32, each part the hidden state entering that layer (as transformers' hidden_states[i]), or for i =
+        num_layers the final normed one (what lm_head reads).
         """
         cos = self.rope_cos[positions].unsqueeze(1).to(self.dtype)  # [T, 1, D/2]
         sin = self.rope_sin[positions].unsqueeze(1).to(self.dtype)
         h = self.embed_tokens(tokens)
         slots = meta.slot_mapping
         plan = None if self.fused_stack is None else getattr(attend, "kernel_plan", lambda: None)()
+        num_layers = len(self.layers)
+        taps = sorted({i for i in feature_layers if i < num_layers})
+        captured: dict[int, torch.Tensor] = {}
         if plan is not None:
-            h = self.fused_stack(h, cos, sin, kv.k, kv.v, slots, plan)
+            start = 0
+            for stop in [*taps, num_layers]:  # segments between the recorded layers: the same kernels, in order
+                if stop > start:
+                    h = self.fused_stack(h, cos, sin, kv.k, kv.v, slots, plan, start, stop)
+                captured[stop] = h
+                start = stop
         else:
             for i, layer in enumerate(self.layers):
+                captured[i] = h
                 h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv.k[i], kv.v[i], slots, attend)
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
+        normed = None
+        if num_layers in feature_layers:
+            normed = captured[num_layers] = self.norm(h)
+        features = torch.cat([captured[i] for i in feature_layers], -1).float() if feature_layers else None
         if logits_rows is not None:
             h = h.index_select(0, logits_rows)
-            if h.shape[0] == 0:
-                return h.new_empty(0, self.args.vocab_size, dtype=torch.float32)
-        return self.lm_head(self.norm(h)).float()
+            normed = None if normed is None else normed.index_select(0, logits_rows)
+        if h.shape[0] == 0:
+            logits = h.new_empty(0, self.args.vocab_size, dtype=torch.float32)
+        else:
+            logits = self.lm_head(self.norm(h) if normed is None else normed).float()
+        return logits if features is None else (logits, features)
 
 
 def load_llama(model_dir: Path, dtype: str = "float32", device: str = "cpu",

@@ -152,8 +152,19 @@ class ModelRunner:
     # ---- forward --------------------------------------------------------------------------------
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
         """One batched forward; returns per item fp32 logits [num_logits, vocab]."""
+        return self._forward(items, ())[0]
+
+    def forward_features(self, items: list[ForwardItem], layers: tuple[int, ...]
+                         ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """`forward`, also returning per item the features of every token it fed ([len(tokens), width], see
+        LlamaModel.forward's `feature_layers`): what a feature-level draft head reads. Runs eagerly (a captured
+        CUDA graph returns logits only)."""
+        return self._forward(items, layers)
+
+    def _forward(self, items: list[ForwardItem], layers: tuple[int, ...]
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if not items:
-            return []
+            return [], []
         starts = []
         for it in items:
             if not it.tokens:
@@ -169,14 +180,17 @@ class ModelRunner:
             self.kv.reserve(it.req_id, start + len(it.tokens))
             self.kv.make_writable(it.req_id, start, start + len(it.tokens))  # a block it shares: copied first
         meta, tokens, positions, rows = self._prepare(items, starts)
-        if self.graph is not None and all(it.num_logits == len(it.tokens) for it in items):
+        features = None
+        if self.graph is not None and not layers and all(it.num_logits == len(it.tokens) for it in items):
             logits = self.graph(tokens, positions, meta).index_select(0, rows)  # verify: every row is needed
         else:
             self.attn.plan(meta)
-            logits = self.model(tokens, positions, meta, self.kv, self.attn, logits_rows=rows)
+            out = self.model(tokens, positions, meta, self.kv, self.attn, logits_rows=rows, feature_layers=layers)
+            logits, features = out if layers else (out, None)
         for it in items:
             self.kv.commit(it.req_id, len(it.tokens))
-        return list(logits.split([it.num_logits for it in items]))
+        split = list(logits.split([it.num_logits for it in items]))
+        return split, [] if features is None else list(features.split([len(it.tokens) for it in items]))
 
     def _prepare(self, items: list[ForwardItem], starts: list[int]):
         # The index arithmetic runs on host lists (a batch has at most a few hundred new tokens), each result

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spind.drafters.eagle import FeatureStore
 from spind.grammar import Grammars
 from spind.models.runner import ForwardItem, ModelRunner
 from spind.params import SamplingParams
@@ -62,6 +63,8 @@ class TargetVerifier:
         self.grammars = grammars  # structured output: requests with a grammar (None: this target cannot)
         self.grammar_s = 0.0  # seconds the last verify spent on grammars
         self.pending: dict[str, list[int]] = {}
+        # the features of committed tokens, where a feature-level draft head (spind/drafters/eagle.py) reads them
+        self.features: FeatureStore | None = None
         self.params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator] = {}
 
@@ -79,6 +82,8 @@ class TargetVerifier:
                 raise ValueError("this target cannot enforce a grammar")
             self.grammars.add(req_id, params.grammar, tokens[len(tokens) - num_output:] if num_output else [])
         self.runner.add_request(req_id)
+        if self.features is not None:
+            self.features.add(req_id)
         self.pending[req_id] = list(tokens)
         self.params[req_id] = params
         self.generators[req_id] = make_generator(params.seed)
@@ -89,6 +94,8 @@ class TargetVerifier:
         if src not in self.pending:
             raise ValueError(f"{dst}: cannot share the KV of {src}, which this worker does not hold")
         self.runner.fork(src, dst)
+        if self.features is not None:
+            self.features.fork(src, dst)
         if self.grammars is not None:
             self.grammars.fork(src, dst)
         self.pending[dst] = list(self.pending[src])
@@ -100,6 +107,8 @@ class TargetVerifier:
             self.runner.free_request(req_id)
         if self.grammars is not None:
             self.grammars.free(req_id)
+        if self.features is not None:
+            self.features.free(req_id)
         for d in (self.pending, self.params, self.generators):
             d.pop(req_id, None)
 
@@ -116,7 +125,11 @@ class TargetVerifier:
             if not 0 < n < len(self.pending[req_id]):
                 raise ValueError(f"{req_id}: prefill of {n} tokens with {len(self.pending[req_id])} pending")
             items.append(ForwardItem(req_id, self.pending[req_id][:n], 0))
-        self.runner.forward(items)
+        if self.features is None:
+            self.runner.forward(items)
+        else:
+            for it, rows in zip(items, self.runner.forward_features(items, self.features.layers)[1]):
+                self.features.append(it.req_id, rows)
         for req_id, n in chunks:
             del self.pending[req_id][:n]
 
@@ -127,8 +140,11 @@ class TargetVerifier:
         self.grammar_s = time.perf_counter() - t0  # this verify's grammar work (cuts, masks, commits): its cost
         before = {it.req_id: self.runner.length(it.req_id) for it in items}
         rng = {it.req_id: self.generators[it.req_id].get_state() for it in items}
-        logits = self.runner.forward(
-            [ForwardItem(it.req_id, self.pending[it.req_id] + it.draft, len(it.draft) + 1) for it in items])
+        fitems = [ForwardItem(it.req_id, self.pending[it.req_id] + it.draft, len(it.draft) + 1) for it in items]
+        if self.features is None:
+            logits, features = self.runner.forward(fitems), None
+        else:
+            logits, features = self.runner.forward_features(fitems, self.features.layers)
         # what acceptance reads: the logits masked to what each request's grammar allows (logprobs read them raw)
         masked = [rows if it.req_id not in allowed else
                   rows.masked_fill(~allowed[it.req_id].to(rows.device), float("-inf"))
@@ -156,9 +172,11 @@ class TargetVerifier:
                 self.generators[req_id].set_state(rng[req_id])
             raise RequestFailed([r for r, _ in failed], "; ".join(w for _, w in failed))
         outs, t0 = [], time.perf_counter()
-        for it, rows, (num_accepted, tokens) in zip(items, logits, results):
+        for i, (it, rows, (num_accepted, tokens)) in enumerate(zip(items, logits, results)):
             rejected = len(it.draft) - num_accepted
             self.runner.truncate(it.req_id, self.runner.length(it.req_id) - rejected)
+            if features is not None:  # the rows of what it committed: its pending tokens and accepted drafts
+                self.features.append(it.req_id, features[i][:len(self.pending[it.req_id]) + num_accepted])
             self.pending[it.req_id] = tokens[-1:]
             if it.req_id in allowed:
                 self.grammars.commit(it.req_id, tokens)

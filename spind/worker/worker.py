@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from spind import protocol as P
 from spind.config import TARGET_WORKER, DrafterConfig, SpindConfig, canonical_device, resolve_dtype
-from spind.drafters import Drafter, DraftInput, load_drafter_model, make_drafter
+from spind.drafters import Drafter, DraftInput, load_drafter_model, make_drafter, resolve_head_dir
+from spind.drafters.eagle import EagleDrafter, make_eagle_drafters, prime_features
 from spind.grammar import Grammars
 from spind.models.llama import LlamaModel, layer_subset, load_llama
 from spind.models.loader import resolve_model_dir
@@ -34,7 +35,7 @@ from spind.tokenizer import Tokenizer
 from spind.worker.device import DeviceClock, bf16_supported, device_name, is_fatal_device_error, pin_device
 from spind.worker.memory import memory_baseline, num_kv_blocks
 from spind.worker.probs import ProbsReceiver, ProbsSender
-from spind.worker.profile import probe_prompt, time_draft_tokens, time_verify
+from spind.worker.profile import PROBE, probe_prompt, time_draft_tokens, time_verify
 from spind.worker.target import RequestFailed, TargetVerifier, VerifyItem
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,15 @@ class Worker:
                                                      kv_cache_dtype=r.kv_cache_dtype),
                                          Grammars(model_dir / "tokenizer.json", target.args.vocab_size,
                                                   sorted(tokenizer.eos_token_ids)))
-        self.drafters: dict[str, Drafter] = {d.name: make_drafter(d, cfg, drafter_models[d.name], num_blocks)
-                                             for d in hosted}
+        eagles = [d for d in hosted if d.kind == "eagle"]
+        if eagles and self.target is None:
+            raise ValueError(f"worker {name!r}: eagle drafters ({', '.join(d.name for d in eagles)}) run on the "
+                             f"target's worker")
+        heads = make_eagle_drafters(eagles, self.target, lambda p: resolve_head_dir(p, cfg.cache_path)) \
+            if eagles else {}
+        self.drafters: dict[str, Drafter] = {
+            d.name: heads[d.name] if d.kind == "eagle" else make_drafter(d, cfg, drafter_models[d.name], num_blocks)
+            for d in hosted}
         for drafter in self.drafters.values():  # they run on this worker's device
             drafter.clock = self.clock
         self.drafter_reqs: dict[str, set[str]] = {n: set() for n in self.drafters}
@@ -344,10 +352,22 @@ class Worker:
         any_runner = runner or next((d.runner for d in self.drafters.values() if hasattr(d, "runner")), None)
         vocab = any_runner.model.args.vocab_size if any_runner is not None else 32000
         prompt = probe_prompt(msg.context, vocab)
-        draft = self._timed("profile", 0, lambda: time_draft_tokens(self.drafters, prompt, msg.k, msg.reps))
+        draft = self._timed("profile", 0, lambda: self._time_drafters(prompt, msg.k, msg.reps))
         verify = {} if runner is None else self._timed(
             "profile", 0, lambda: time_verify(runner, list(msg.batch_sizes), msg.context, msg.k, msg.reps, self.clock))
         return P.Profiled(msg.seq, {n: ms for n, ms in draft.items() if ms is not None}, verify, self._take_busy())
+
+    def _time_drafters(self, prompt: list[int], k: int, reps: int) -> dict[str, float | None]:
+        """time_draft_tokens, an eagle head fed the target's features of the probe (and of the tokens the rounds
+        append: a head's cost does not depend on which tokens it reads)."""
+        if self.target is not None and self.target.features is not None and any(
+                isinstance(d, EagleDrafter) for d in self.drafters.values()):
+            prime_features(self.target.features, self.target.runner, PROBE, prompt + prompt[:reps + 1])
+        try:
+            return time_draft_tokens(self.drafters, prompt, k, reps)
+        finally:
+            if self.target is not None and self.target.features is not None:
+                self.target.features.free(PROBE)
 
     def stats(self, seq: int) -> P.WorkerStats:
         kv = {}

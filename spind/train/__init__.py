@@ -1,0 +1,1 @@
+"""Training drafters for a target: `spind train-drafter` (spind/train/cli.py)."""
