@@ -159,7 +159,8 @@ def drafter_over(target, head: EagleHead, name: str = "eagle") -> tuple[EagleDra
     layers = tuple(sorted(set(head.cfg.feature_layers)))
     store = FeatureStore(layers, len(layers) * target.args.hidden_size)
     head.bind_target(target.embed_tokens, target.lm_head, 256)
-    return EagleDrafter(name, head, store, 256), runner_for(target), store
+    runner = runner_for(target)
+    return EagleDrafter(name, head, store, 256, target_runner=runner), runner, store
 
 
 def test_published_layouts_load_and_draft(tmp_path, tiny):
@@ -177,6 +178,15 @@ def test_published_layouts_load_and_draft(tmp_path, tiny):
         assert len(draft.tokens) == 4
         if head.cfg.layout == "eagle3":
             assert all(5 <= t < 45 for t in draft.tokens)  # only ids of its draft vocabulary
+
+
+def test_the_start_up_profile_times_a_head_on_the_probes_features(tiny):
+    from spind.worker.profile import PROBE, probe_prompt, time_draft_tokens
+
+    drafter, _, store = drafter_over(tiny, random_head(tiny))
+    ms = time_draft_tokens({"eagle": drafter}, probe_prompt(40, tiny.args.vocab_size), 4, 3)["eagle"]
+    assert ms is not None and ms > 0
+    assert store.length(PROBE) == 0 and not drafter.probes  # the probe's features are freed with it
 
 
 @pytest.mark.parametrize("case, message", [
@@ -368,3 +378,21 @@ def test_eagle_over_the_default_target_is_lossless(cfg, model_dir, prompt_ids, t
         assert sum(r.num_drafted for r in out[n:]) > 0
     finally:
         engine.close()
+
+
+def test_bench_acceptance_by_position_is_the_trainers(tiny, tiny_trained_head):
+    """`spind bench drafters`' per-position acceptance (the served drafter proposing from every point of the
+    target's own output) and the trainer's (one unrolled forward) measure the same thing: position 1 agrees."""
+    from spind.bench.drafters import acceptance_by_position
+    from spind.train.data import greedy_answers
+
+    head = load_eagle_head(tiny_trained_head, tiny.args)
+    drafter, runner, _ = drafter_over(tiny, head)
+    prompts = [[3, 5, 7, 9, 3, 5, 7], [7, 7, 8, 1, 2]]  # one trained on, one not
+    outs = greedy_answers(runner, prompts, 30, set())
+    bench = acceptance_by_position(drafter, list(zip(prompts, outs)), 3)
+    trainer = acceptance(head, [answered(p, o, f"x{i}") for i, (p, o) in enumerate(zip(prompts, outs))],
+                         TargetFeatures(runner, head.cfg.feature_layers), 3)
+    assert bench["num_chains"] == sum(len(o) - 1 for o in outs)
+    assert bench["by_position"][0] == pytest.approx(trainer[0], abs=1e-9)
+    assert 0 < bench["by_position"][0] <= 1 and bench["tau"] == pytest.approx(1 + sum(bench["by_position"]))

@@ -28,6 +28,7 @@ from spind.coordinator.transport.local import GenRequest, GenResult, LocalEngine
 from spind.models.llama import LlamaModel
 from spind.models.loader import resolve_model_dir
 from spind.models.runner import ForwardItem, ModelRunner
+from spind.drafters.base import DraftInput
 from spind.worker.profile import time_draft_tokens
 from spind.params import SamplingParams
 
@@ -143,17 +144,25 @@ def run_drafter_bench(cfg: SpindConfig, settings: DrafterBenchSettings) -> dict:
         models["bfloat16"] = bf16_runtime.target.runner.model
     passes = [(cfg.model.dtype, rt)] + ([("bfloat16", bf16_runtime)] if bf16_runtime else [])
     modes = [None, *settings.drafters]
-    progress = Progress(total=len(passes) * len(modes) * sum(map(len, prompts.values())) + 2)
+    progress = Progress(total=len(passes) * len(modes) * sum(map(len, prompts.values())) + 2
+                        + len(settings.drafters) * len(prompts))
     target_costs = time_target_steps(models, longest, settings.decode_steps, settings.k, cfg.runtime.kv_block_size,
                                      cfg.runtime.attention)
     progress.step(f"target steps: {len(models)} dtypes x {settings.decode_steps} steps")
     drafters = {name: rt.drafter(name) for name in settings.drafters}
     draft_costs = time_draft_tokens(drafters, longest, settings.k, settings.decode_steps)
     progress.step(f"draft tokens: {len(drafters)} drafters x {settings.decode_steps} rounds")
-    cells = []
+    cells, positions = [], []
     for dtype, runtime in passes:
-        tallies = _run_pass(runtime, dtype, prompts, modes, settings, progress)
+        tallies, outputs = _run_pass(runtime, dtype, prompts, modes, settings, progress)
         cells += _cells(dtype, tallies, settings)
+        if runtime is rt:  # acceptance by position over the served target's own plain outputs
+            for name in settings.drafters:
+                for dataset, outs in outputs.items():
+                    acc = acceptance_by_position(drafters[name], list(zip(prompts[dataset], outs)), settings.k)
+                    positions.append({"drafter": name, "dataset": dataset, **acc})
+                    progress.step(f"{name} {dataset}: acceptance by position "
+                                  f"{' '.join(f'{a:.2f}' for a in acc['by_position'])}")
         runtime.close()
     return {
         "settings": {**dataclasses.asdict(settings), "datasets_dir": str(settings.datasets_dir),
@@ -164,6 +173,7 @@ def run_drafter_bench(cfg: SpindConfig, settings: DrafterBenchSettings) -> dict:
         "drafters": [{"name": name, "kind": cfg.drafter(name).kind, "variant": cfg.drafter(name).variant,
                       "ms_per_draft_token": draft_costs[name]} for name in settings.drafters],
         "cells": cells,
+        "acceptance_by_position": positions,
     }
 
 
@@ -180,6 +190,7 @@ def _run_pass(rt: LocalEngine, dtype: str, prompts: dict[str, list[list[int]]], 
     warm = next(iter(prompts.values()))[0]
     rt.generate([GenRequest(f"warm-{dtype}-{m}", warm, SamplingParams(max_tokens=4), m, settings.k) for m in modes])
     tallies: dict[tuple[str, str], Tally] = defaultdict(Tally)
+    outputs: dict[str, list[list[int]]] = defaultdict(list)
     for dataset, id_lists in prompts.items():
         for i, ids in enumerate(id_lists):
             plain: GenResult | None = None
@@ -189,7 +200,36 @@ def _run_pass(rt: LocalEngine, dtype: str, prompts: dict[str, list[list[int]]], 
                 tallies[(dataset, mode or PLAIN)].add(res, plain)
                 progress.step(f"{dtype} {dataset} #{i} {mode or PLAIN}: {len(res.token_ids)} tokens "
                               f"in {res.elapsed_s:.2f}s, accepted {res.num_accepted}/{res.num_drafted}")
-    return tallies
+            outputs[dataset].append(plain.token_ids)
+    return tallies, outputs
+
+
+def acceptance_by_position(drafter, sequences: list[tuple[list[int], list[int]]], k: int,
+                           stride: int = 1) -> dict:
+    """Greedy chain acceptance per draft position: from every `stride`-th point of each plain-decoding output
+    (the prompt and the output's first n + 1 tokens committed), the drafter proposes k tokens, and position j
+    counts as accepted when it and every earlier one equal plain decoding's (what a verify would keep). Returns
+    P(position j accepted) for j = 1..k, the mean accepted drafts per verify, and tau (tokens per verify with the
+    bonus token)."""
+    hits, counts = [0] * k, [0] * k
+    for i, (prompt, out) in enumerate(sequences):
+        rid = f"{PROBE}-position-{i}"
+        full = prompt + out
+        drafter.add_request(rid, SamplingParams())
+        try:
+            drafter.prepare_probe(rid, full)
+            for n in range(0, len(out) - 1, stride):
+                truth = out[n + 1:n + 1 + k]
+                draft = drafter.propose([DraftInput(rid, full[:len(prompt) + n + 1], k)])[0].tokens
+                alive = True
+                for j, want in enumerate(truth):
+                    counts[j] += 1
+                    alive = alive and j < len(draft) and draft[j] == want
+                    hits[j] += alive
+        finally:
+            drafter.free_request(rid)
+    rates = [h / c if c else 0.0 for h, c in zip(hits, counts)]
+    return {"by_position": rates, "mean_accepted": sum(rates), "tau": 1 + sum(rates), "num_chains": counts[0]}
 
 
 def _cells(dtype: str, tallies: dict[tuple[str, str], Tally], settings: DrafterBenchSettings) -> list[dict]:
@@ -224,6 +264,14 @@ def render_tables(results: dict) -> str:
           fmt(d["ms_per_draft_token"] / plain_ms if d["ms_per_draft_token"] is not None else None, 3)]
          for d in results["drafters"]])
     tables = [target, costs]
+    if results.get("acceptance_by_position"):
+        tables.append(format_table(
+            f"Greedy acceptance by draft position, k={k} (chains from every point of plain decoding's outputs, "
+            f"{results['target'][0]['dtype']} target): P(position j accepted); tau = tokens per verify with the "
+            f"bonus token",
+            ["drafter", "dataset", *(f"pos {j + 1}" for j in range(k)), "accepted/verify", "tau", "chains"],
+            [[a["drafter"], a["dataset"], *(fmt(x, 3) for x in a["by_position"]), fmt(a["mean_accepted"], 2),
+              fmt(a["tau"], 2), a["num_chains"]] for a in results["acceptance_by_position"]]))
     for dtype in dict.fromkeys(c["target_dtype"] for c in results["cells"]):
         cell = {(c["dataset"], c["drafter"]): c for c in results["cells"] if c["target_dtype"] == dtype}
 

@@ -51,6 +51,11 @@ class Drafter(ABC):
         feeding at most max_tokens of them; returns how many are still to feed (0: up to date)."""
         return 0
 
+    def prepare_probe(self, req_id: str, tokens: list[int]) -> None:
+        """Before an offline probe drafts for `req_id` over prefixes of `tokens` (the start-up profile, `spind
+        bench drafters`): whatever the drafter reads besides the token ids, which serving would have given it (a
+        feature-level head: the target's features of those tokens). Nothing for most drafters."""
+
     # ---- drafting ----------------------------------------------------------------------------------
     def propose(self, inputs: list[DraftInput]) -> list[Draft]:
         start = self.clock.now()

@@ -102,7 +102,7 @@ def make_eagle_drafters(configs: list, target, resolve_path) -> dict[str, "Eagle
             # default model's head at 1 thread), at the target's activation precision where it has one
             head.quantize_linears({"gguf": "fp32", "gguf-q8": "q8"}.get(model.quantized, "q16"))
         head.bind_target(model.embed_tokens, model.lm_head, target.max_model_len + 1)
-        out[name] = EagleDrafter(name, head, store, target.max_model_len, DeviceClock(model.device))
+        out[name] = EagleDrafter(name, head, store, target.max_model_len, DeviceClock(model.device), target.runner)
     return out
 
 
@@ -110,9 +110,11 @@ class EagleDrafter(Drafter):
     kind = "eagle"
 
     def __init__(self, name: str, head: EagleHead, store: FeatureStore, max_model_len: int,
-                 clock: DeviceClock | None = None) -> None:
+                 clock: DeviceClock | None = None, target_runner=None) -> None:
         super().__init__(name, clock)
         self.head, self.store, self.max_model_len = head, store, max_model_len
+        self.target_runner = target_runner  # for offline probes only (prepare_probe); serving never runs it
+        self.probes: set[str] = set()
         index = {layer: i for i, layer in enumerate(store.layers)}
         h = head.cfg.args.hidden_size
         self.columns = torch.cat([torch.arange(index[layer] * h, (index[layer] + 1) * h)
@@ -132,9 +134,18 @@ class EagleDrafter(Drafter):
         self.fed[req_id] = 0
         self.generators[req_id] = make_generator(params.seed, salt=1)
 
+    def prepare_probe(self, req_id: str, tokens: list[int]) -> None:
+        if self.target_runner is None:
+            raise RuntimeError(f"drafter {self.name!r} has no target to compute a probe's features with")
+        prime_features(self.store, self.target_runner, req_id, tokens)
+        self.probes.add(req_id)
+
     def free_request(self, req_id: str) -> None:
         super().free_request(req_id)
         self.kv.free(req_id)
+        if req_id in self.probes:  # a real request's features are the target's to free
+            self.probes.discard(req_id)
+            self.store.free(req_id)
         self.fed.pop(req_id, None)
         self.generators.pop(req_id, None)
 

@@ -32,6 +32,8 @@ def time_draft_tokens(drafters: dict[str, Drafter], prompt: list[int], k: int,
     samples: dict[str, list[float]] = {name: [] for name in drafters}
     for name, drafter in drafters.items():
         drafter.add_request(PROBE, SamplingParams())
+        # each round appends one token: a head's features cover them (its cost does not depend on which tokens)
+        drafter.prepare_probe(PROBE, prompt + prompt[:rounds + 1])
         drafter.propose([DraftInput(PROBE, seqs[name], k)])  # prefill + warm-up, not timed
     try:
         for _ in range(rounds):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from spind import protocol as P
 from spind.config import TARGET_WORKER, DrafterConfig, SpindConfig, canonical_device, resolve_dtype
 from spind.drafters import Drafter, DraftInput, load_drafter_model, make_drafter, resolve_head_dir
-from spind.drafters.eagle import EagleDrafter, make_eagle_drafters, prime_features
+from spind.drafters.eagle import make_eagle_drafters
 from spind.grammar import Grammars
 from spind.models.llama import LlamaModel, layer_subset, load_llama
 from spind.models.loader import resolve_model_dir
@@ -35,7 +35,7 @@ from spind.tokenizer import Tokenizer
 from spind.worker.device import DeviceClock, bf16_supported, device_name, is_fatal_device_error, pin_device
 from spind.worker.memory import memory_baseline, num_kv_blocks
 from spind.worker.probs import ProbsReceiver, ProbsSender
-from spind.worker.profile import PROBE, probe_prompt, time_draft_tokens, time_verify
+from spind.worker.profile import probe_prompt, time_draft_tokens, time_verify
 from spind.worker.target import RequestFailed, TargetVerifier, VerifyItem
 
 log = logging.getLogger(__name__)
@@ -352,22 +352,10 @@ class Worker:
         any_runner = runner or next((d.runner for d in self.drafters.values() if hasattr(d, "runner")), None)
         vocab = any_runner.model.args.vocab_size if any_runner is not None else 32000
         prompt = probe_prompt(msg.context, vocab)
-        draft = self._timed("profile", 0, lambda: self._time_drafters(prompt, msg.k, msg.reps))
+        draft = self._timed("profile", 0, lambda: time_draft_tokens(self.drafters, prompt, msg.k, msg.reps))
         verify = {} if runner is None else self._timed(
             "profile", 0, lambda: time_verify(runner, list(msg.batch_sizes), msg.context, msg.k, msg.reps, self.clock))
         return P.Profiled(msg.seq, {n: ms for n, ms in draft.items() if ms is not None}, verify, self._take_busy())
-
-    def _time_drafters(self, prompt: list[int], k: int, reps: int) -> dict[str, float | None]:
-        """time_draft_tokens, an eagle head fed the target's features of the probe (and of the tokens the rounds
-        append: a head's cost does not depend on which tokens it reads)."""
-        if self.target is not None and self.target.features is not None and any(
-                isinstance(d, EagleDrafter) for d in self.drafters.values()):
-            prime_features(self.target.features, self.target.runner, PROBE, prompt + prompt[:reps + 1])
-        try:
-            return time_draft_tokens(self.drafters, prompt, k, reps)
-        finally:
-            if self.target is not None and self.target.features is not None:
-                self.target.features.free(PROBE)
 
     def stats(self, seq: int) -> P.WorkerStats:
         kv = {}
