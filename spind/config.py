@@ -23,7 +23,7 @@ from spind.policy import Policy
 DEFAULT_CONFIG_PATH: Traversable = resources.files("spind").joinpath("config.toml")
 TARGET_WORKER = "target"  # the worker that hosts the target model (and verifies)
 
-DRAFTER_KINDS = ("ngram", "self", "model", "eagle")
+DRAFTER_KINDS = ("ngram", "suffix", "self", "model", "eagle")
 SELF_DRAFT_VARIANTS = ("bf16", "int8-weight-only", "int8-dynamic", "layers", "gguf", "gguf-q16", "gguf-q8")
 # "auto" (resolve_dtype: per the worker's device), float dtypes, then quantized targets (spind/models/quant.py): "gguf"
 # runs the GGUF's own blocks (Q4_0, Q4_1, Q8_0) with spind's batch-invariant CPU kernel at fp32 precision, "gguf-q16" /
@@ -78,7 +78,7 @@ class RuntimeConfig:
 @dataclass(frozen=True)
 class DrafterConfig:
     name: str
-    kind: str  # ngram | self | model | eagle
+    kind: str  # ngram | suffix | self | model | eagle
     variant: str = ""  # for kind=self: bf16 | int8-weight-only | int8-dynamic | layers | gguf | gguf-q16 | gguf-q8
     path: str = ""  # kind=model: HF directory or .gguf; kind=eagle: the head's directory ("default": spind's own)
     layers: tuple[int, ...] = ()  # for variant=layers (and optionally gguf): which target layers to keep
@@ -88,6 +88,11 @@ class DrafterConfig:
     # n-gram prompt lookup
     ngram_max: int = 3
     ngram_min: int = 1
+    # suffix decoding (spind/drafters/suffix.py)
+    max_depth: int = 24  # longest context match, in tokens
+    factor: float = 1.0  # draft at most factor x the match length (and k)
+    min_prob: float = 0.1  # stop where the draft's estimated probability falls below this
+    cache_mb: float = 64.0  # the shared trie over finished requests (estimated size); oldest evicted first
 
 
 @dataclass(frozen=True)
@@ -283,6 +288,9 @@ def validate(cfg: SpindConfig) -> SpindConfig:
         if d.kind == "eagle" and d.worker != TARGET_WORKER:
             raise ConfigError(f"[[drafters]] {d.name}: an eagle head reads the target's hidden states, so it runs "
                               f"on the target's worker: worker = {TARGET_WORKER!r}")
+        if d.max_depth < 1 or d.factor <= 0 or not 0 <= d.min_prob < 1 or d.cache_mb < 0:
+            raise ConfigError(f"[[drafters]] {d.name}: need max_depth >= 1, factor > 0, 0 <= min_prob < 1, "
+                              f"cache_mb >= 0")
         if d.ngram_min < 1 or d.ngram_max < d.ngram_min:
             raise ConfigError(f"[[drafters]] {d.name}: need 1 <= ngram_min <= ngram_max")
     if any(d.max_batch_size < 0 for d in cfg.drafters):

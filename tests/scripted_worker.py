@@ -158,5 +158,12 @@ class ScriptedWorker:
             results.append(P.VerifyResult(it.req_id, len(d), n, new, 0.001 if it.inline_drafter else 0.0))
         return P.Verified(msg.seq, results, 0.003, [P.BusyInterval("verify", 0.0, 0.003, len(results))])
 
+    @property
+    def has_idle_work(self) -> bool:
+        return bool(self.precompute_queue)
+
+    def run_idle_work(self) -> None:
+        self.run_precompute()
+
     def run_precompute(self) -> None:
         self.precomputed.append(self.precompute_queue.popleft())

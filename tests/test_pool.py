@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections import deque
 
 import pytest
 
@@ -22,7 +21,7 @@ class HangingWorker:
         self.name = name
         self.hang = hang
         self.release = threading.Event()
-        self.precompute_queue: deque = deque()
+        self.has_idle_work = False  # no precompute is ever queued here
         self.answered: list[object] = []
 
     def ready(self, num_threads: int) -> P.Ready:
@@ -34,9 +33,6 @@ class HangingWorker:
             self.release.wait(30)
         self.answered.append(msg)
         return P.Ack(msg.seq)
-
-    def run_precompute(self) -> None:
-        self.precompute_queue.popleft()
 
 
 def test_a_call_that_times_out_raises_worker_died_and_the_worker_counts_as_dead_until_restarted():

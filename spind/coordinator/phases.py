@@ -96,7 +96,7 @@ class SlotPhases:
         self.drafter_worker = {d.name: d.worker for d in cfg.drafters}
         self.capacity = Capacity({d.name: cfg.drafter_capacity(d.name) for d in cfg.drafters})
         self.worker_capacity = {w: cfg.worker_capacity(w) for w in set(self.drafter_worker.values())}
-        self.model_drafters = {d.name for d in cfg.drafters if d.kind != "ngram"}
+        self.model_drafters = {d.name for d in cfg.drafters if d.kind not in ("ngram", "suffix")}  # with KV
         self.shadows = ShadowDrafts({d.name: (d.ngram_max, d.ngram_min) for d in cfg.drafters if d.kind == "ngram"})
         self.num_cores = os.cpu_count() or 1
         self.failure: str | None = None  # why the engine gave up (a worker that cannot be restarted)

@@ -8,6 +8,7 @@ from spind.config import DrafterConfig, SpindConfig, configured_kv_blocks, resol
 from spind.drafters.base import Draft, DraftInput, Drafter
 from spind.drafters.model import ModelDrafter
 from spind.drafters.ngram import NgramDrafter
+from spind.drafters.suffix import SuffixDrafter
 from spind.models.llama import LlamaModel, load_llama
 from spind.models.loader import resolve_model_dir
 from spind.models.quant import GGUF_DTYPES, float_dtype_for, quantize_linears, trim_vocab
@@ -47,7 +48,7 @@ def load_drafter_model(dc: DrafterConfig, cfg: SpindConfig, target_dir: Path, ta
                        device: str, dtype: str) -> LlamaModel | None:
     """A drafter's model (None for n-gram lookup); `dtype`: [model].dtype as resolved on `device`. Apart from
     `make_drafter` so a worker can size the KV pools of all its models once they are loaded."""
-    if dc.kind in ("ngram", "eagle"):  # model-free, or a head beside the target (make_eagle_drafters)
+    if dc.kind in ("ngram", "suffix", "eagle"):  # model-free, or a head beside the target (make_eagle_drafters)
         return None
     if dc.kind == "self":
         if dc.variant == "bf16":
@@ -72,6 +73,8 @@ def load_drafter_model(dc: DrafterConfig, cfg: SpindConfig, target_dir: Path, ta
 def make_drafter(dc: DrafterConfig, cfg: SpindConfig, model: LlamaModel | None, num_blocks: int) -> Drafter:
     if dc.kind == "eagle":
         raise ValueError(f"drafter {dc.name!r}: an eagle head is built beside its target (make_eagle_drafters)")
+    if dc.kind == "suffix":
+        return SuffixDrafter(dc.name, dc.max_depth, dc.factor, dc.min_prob, dc.cache_mb)
     if model is None:
         return NgramDrafter(dc.name, dc.ngram_max, dc.ngram_min)
     r = cfg.runtime

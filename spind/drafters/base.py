@@ -51,6 +51,18 @@ class Drafter(ABC):
         feeding at most max_tokens of them; returns how many are still to feed (0: up to date)."""
         return 0
 
+    def observe_finished(self, req_id: str, tokens: list[int]) -> None:
+        """A request this drafter's worker served ended with this whole sequence (prompt and output), whichever
+        drafter served it: a drafter that learns across requests (suffix decoding) keeps it. Nothing for most."""
+
+    @property
+    def has_background_work(self) -> bool:
+        """Work this drafter does between ops, off every request's path (see background_work)."""
+        return False
+
+    def background_work(self, max_tokens: int) -> None:
+        """A chunk (about max_tokens tokens' worth) of that work; the worker runs it only while no op waits."""
+
     def prepare_probe(self, req_id: str, tokens: list[int]) -> None:
         """Before an offline probe drafts for `req_id` over prefixes of `tokens` (the start-up profile, `spind
         bench drafters`): whatever the drafter reads besides the token ids, which serving would have given it (a

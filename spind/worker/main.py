@@ -33,12 +33,13 @@ POLL_MS = 500  # idle poll; between polls the worker checks that its parent is a
 
 
 def serve(worker, sock: zmq.Socket) -> None:
-    """Answer ops in arrival order; run queued precomputes only while nothing else waits. What the worker raises
+    """Answer ops in arrival order; run idle work (precomputes, a drafter's own) only while nothing else waits. What
+    the worker raises
     (a lost device) ends it."""
     parent = os.getppid()
     while True:
-        if worker.precompute_queue and not sock.poll(0):
-            worker.run_precompute()
+        if worker.has_idle_work and not sock.poll(0):
+            worker.run_idle_work()
             continue
         if not sock.poll(POLL_MS):
             if os.getppid() != parent:  # the coordinator died: do not linger as an orphan

@@ -217,6 +217,10 @@ class Worker:
         self.mirrors[msg.req_id] = Mirror(params, list(msg.tokens))
 
     def free_request(self, req_id: str) -> None:
+        mirror = self.mirrors.get(req_id)
+        if mirror is not None:
+            for drafter in self.drafters.values():
+                drafter.observe_finished(req_id, mirror.tokens)
         if self.target is not None:
             self.target.free_request(req_id)
         for name, reqs in self.drafter_reqs.items():
@@ -328,6 +332,21 @@ class Worker:
         for it in items:
             self._sync(it.req_id, it.drafter, it.base_len, it.new_tokens)
             self.precompute_queue.append((it.req_id, it.drafter))
+
+    @property
+    def has_idle_work(self) -> bool:
+        """Work to run while no op waits: queued precomputes, or a drafter's own (the suffix cache's inserts)."""
+        return bool(self.precompute_queue) or any(d.has_background_work for d in self.drafters.values())
+
+    def run_idle_work(self) -> None:
+        """One chunk of idle work (called only when no op is waiting): a drafter's background work first (it
+        serves every later request), else one precompute chunk."""
+        for name, drafter in self.drafters.items():
+            if drafter.has_background_work:
+                self._timed("precompute", 0, lambda: drafter.background_work(PRECOMPUTE_CHUNK), name)
+                return
+        if self.precompute_queue:
+            self.run_precompute()
 
     def run_precompute(self) -> None:
         """One chunk of the oldest queued precompute (called only when no op is waiting); a request with

@@ -194,8 +194,8 @@ class InProcessPool:
         worker = local.worker
         try:
             while True:
-                if local.ops.empty() and worker.precompute_queue:
-                    await loop.run_in_executor(local.executor, worker.run_precompute)
+                if local.ops.empty() and worker.has_idle_work:
+                    await loop.run_in_executor(local.executor, worker.run_idle_work)
                     continue
                 msg, fut = await local.ops.get()
                 reply = await loop.run_in_executor(local.executor, worker.answer, msg)
