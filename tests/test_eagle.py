@@ -396,3 +396,33 @@ def test_bench_acceptance_by_position_is_the_trainers(tiny, tiny_trained_head):
     assert bench["num_chains"] == sum(len(o) - 1 for o in outs)
     assert bench["by_position"][0] == pytest.approx(trainer[0], abs=1e-9)
     assert 0 < bench["by_position"][0] <= 1 and bench["tau"] == pytest.approx(1 + sum(bench["by_position"]))
+
+
+def test_train_drafter_command_writes_a_head_and_resumes(tiny_dir, tiny, tmp_path, capsys):
+    from spind.cli import main
+
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([f"t{i} t{i + 1} t{i + 2}" for i in range(3, 30)]))
+    args = ["train-drafter", "--model", str(tiny_dir), "--dtype", "float32", "--out", str(tmp_path / "work"),
+            "--prompts", str(prompts), "--max-tokens", "12", "--draft-vocab", "24", "--tokens-per-step", "64",
+            "--save-every", "2", "--threads", "1"]
+    assert main([*args, "--steps", "2"]) == 0
+    first = capsys.readouterr()
+    assert 'kind = "eagle"' in first.out and "generate: 27/27 prompts" in first.err
+    head = load_eagle_head(tmp_path / "work" / "head", tiny.args)
+    assert head.cfg.draft_vocab_size == 24 and head.cfg.layout == "eagle3"
+    assert main([*args, "--steps", "4"]) == 0  # the same command, further: nothing regenerated, training resumed
+    second = capsys.readouterr().err
+    assert "generate:" not in second and "resumed from ckpt-0000002.pt (step 2)" in second
+    assert "step 4/4" in second and "step 1/4" not in second
+    report = json.loads((tmp_path / "work" / "head" / "training.json").read_text())
+    assert report["steps"] == 4 and report["draft_vocab"] == 24
+
+
+def test_train_drafter_refuses_bad_arguments(tmp_path, capsys):
+    from spind.cli import main
+
+    assert main(["train-drafter", "--out", str(tmp_path), "--steps", "0"]) == 2
+    assert "--steps must be >= 1" in capsys.readouterr().err
+    assert main(["train-drafter", "--out", str(tmp_path), "--datasets-dir", str(tmp_path / "none")]) == 2
+    assert "datasets folder not found" in capsys.readouterr().err

@@ -34,8 +34,10 @@ LAYOUTS = ("eagle1", "eagle3")
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's (and vLLM's) default: the hidden states entering layers 2, L // 2 and L - 3."""
-    return (2, num_target_layers // 2, num_target_layers - 3)
+    """EAGLE-3's (and vLLM's) default: the hidden states entering layers 2, L // 2 and L - 3 (within 0..L - 1
+    for a model of fewer than 6 layers)."""
+    last = num_target_layers - 1
+    return (min(2, last), num_target_layers // 2, max(num_target_layers - 3, 0))
 
 
 @dataclass(frozen=True)

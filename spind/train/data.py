@@ -107,7 +107,7 @@ def generate(runner, tokenizer, prompts: list[Prompt], data_dir: Path, max_token
     in_shard = 0
     for b in range(0, len(todo), batch_size):
         batch = todo[b:b + batch_size]
-        encoded = [encode_prompt(tokenizer, p)[: limit - 2] for p in batch]
+        encoded = [encode(tokenizer, p)[: limit - 2] for p in batch]
         answers = greedy_answers(runner, encoded, max_tokens, eos)
         if in_shard >= shard_size:
             shard_index, in_shard = shard_index + 1, 0
@@ -123,6 +123,14 @@ def generate(runner, tokenizer, prompts: list[Prompt], data_dir: Path, max_token
         log(f"generate: {answered + len(done)}/{len(prompts)} prompts, {tokens_out / spent:.0f} tok/s, "
             f"eta {eta / 60:.0f} min")
     return answered
+
+
+def encode(tokenizer, prompt: Prompt) -> list[int]:
+    """A prompt as the served model reads it: in its chat template, or as plain text where it has none (a base
+    model's head learns from completions)."""
+    if prompt.is_chat and not tokenizer.has_chat_template:
+        return tokenizer.encode_prompt(prompt.text)
+    return encode_prompt(tokenizer, prompt)
 
 
 @torch.inference_mode()
