@@ -195,6 +195,8 @@ def _run_pass(rt: LocalEngine, dtype: str, prompts: dict[str, list[list[int]]], 
         for i, ids in enumerate(id_lists):
             plain: GenResult | None = None
             for mode in modes:
+                for name in rt.drafters:  # each drafter meets the prompt for the first time (suffix's cache)
+                    rt.drafter(name).forget_finished()
                 res = rt.generate([GenRequest(f"{dtype}-{dataset}-{i}-{mode}", ids, params, mode, settings.k)])[0]
                 plain = plain or res
                 tallies[(dataset, mode or PLAIN)].add(res, plain)
@@ -215,6 +217,7 @@ def acceptance_by_position(drafter, sequences: list[tuple[list[int], list[int]]]
     for i, (prompt, out) in enumerate(sequences):
         rid = f"{PROBE}-position-{i}"
         full = prompt + out
+        drafter.forget_finished()  # the generation passes' answers to these very prompts
         drafter.add_request(rid, SamplingParams())
         try:
             drafter.prepare_probe(rid, full)
@@ -271,7 +274,7 @@ def render_tables(results: dict) -> str:
             f"bonus token",
             ["drafter", "dataset", *(f"pos {j + 1}" for j in range(k)), "accepted/verify", "tau", "chains"],
             [[a["drafter"], a["dataset"], *(fmt(x, 3) for x in a["by_position"]), fmt(a["mean_accepted"], 2),
-              fmt(a["tau"], 2), a["num_chains"]] for a in results["acceptance_by_position"]]))
+              fmt(a["tau"], 2), str(a["num_chains"])] for a in results["acceptance_by_position"]]))
     for dtype in dict.fromkeys(c["target_dtype"] for c in results["cells"]):
         cell = {(c["dataset"], c["drafter"]): c for c in results["cells"] if c["target_dtype"] == dtype}
 

@@ -55,6 +55,10 @@ class Drafter(ABC):
         """A request this drafter's worker served ended with this whole sequence (prompt and output), whichever
         drafter served it: a drafter that learns across requests (suffix decoding) keeps it. Nothing for most."""
 
+    def forget_finished(self) -> None:
+        """Drop what observe_finished kept (a bench that runs several drafters on one prompt: none may draft
+        from another run's answer to it)."""
+
     @property
     def has_background_work(self) -> bool:
         """Work this drafter does between ops, off every request's path (see background_work)."""

@@ -231,6 +231,10 @@ class SuffixDrafter(Drafter):
         if self.cache.max_bytes > 0 and tokens:
             self.pending.append((req_id, list(tokens)))
 
+    def forget_finished(self) -> None:
+        self.pending.clear()
+        self.cache = SuffixCache(self.max_depth, self.cache.max_bytes)
+
     @property
     def has_background_work(self) -> bool:
         return bool(self.pending)
