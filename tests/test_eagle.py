@@ -216,6 +216,16 @@ def test_saved_head_loads_back_the_same(tmp_path, tiny):
         assert torch.equal(a, b), name
 
 
+def test_an_int8_head_loads_back_within_its_rounding(tmp_path, tiny):
+    head = random_head(tiny)
+    save_eagle_head(head, tmp_path / "h8", torch.int8)
+    back = load_eagle_head(tmp_path / "h8", tiny.args)
+    assert torch.equal(back.d2t, head.d2t)
+    for (name, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items()):
+        if a.dim() == 2:  # per-row int8: within half a step of the row's largest weight / 127
+            assert float((a - b).abs().amax(1).div(a.abs().amax(1)).max()) <= 0.5 / 127 + 1e-3, name
+
+
 def test_config_checks_eagle_entries():
     with pytest.raises(ConfigError, match="needs path"):
         from_dict({"drafters": [{"name": "e", "kind": "eagle", "worker": "target"}]})

@@ -322,14 +322,28 @@ def load_eagle_head(head_dir: Path, target: LlamaArgs) -> EagleHead:
 
 
 def _read_all(files: list[Path]) -> dict[str, torch.Tensor]:
-    """Every tensor of a head's files (a head is small: tens of MB at most for a 70B target's)."""
+    """Every tensor of a head's files (a head is small: tens of MB at most for a 70B target's); an int8 weight
+    with a per-row `<name>_scale` (how spind ships its own heads) comes back dequantized."""
     from safetensors.torch import load_file
 
     out: dict[str, torch.Tensor] = {}
     for f in files:
         out.update(load_file(str(f)) if f.suffix == ".safetensors" else
                    torch.load(f, map_location="cpu", weights_only=True))
+    for name in [n for n in out if n.endswith(SCALE_SUFFIX)]:
+        base = name[: -len(SCALE_SUFFIX)]
+        if base in out and out[base].dtype == torch.int8:
+            out[base] = out[base].float() * out.pop(name).float()[:, None]
     return out
+
+
+SCALE_SUFFIX = "_scale"
+
+
+def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: (codes, fp16 scales); w ~= codes * scale[:, None]."""
+    scale = (w.abs().amax(1) / 127).clamp(min=1e-8).half()
+    return (w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
 def _to_state(tensors: dict[str, torch.Tensor], cfg: EagleConfig, head: EagleHead) -> dict[str, torch.Tensor]:
@@ -351,7 +365,8 @@ def _to_state(tensors: dict[str, torch.Tensor], cfg: EagleConfig, head: EagleHea
 
 def save_eagle_head(head: EagleHead, out_dir: Path, dtype: torch.dtype = torch.float16) -> None:
     """Write `head` in the published EAGLE-3 layout (config.json + model.safetensors with d2t / t2d), which
-    `load_eagle_head` (and other EAGLE-3 loaders) read."""
+    `load_eagle_head` (and, in a float dtype, other EAGLE-3 loaders) read. torch.int8: each matrix as per-row int8
+    codes with an fp16 `<name>_scale` (norms in fp16): 1 byte a weight, how spind ships its own head."""
     from safetensors.torch import save_file
 
     if not head.eagle3:
@@ -366,7 +381,15 @@ def save_eagle_head(head: EagleHead, out_dir: Path, dtype: torch.dtype = torch.f
                 "midlayer.self_attn.v_proj.weight": v.to(dtype)})
     gate, up = sd["gate_up_proj.weight"].split(a.intermediate_size)
     out.update({"midlayer.mlp.gate_proj.weight": gate.to(dtype), "midlayer.mlp.up_proj.weight": up.to(dtype)})
-    out["d2t"] = head.d2t - torch.arange(head.cfg.draft_vocab_size)  # published as offsets
+    if dtype == torch.int8:
+        out = {theirs: sd[ours].half() for theirs, ours in _EAGLE3_NAMES.items()}
+        out.update({"midlayer.self_attn.q_proj.weight": q, "midlayer.self_attn.k_proj.weight": k,
+                    "midlayer.self_attn.v_proj.weight": v, "midlayer.mlp.gate_proj.weight": gate,
+                    "midlayer.mlp.up_proj.weight": up})
+        for name in [n for n, w in out.items() if w.dim() == 2]:
+            out[name], out[name + SCALE_SUFFIX] = _int8_rows(out[name].float())
+    offsets = head.d2t - torch.arange(head.cfg.draft_vocab_size)  # published as offsets
+    out["d2t"] = offsets.to(torch.int32) if dtype == torch.int8 else offsets
     t2d = torch.zeros(head.target_vocab, dtype=torch.bool)
     t2d[head.d2t] = True
     out["t2d"] = t2d

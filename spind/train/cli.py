@@ -99,7 +99,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     trainer.resume()
     trainer.run()
     out = work / "head"
-    save_eagle_head(head, out, torch.float16)
+    save_eagle_head(head, out, {"float16": torch.float16, "int8": torch.int8}[args.head_dtype])
     report = {"steps": trainer.step, "sequences": len(seqs), "draft_vocab": len(vocab),
               "draft_vocab_coverage": coverage, "feature_layers": list(layers), "history": trainer.history,
               "settings": {f.name: getattr(settings, f.name) for f in fields(TrainSettings)}}
@@ -131,6 +131,9 @@ def add_parser(sub, datasets_default: Path) -> None:
     p.add_argument("--unroll", type=int, default=None, help=f"training-time-test steps (default: {d.unroll})")
     p.add_argument("--save-every", type=int, default=None, help=f"default: {d.save_every}")
     p.add_argument("--eval-every", type=int, default=None, help=f"default: {d.eval_every}")
+    p.add_argument("--head-dtype", choices=("float16", "int8"), default="float16",
+                   help="the written head's weights: float16 (any EAGLE-3 loader reads it) or int8 (per-row "
+                        "scales, half the bytes; spind reads it)")
     p.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
                    help="train with bfloat16 matmuls (auto: where the CPU has BF16 units)")
     p.set_defaults(func=cmd_train_drafter)
