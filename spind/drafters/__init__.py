@@ -82,7 +82,7 @@ def make_drafter(dc: DrafterConfig, cfg: SpindConfig, model: LlamaModel | None, 
                         r.max_batch_size, cuda_graphs=r.cuda_graphs and model.device.type == "cuda")
 
 
-def resolve_head_dir(path: str, cache_dir: Path | None = None) -> Path:
+def resolve_head_dir(path: str) -> Path:
     """An eagle drafter's `path`: "default" is the head shipped for the embedded default model."""
     if path == "default":
         return DEFAULT_HEAD_DIR

@@ -66,7 +66,7 @@ class LlamaModel(nn.Module):
         planned for `meta` (outside, so that a captured CUDA graph of this forward never re-plans).
 
         Returns fp32 logits [len(logits_rows), vocab] (all T rows when logits_rows is None); with `feature_layers`,
-        also every row's features (a draft head's input, see `feature_width`): [T, len(feature_layers) * hidden],
+        also every row's features (a draft head's input, spind/models/eagle.py): [T, len(feature_layers) * hidden],
         fp32, each part the hidden state entering that layer (as transformers' hidden_states[i]), or for i =
         num_layers the final normed one (what lm_head reads).
         """

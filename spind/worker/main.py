@@ -33,9 +33,8 @@ POLL_MS = 500  # idle poll; between polls the worker checks that its parent is a
 
 
 def serve(worker, sock: zmq.Socket) -> None:
-    """Answer ops in arrival order; run idle work (precomputes, a drafter's own) only while nothing else waits. What
-    the worker raises
-    (a lost device) ends it."""
+    """Answer ops in arrival order; run idle work (precomputes, a drafter's own) only while nothing else waits.
+    What the worker raises (a lost device) ends it."""
     parent = os.getppid()
     while True:
         if worker.has_idle_work and not sock.poll(0):

@@ -100,8 +100,7 @@ class Worker:
         if eagles and self.target is None:
             raise ValueError(f"worker {name!r}: eagle drafters ({', '.join(d.name for d in eagles)}) run on the "
                              f"target's worker")
-        heads = make_eagle_drafters(eagles, self.target, lambda p: resolve_head_dir(p, cfg.cache_path)) \
-            if eagles else {}
+        heads = make_eagle_drafters(eagles, self.target, resolve_head_dir) if eagles else {}
         self.drafters: dict[str, Drafter] = {
             d.name: heads[d.name] if d.kind == "eagle" else make_drafter(d, cfg, drafter_models[d.name], num_blocks)
             for d in hosted}
@@ -203,7 +202,7 @@ class Worker:
         if not msg.tokens:
             raise ValueError(f"{msg.req_id}: empty token list")
         if msg.req_id in self.mirrors:  # a resync: start over from the full sequence
-            self.free_request(msg.req_id)
+            self.free_request(msg.req_id, finished=False)
         params = msg.params.validate()
         if msg.is_target:
             if self.target is None:
@@ -216,9 +215,9 @@ class Worker:
                 self.target.fork(msg.fork_of, msg.req_id, params)
         self.mirrors[msg.req_id] = Mirror(params, list(msg.tokens))
 
-    def free_request(self, req_id: str) -> None:
+    def free_request(self, req_id: str, finished: bool = True) -> None:
         mirror = self.mirrors.get(req_id)
-        if mirror is not None:
+        if mirror is not None and finished:
             for drafter in self.drafters.values():
                 drafter.observe_finished(req_id, mirror.tokens)
         if self.target is not None:
