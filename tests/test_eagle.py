@@ -360,32 +360,37 @@ def test_eagle_drafts_through_the_engine_exactly_at_every_k(tiny_dir, tiny_train
         engine.close()
 
 
-def test_eagle_over_the_default_target_is_lossless(cfg, model_dir, prompt_ids, tmp_path):
+def test_eagle_and_suffix_over_the_default_target_are_lossless(cfg, model_dir, prompt_ids, tmp_path):
     """The real default model (its fused 4-bit kernels recording features in segments) with a head of its shape
-    in one batch of prompts from 4 to ~290 tokens: greedy output is plain decoding's, at k = 1 and 4."""
+    and the suffix drafter, in one batch of prompts from 4 to ~290 tokens: greedy output is plain decoding's, at
+    k = 1, 4 and 8."""
     import dataclasses
 
     from spind.config import DrafterConfig
     from spind.coordinator.transport.local import GenRequest, LocalEngine
-
     from spind.models.layers import LlamaArgs
 
     args = LlamaArgs.from_hf(json.loads((model_dir / "config.json").read_text()))
     torch.manual_seed(0)
     head = new_head(args, torch.arange(0, args.vocab_size, 6), (2, args.num_layers // 2, args.num_layers))
     save_eagle_head(head, tmp_path / "head")
-    dc = DrafterConfig(name="eagle", kind="eagle", path=str(tmp_path / "head"), worker="target")
-    engine = LocalEngine.load(dataclasses.replace(cfg, drafters=(dc,)))
+    drafters = (DrafterConfig(name="eagle", kind="eagle", path=str(tmp_path / "head"), worker="target"),
+                DrafterConfig(name="suffix", kind="suffix", worker="target"))
+    engine = LocalEngine.load(dataclasses.replace(cfg, drafters=drafters))
     try:
         params = [SamplingParams(max_tokens=20 + 4 * (i % 3), ignore_eos=i % 2 == 1) for i in range(len(prompt_ids))]
         reqs = [GenRequest(f"p{i}", p, q) for i, (p, q) in enumerate(zip(prompt_ids, params))]
-        for k in (1, 4):
-            reqs += [GenRequest(f"e{k}-{i}", p, q, "eagle", k) for i, (p, q) in enumerate(zip(prompt_ids, params))]
+        runs = [(d, k) for d in ("eagle", "suffix") for k in (1, 4, 8)]
+        for d, k in runs:
+            reqs += [GenRequest(f"{d}{k}-{i}", p, q, d, k) for i, (p, q) in enumerate(zip(prompt_ids, params))]
         out = engine.generate(reqs, max_batch=len(reqs))
         n = len(prompt_ids)
         plain = [r.token_ids for r in out[:n]]
-        assert [r.token_ids for r in out[n:2 * n]] == plain and [r.token_ids for r in out[2 * n:]] == plain
-        assert sum(r.num_drafted for r in out[n:]) > 0
+        for j, (d, k) in enumerate(runs, 1):
+            got = out[j * n:(j + 1) * n]
+            assert [r.token_ids for r in got] == plain, (d, k)
+            assert sum(r.num_drafted for r in got) > 0, (d, k)
+        assert sum(r.num_accepted for r in out[4 * n:]) > 0  # suffix: the prompts' own text (and each other's)
     finally:
         engine.close()
 
