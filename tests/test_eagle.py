@@ -242,10 +242,11 @@ def test_training_forward_is_what_serving_computes(tiny):
     """The unrolled training forward (teacher-forced step 0, the head's own argmax chain after) gives, at every
     position, the draft the serving drafter proposes there: same entries, positions and attention."""
     head = random_head(tiny, layers=(1, LAYERS))
-    seq = answered([3, 7, 11, 2], [9, 14, 5, 8, 21, 30, 12, 4, 17])
+    other = answered([6, 6, 1], [13, 2, 40, 3])
+    seq = answered([3, 7, 11, 2], [9, 14, 5, 8, 21, 30, 12, 4, 17], "t")
     runner = runner_for(tiny)
     feats = TargetFeatures(runner, head.cfg.feature_layers)
-    p = pack([seq], feats.get([seq]))
+    p = pack([other, seq], feats.get([other, seq]))  # packed after another sequence, as training packs them
     with torch.no_grad():
         steps = unrolled(head, p, 3, greedy=True)
     drafter, runner, store = drafter_over(tiny, head)
@@ -254,7 +255,7 @@ def test_training_forward_is_what_serving_computes(tiny):
         prime_features(store, runner, f"r{n}", tokens[:-1])
         drafter.add_request(f"r{n}", SamplingParams())
         draft = drafter.propose([DraftInput(f"r{n}", tokens, 3)])[0].tokens
-        row = n - 1  # unrolled row r is entry r + 1
+        row = len(other.tokens) + n - 1  # unrolled row r is entry r + 1 of the packed stream
         want = [int(head.to_target_ids(logits[row].argmax())) for logits, _ in steps]
         assert draft == want, n
 

@@ -121,7 +121,9 @@ def unrolled(head: EagleHead, p: Packed, steps: int, greedy: bool = False) -> li
     (acceptance measurement) instead of the target's."""
     n = p.tokens.shape[0] - 1
     first_doc = p.doc[1:] == p.doc[:-1]  # entry p + 1 is in the same sequence as features p
-    doc = p.doc[1:]
+    # a sequence's first token reads the previous sequence's last features: an entry serving never has (its
+    # entries start at position 1), so it goes in an attention block of its own, which nothing else reads
+    doc = torch.where(first_doc, p.doc[1:], -1 - p.doc[1:])
     hidden = head.hidden_in(p.features[:-1])  # [n, h]
     tok = p.tokens[1:]
     pos = p.positions[1:]
@@ -135,7 +137,7 @@ def unrolled(head: EagleHead, p: Packed, steps: int, greedy: bool = False) -> li
         idx = torch.arange(n) + 1 + shift
         valid = (idx < p.tokens.shape[0])
         idx_c = idx.clamp(max=p.tokens.shape[0] - 1)
-        valid &= p.doc[idx_c] == doc
+        valid &= p.doc[idx_c] == p.doc[1:]
         valid &= first_doc
         label = torch.where(valid, p.tokens[idx_c], torch.full_like(idx_c, -1))
         out.append((logits, label))
