@@ -179,3 +179,25 @@ def test_loading_peaks_at_the_model_size_in_its_dtype(fmt: str, tmp_path: Path) 
     assert m["bytes"] == file_bytes // 2
     growth = (m["peak"] - m["before"]) / m["bytes"]
     assert growth <= 1.2, f"loading grew RSS by {growth:.2f}x the model's bfloat16 bytes"
+
+
+def test_the_gguf_cache_is_keyed_by_content_not_path(tmp_path: Path) -> None:
+    """Two installs of the same GGUF (two checkouts, two virtualenvs) share one conversion; another file gets its
+    own. The key reads the size and the first and last 4 MiB (the header names every tensor's type and offset)."""
+    from spind.models.loader import _content_key, _gguf_to_cache
+
+    blob = bytes(range(256)) * (40_000)  # ~10 MB: the sampled head and tail do not overlap
+    a, b = tmp_path / "one" / "m.gguf", tmp_path / "two" / "m.gguf"
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_bytes(blob)
+    assert _content_key(a) == _content_key(b)
+    head = bytearray(blob)
+    head[100] ^= 1
+    (tmp_path / "c.gguf").write_bytes(bytes(head))
+    (tmp_path / "d.gguf").write_bytes(blob[:-1])
+    assert len({_content_key(a), _content_key(tmp_path / "c.gguf"), _content_key(tmp_path / "d.gguf")}) == 3
+    done = tmp_path / "cache" / "models" / f"m-{_content_key(a)}"
+    done.mkdir(parents=True)
+    (done / "complete").write_text("")
+    assert _gguf_to_cache(b, tmp_path / "cache") == done  # b's copy is found where a's conversion went

@@ -156,9 +156,22 @@ def load_generation_defaults(model_dir: Path) -> dict[str, float]:
     return out
 
 
+def _content_key(path: Path, sample: int = 4 << 20) -> str:
+    """A cache key from the file's content, not its path: its size and its first and last `sample` bytes (the GGUF
+    header with every tensor's name, type and offset, and the end of the data). Every checkout or virtualenv that
+    installs the same model file shares one conversion, where a path-keyed cache gained a copy per install."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(sample))
+        if size > 2 * sample:
+            f.seek(size - sample)
+        h.update(f.read(sample))
+    return h.hexdigest()[:12]
+
+
 def _gguf_to_cache(gguf_path: Path, cache_dir: Path, isolated: bool = False) -> Path:
-    st = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    key = _content_key(gguf_path)
     out = cache_dir / "models" / f"{gguf_path.stem}-{key}"
     if (out / "complete").is_file():
         return out
