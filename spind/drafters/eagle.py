@@ -209,17 +209,23 @@ class EagleDrafter(Drafter):
             elif first:
                 switch_s = dict.fromkeys(switch_s, 0.0)
             first = False
-            rows = logits.new_full((len(seqs), self.head.target_vocab), float("-inf"))
-            rows[:, self.head.d2t] = logits
+            plain = self.head.to_target_ids(logits.argmax(-1)).tolist()  # greedy requests without logit_bias
+            full = None  # the target-vocabulary rows [n, V], built only for the others
             nxt = []
             for i, (rid, _, _) in enumerate(seqs):
                 params = self.params[rid]
-                if params.is_greedy:
-                    tok = int(biased(rows[i], params).argmax())
+                if params.is_greedy and not params.logit_bias:
+                    tok = plain[i]
                 else:
-                    p = to_probs(rows[i:i + 1], params)[0]
-                    tok = sample(p, self.generators[rid])
-                    probs[rid].append(p)
+                    if full is None:
+                        full = logits.new_full((len(seqs), self.head.target_vocab), float("-inf"))
+                        full[:, self.head.d2t] = logits
+                    if params.is_greedy:
+                        tok = int(biased(full[i], params).argmax())
+                    else:
+                        p = to_probs(full[i:i + 1], params)[0]
+                        tok = sample(p, self.generators[rid])
+                        probs[rid].append(p)
                 out[rid].append(tok)
                 if len(out[rid]) < ks[rid]:
                     nxt.append((rid, torch.tensor([tok], device=self.device), hidden[i:i + 1]))

@@ -10,9 +10,14 @@ so a long, frequent match drafts far and a short or ambiguous one little. The re
 each propose; the higher score (the sum of the step probabilities) wins.
 
 A request's trie grows in O(max_depth) per token (the nodes of the suffixes ending at its newest token are kept
-and extended). Pure Python, no torch. Written here rather than taken from arctic-inference (the implementation
-vLLM's `suffix` method calls): its sdist builds with CMake against torch with CUDA custom ops and installs a vLLM
-plugin, which does not build on a CPU-only machine.
+and extended). Pure Python, no torch.
+
+Why not arctic-inference (the C++ suffix trees vLLM's `suffix` method calls): it publishes no wheels past 0.0.4, and
+`pip install arctic-inference` builds 0.3.0 in an isolated environment whose requirements (torch >= 2.10, protobuf
+5.29.6, nanobind, grpcio-tools) pull PyPI's CUDA torch. It does build on CPU without isolation, from a prepared
+build environment, and is ~10x cheaper: 13 against 145 us a draft step at depth 24 (60 synthetic requests of 500
+tokens, AMD EPYC Zen 4, both cores shared with other work). Its shared cache is bounded by a request count, not
+memory. At batch 1 this trie's cost is ~1-2% of a default-model step; a C++ backend is the upgrade when it matters.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ import hashlib
 import json
 import math
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,7 +194,3 @@ class TargetFeatures:
                 for s in group:
                     self.runner.free_request(s.key)
         return [self.cache[s.key] for s in seqs]
-
-
-def log_stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)

@@ -284,7 +284,6 @@ def acceptance(head: EagleHead, seqs: list[Sequence], features, positions: int =
         group = seqs[i:i + 8]
         p = pack(group, features.get(group))
         steps = unrolled(head, p, positions, greedy=True)
-        n = p.tokens.shape[0] - 1
         # entry p + 1 drafts from position p + 1 on, after the target committed token p + 1: score answer starts
         base = p.scored[1:] & (steps[0][1] >= 0)
         alive = base.clone()
@@ -293,7 +292,6 @@ def acceptance(head: EagleHead, seqs: list[Sequence], features, positions: int =
             alive = alive & right & (label >= 0)
             hits[j] += float(alive.sum())
         count += int(base.sum())
-        del n
     head.train(was)
     return (hits / max(1, count)).tolist()
 
