@@ -69,6 +69,22 @@ class SystemProfile:
         return sorted(n for n, ms in self.draft_ms_per_token.items() if ms >= bound)
 
 
+    def implausible(self, slack: float = 1.5) -> str | None:
+        """Why these numbers cannot be the machine's own, or None. A forward of B requests' tokens never costs
+        more than plain decoding's batch-1 steps of those tokens one by one, unless other work took the cores
+        while it was timed (seen: a verify of 5 tokens timed at 21 decode steps while training shared the
+        machine; cached, that profile kept LBSS from speculating at all, run after run)."""
+        if not self.decode_ms:
+            return None
+        for tokens_each, measured in ((self.k + 1, self.verify_ms), (1, self.decode_batch_ms)):
+            for b, ms in measured.items():
+                one_by_one = b * tokens_each * self.decode_ms
+                if ms > slack * one_by_one:
+                    return (f"a forward of {b} x {tokens_each} tokens took {ms:.1f} ms, more than {slack}x the "
+                            f"{one_by_one:.1f} ms of {b * tokens_each} single-token steps")
+        return None
+
+
 def batch_sizes(max_batch: int) -> list[int]:
     """Powers of two up to the batch limit, and the limit itself."""
     sizes, b = [], 1
@@ -118,21 +134,38 @@ async def load_or_measure(pool, cfg: SpindConfig, timeout_s: float) -> SystemPro
     path = cfg.cache_path / "profiles" / f"{profile_key(cfg, pool.describe(), max_model_len)}.json"
     if cfg.runtime.profile == "auto" and path.is_file():
         try:
-            return SystemProfile.from_json(json.loads(path.read_text()))
+            cached = SystemProfile.from_json(json.loads(path.read_text()))
+            why = cached.implausible()
+            if why is None:
+                return cached
+            log.warning("measuring again: the cached profile %s is implausible (%s)", path, why)
         except (ValueError, KeyError, TypeError):
             log.warning("ignoring an unreadable profile cache %s", path)
     log.info("profiling the models (once per model, device and threads; cached in %s)", path.parent)
+    profile = await _measure(pool, cfg, max_model_len, timeout_s)
+    why = profile.implausible()
+    if why is not None:  # other work shared the cores: once more, and only a plausible profile is cached
+        log.warning("profiling again: %s (was other work running?)", why)
+        profile = await _measure(pool, cfg, max_model_len, timeout_s)
+        why = profile.implausible()
+    if why is None:
+        _write(path, profile)
+    else:
+        log.warning("serving with a profile measured under load, not cached (%s): selection may speculate less "
+                    "than this machine allows; the next start measures again", why)
+    return profile
+
+
+async def _measure(pool, cfg: SpindConfig, max_model_len: int, timeout_s: float) -> SystemProfile:
     k, sizes = cfg.speculation.k, batch_sizes(cfg.runtime.max_batch_size)
     context = probe_context(max_model_len, k)
     replies = await asyncio.gather(*(pool.call(name, P.Profile(0, k, sizes if name == TARGET_WORKER else [], context,
                                                                 REPS), timeout_s) for name in pool.names))
     # plain decoding's step: the same probe with no draft (k = 0), on the target alone
     decode = await pool.call(TARGET_WORKER, P.Profile(0, 0, sizes, context, REPS), timeout_s)
-    profile = SystemProfile(k, {n: ms for r in replies for n, ms in r.draft_ms_per_token.items()},
-                            dict(next(r.verify_ms for name, r in zip(pool.names, replies) if name == TARGET_WORKER)),
-                            time.time(), decode.verify_ms.get(1), dict(decode.verify_ms))
-    _write(path, profile)
-    return profile
+    return SystemProfile(k, {n: ms for r in replies for n, ms in r.draft_ms_per_token.items()},
+                         dict(next(r.verify_ms for name, r in zip(pool.names, replies) if name == TARGET_WORKER)),
+                         time.time(), decode.verify_ms.get(1), dict(decode.verify_ms))
 
 
 def _write(path: Path, profile: SystemProfile) -> None:

@@ -1,0 +1,77 @@
+"""The start-up profile's cache: a profile timed while other work shared the cores (a forward of several tokens
+slower than decoding them one by one) is measured again and never cached, so one bad start cannot keep LBSS
+from speculating on every start after it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+from spind import protocol as P
+from spind.config import ModelConfig, RuntimeConfig, SpindConfig, validate
+from spind.coordinator.profile import SystemProfile, load_or_measure
+
+# measured on a 2-core VM while a draft head trained beside it, then cached: verify 21x a decode step
+LOADED = SystemProfile(4, {"ngram": 0.01, "eagle": 13.3}, {1: 116.7, 2: 50.9, 4: 184.5}, 0.0, 5.5,
+                       {1: 5.5, 2: 8.3, 4: 10.9})
+AT_REST = SystemProfile(4, {"ngram": 0.01, "eagle": 1.0}, {1: 14.6, 2: 20.1, 4: 31.0}, 0.0, 6.6,
+                        {1: 6.6, 2: 8.3, 4: 10.9})
+
+
+def test_a_forward_slower_than_its_tokens_one_by_one_is_implausible():
+    assert AT_REST.implausible() is None
+    why = LOADED.implausible()
+    assert why is not None and "116.7 ms" in why and "5 single-token steps" in why
+    assert SystemProfile(4, {}, {1: 14.6}, 0.0, 6.6, {1: 6.6, 8: 90.0}).implausible() is not None  # decode, batch 8
+    assert SystemProfile(4, {}, {1: 500.0}, 0.0, None).implausible() is None  # nothing to judge it by
+
+
+class Pool:
+    """A target worker whose Profile replies come from `profiles`, one per measurement."""
+
+    def __init__(self, profiles: list[SystemProfile]) -> None:
+        self.profiles, self.calls = list(profiles), 0
+
+    names = ["target"]
+
+    def info(self, name):
+        return SimpleNamespace(max_model_len=256)
+
+    def describe(self):
+        return [{"name": "target", "device": "cpu", "threads": 1}]
+
+    async def call(self, name, msg, timeout_s):
+        self.calls += 1
+        p = self.profiles[0]
+        if msg.k == 0:  # the decode pass closes a measurement
+            self.profiles.pop(0)
+            return P.Profiled(msg.seq, {}, dict(p.decode_batch_ms))
+        return P.Profiled(msg.seq, dict(p.draft_ms_per_token), dict(p.verify_ms))
+
+
+def config(tmp_path) -> SpindConfig:
+    return validate(SpindConfig(model=ModelConfig(max_model_len=256, cache_dir=str(tmp_path)),
+                                runtime=RuntimeConfig(max_batch_size=4)))
+
+
+def test_a_loaded_measurement_is_measured_again_and_only_a_plausible_one_cached(tmp_path):
+    cfg = config(tmp_path)
+    got = asyncio.run(load_or_measure(Pool([LOADED, AT_REST]), cfg, 10.0))
+    assert got.verify_ms == AT_REST.verify_ms
+    cached = list((tmp_path / "profiles").glob("*.json"))
+    assert len(cached) == 1 and json.loads(cached[0].read_text())["verify_ms"]["1"] == 14.6
+    again = Pool([])  # the cache answers: nothing is measured
+    assert asyncio.run(load_or_measure(again, cfg, 10.0)).verify_ms == AT_REST.verify_ms and again.calls == 0
+
+
+def test_loaded_twice_serves_the_measurement_uncached_and_a_bad_cache_is_replaced(tmp_path):
+    cfg = config(tmp_path)
+    got = asyncio.run(load_or_measure(Pool([LOADED, LOADED]), cfg, 10.0))
+    assert got.verify_ms == LOADED.verify_ms and not list((tmp_path / "profiles").glob("*.json"))
+    asyncio.run(load_or_measure(Pool([AT_REST]), cfg, 10.0))
+    path = next((tmp_path / "profiles").glob("*.json"))
+    path.write_text(json.dumps(LOADED.to_json()))  # a cache written by an older spind, under load
+    pool = Pool([AT_REST])
+    assert asyncio.run(load_or_measure(pool, cfg, 10.0)).verify_ms == AT_REST.verify_ms and pool.calls == 2
+    assert json.loads(path.read_text())["verify_ms"]["1"] == 14.6
