@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -405,6 +406,19 @@ def _array(value: Any, where: str) -> list:
     return value
 
 
+def _without_default_heads(drafters: tuple[DrafterConfig, ...], target: str) -> tuple[DrafterConfig, ...]:
+    """An eagle head at path = "default" is the one trained for the embedded default model: with another target it
+    is left out (said on stderr), so pointing the default config at another model serves it with the rest."""
+    kept = tuple(d for d in drafters if not (d.kind == "eagle" and d.path == "default"))
+    for d in drafters:
+        if d not in kept:
+            logging.getLogger("spind.config").warning(
+                "drafter %r (path = \"default\") is the draft head of the embedded default model, and the target is "
+                "%s: left out (give it the path of a head trained for this target: spind train-drafter)", d.name,
+                target)
+    return kept
+
+
 def from_dict(raw: dict[str, Any]) -> SpindConfig:
     raw = dict(raw)
     sections = {}
@@ -412,6 +426,8 @@ def from_dict(raw: dict[str, Any]) -> SpindConfig:
                      ("selection", SelectionConfig), ("server", ServerConfig)):
         sections[key] = _build(cls, raw.pop(key, {}), key)
     drafters = tuple(_build(DrafterConfig, d, "drafters") for d in _array(raw.pop("drafters", []), "drafters"))
+    if sections["model"].target != "default":
+        drafters = _without_default_heads(drafters, sections["model"].target)
     workers = tuple(_build(WorkerConfig, w, "workers") for w in _array(raw.pop("workers", []), "workers"))
     if raw:
         raise ConfigError(f"unknown top-level section(s): {', '.join(sorted(raw))}")

@@ -51,7 +51,7 @@ def model_dir(cfg: SpindConfig) -> Path:
 
 @pytest.fixture(scope="session")
 def engine(cfg: SpindConfig) -> LocalEngine:
-    """The fp32 target with all configured drafters (ngram, int8, dyn8, bf16), loaded once."""
+    """The default target with all configured drafters (ngram, suffix, int8, dyn8, bf16), loaded once."""
     e = LocalEngine.load(cfg)
     yield e
     e.close()

@@ -47,7 +47,7 @@ def test_generate_json_is_one_object_matching_in_process_decoding(engine: LocalE
 def test_bad_argument_exits_non_zero_with_one_line() -> None:
     proc = run_spind("generate", "--prompt", "hi", "--drafter", "turbo")
     assert proc.returncode == 2 and proc.stdout == ""
-    assert_one_error_line(proc.stderr, "unknown drafter 'turbo'", "ngram, int8, dyn8, bf16")
+    assert_one_error_line(proc.stderr, "unknown drafter 'turbo'", "ngram, suffix, int8, dyn8, bf16")
 
 
 @pytest.mark.parametrize("args, fragments", [
@@ -75,7 +75,7 @@ def test_drafters_json_lists_the_configured_drafters(capsys: pytest.CaptureFixtu
     assert main(["drafters", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["name"], r["kind"], r["variant"]) for r in rows] == [
-        ("ngram", "ngram", ""), ("int8", "self", "int8-weight-only"), ("dyn8", "self", "int8-dynamic"),
+        ("ngram", "ngram", ""), ("suffix", "suffix", ""), ("int8", "self", "int8-weight-only"), ("dyn8", "self", "int8-dynamic"),
         ("bf16", "self", "bf16")]
     assert all(r["ms_per_token"] is None for r in rows)  # nothing measured without --measure
 

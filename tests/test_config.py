@@ -14,12 +14,25 @@ NGRAM = {"name": "ng", "kind": "ngram"}
 
 def test_embedded_default_loads() -> None:
     cfg = load_config()
-    assert [d.name for d in cfg.drafters] == ["ngram", "int8", "dyn8", "bf16"]
+    assert [d.name for d in cfg.drafters] == ["ngram", "suffix", "int8", "dyn8", "bf16"]
     assert cfg.model.dtype == "auto" and cfg.runtime.attention == "invariant"
     assert cfg.runtime.kv_num_blocks == 0 and max_kv_blocks(cfg) == 2048  # "auto" on CPU: the 2048 it shipped with
     assert cfg.selection.policy == "lbss" and cfg.selection.k_set == (2, 4, 8)
     assert cfg.drafter("int8").variant == "int8-weight-only"
     assert cfg.worker("target").device == "cpu" and cfg.worker("unlisted").name == "unlisted"
+
+
+def test_the_default_head_is_left_out_for_another_target(caplog: pytest.LogCaptureFixture) -> None:
+    """path = "default" is the default model's head: with another target the config serves the other drafters and
+    says why the head is gone; with the default target, or with a head of its own path, it stays."""
+    head = {"name": "eagle", "kind": "eagle", "path": "default", "worker": "target"}
+    other = from_dict({"model": {"target": "/models/llama-7b"}, "drafters": [NGRAM, head]})
+    assert [d.name for d in other.drafters] == ["ng"]
+    assert "draft head of the embedded default model" in caplog.text and "/models/llama-7b" in caplog.text
+    assert [d.name for d in from_dict({"drafters": [NGRAM, head]}).drafters] == ["ng", "eagle"]
+    own = from_dict({"model": {"target": "/models/llama-7b"},
+                     "drafters": [{**head, "name": "head", "path": "/heads/llama-7b"}]})
+    assert [d.name for d in own.drafters] == ["head"]
 
 
 def test_overrides_apply_and_none_leaves_the_value() -> None:
@@ -28,7 +41,7 @@ def test_overrides_apply_and_none_leaves_the_value() -> None:
 
 
 def test_unknown_drafter_lists_the_configured_ones() -> None:
-    with pytest.raises(ConfigError, match="unknown drafter 'fast'; configured drafters: ngram, int8, dyn8, bf16"):
+    with pytest.raises(ConfigError, match="unknown drafter 'fast'; configured drafters: ngram, suffix, int8, dyn8, bf16"):
         load_config().drafter("fast")
 
 

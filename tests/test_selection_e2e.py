@@ -1,12 +1,13 @@
-"""LBSS end to end: the real daemon with the embedded default config (policy lbss; drafters ngram, int8, dyn8,
-bf16) over an fp32 target, a mixed batch of requests that copy a given passage and open chat, all with drafter
+"""LBSS end to end: the real daemon with the embedded default config (policy lbss; drafters ngram, suffix, int8,
+dyn8, bf16) over an fp32 target, a mixed batch of requests that copy a given passage and open chat, all with drafter
 "auto". The fp32 target, not the default 4-bit one: a model drafter pays only while its draft token costs well
 under a target step (int8 ~0.6x of an fp32 step here; 2.3x of a gguf step, where only n-gram lookup pays and
 LBSS rightly learns that).
 
-The learning selector must give the two kinds different drafters (n-gram lookup for the passages; for chat,
-where it accepts little, mostly the model drafters), show it in /v1/spind/state and in each response's usage,
-and stay lossless: greedy output token-identical to plain decoding of the same prompts.
+The learning selector must give the two kinds different drafters (the model-free ones, n-gram lookup and suffix
+decoding, for the passages; for chat, where they accept little, mostly the model drafters), show it in
+/v1/spind/state and in each response's usage, and stay lossless: greedy output token-identical to plain decoding of
+the same prompts.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from spind.client import AsyncSpindClient
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 96
+COPYING = {"ngram", "suffix"}  # the model-free drafters, which draft what the context already holds
 PASSAGES = [f"{task}\n\n{PASSAGE}" for task in (
     "Repeat the following passage word for word.", "Rewrite the following passage, keeping its wording.",
     "Copy the following passage exactly.", "Repeat this passage verbatim.")]
@@ -68,18 +70,19 @@ def test_auto_gives_passages_and_chat_different_drafters_losslessly():
     assert all(len(a.token_ids) == MAX_TOKENS for a in auto)
     tops = [top_drafter(a.usage) for a in auto]
     passage_tops = tops[:len(PASSAGES)]
-    assert sum(t == "ngram" for t in passage_tops) >= 3, tops
-    ngram_share = [sum(a.usage.drafters.get("ngram", {}).get("accepted", 0) for a in group) /
+    assert sum(t in COPYING for t in passage_tops) >= 3, tops
+    copy_share = [sum(v["accepted"] for a in group for d, v in a.usage.drafters.items() if d in COPYING) /
                    max(1, sum(v["accepted"] for a in group for v in a.usage.drafters.values()))
                    for group in (auto[:len(PASSAGES)], auto[len(PASSAGES):])]
-    # the two kinds get different drafters: most of the passages' accepted tokens come from n-gram lookup, far
+    # the two kinds get different drafters: most of the passages' accepted tokens come from n-gram lookup (or, since
+    # it joined the default config, suffix decoding: the same matches, scored differently), far
     # fewer of chat's. Asserted as a gap, not as "chat mostly on model drafters": on this model a model drafter's
     # edge over n-gram lookup in chat is small, and the measured slot costs, noisy on a shared VM, tip it (chat's
     # n-gram share measured 0.17, 0.22, 0.24, 0.44 in four runs; the passages' 0.76-0.87, and 0.59 and 0.60 in two
     # full-suite runs on a Zen 4 VM, chat's 0.17 and 0.18 beside them). "Most" is asserted as a majority. Which
     # drafter wins under which costs is the simulator's to test (test_bandit.py), with scripted costs.
-    assert ngram_share[0] > 0.5 and ngram_share[0] - ngram_share[1] > 0.2, ngram_share
-    assert "ngram" in seen and seen & {"int8", "dyn8", "bf16"}, seen
+    assert copy_share[0] > 0.5 and copy_share[0] - copy_share[1] > 0.2, copy_share
+    assert seen & COPYING and seen & {"int8", "dyn8", "bf16"}, seen
     sel = state["selector"]
     assert sel["policy"] == "lbss" and sel["epoch"] >= 2 and sel["num_slots"] > 0
     assert set(sel["arms"]) >= {"none", "ngram@8", "int8@2"}
