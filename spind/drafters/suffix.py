@@ -12,12 +12,13 @@ each propose; the higher score (the sum of the step probabilities) wins.
 A request's trie grows in O(max_depth) per token (the nodes of the suffixes ending at its newest token are kept
 and extended). Pure Python, no torch.
 
-Why not arctic-inference (the C++ suffix trees vLLM's `suffix` method calls): it publishes no wheels past 0.0.4, and
-`pip install arctic-inference` builds 0.3.0 in an isolated environment whose requirements (torch >= 2.10, protobuf
-5.29.6, nanobind, grpcio-tools) pull PyPI's CUDA torch. It does build on CPU without isolation, from a prepared
-build environment, and is cheaper: ~30 against ~100 us a draft step at depth 24, 4x less per inserted token (60
-synthetic requests of 500 tokens, AMD EPYC Zen 4, both cores shared with other work). Its shared cache is bounded by a request count, not
-memory. At batch 1 this trie's cost is ~1-2% of a default-model step; a C++ backend is the upgrade when it matters.
+Why not arctic-inference (the C++ suffix trees vLLM's `suffix` method calls): it publishes no wheels past 0.0.4,
+and `pip install arctic-inference` builds 0.3.0 in an isolated environment whose requirements (torch >= 2.10,
+protobuf 5.29.6, nanobind, grpcio-tools) pull PyPI's CUDA torch. It does build on CPU without isolation, from a
+prepared build environment, and is cheaper: ~30 against ~100 us a draft step at depth 24, 4x less per inserted
+token (60 synthetic requests of 500 tokens, AMD EPYC Zen 4, both cores shared with other work). Its shared cache is
+bounded by a request count, not memory. At batch 1 this trie costs ~1-2% of a default-model step; a C++ backend is
+the upgrade when that matters.
 """
 
 from __future__ import annotations
