@@ -409,14 +409,16 @@ def _array(value: Any, where: str) -> list:
 def _without_default_heads(drafters: tuple[DrafterConfig, ...], target: str) -> tuple[DrafterConfig, ...]:
     """An eagle head at path = "default" is the one trained for the embedded default model: with another target it
     is left out (said on stderr), so pointing the default config at another model serves it with the rest."""
-    kept = tuple(d for d in drafters if not (d.kind == "eagle" and d.path == "default"))
+    kept = []
     for d in drafters:
-        if d not in kept:
+        if d.kind == "eagle" and d.path == "default":
             logging.getLogger("spind.config").warning(
                 "drafter %r (path = \"default\") is the draft head of the embedded default model, and the target is "
                 "%s: left out (give it the path of a head trained for this target: spind train-drafter)", d.name,
                 target)
-    return kept
+        else:
+            kept.append(d)
+    return tuple(kept)
 
 
 def from_dict(raw: dict[str, Any]) -> SpindConfig:

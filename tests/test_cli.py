@@ -75,7 +75,8 @@ def test_drafters_json_lists_the_configured_drafters(capsys: pytest.CaptureFixtu
     assert main(["drafters", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["name"], r["kind"], r["variant"]) for r in rows] == [
-        ("ngram", "ngram", ""), ("suffix", "suffix", ""), ("int8", "self", "int8-weight-only"), ("dyn8", "self", "int8-dynamic"),
+        ("ngram", "ngram", ""), ("suffix", "suffix", ""), ("int8", "self", "int8-weight-only"),
+        ("dyn8", "self", "int8-dynamic"),
         ("bf16", "self", "bf16")]
     assert all(r["ms_per_token"] is None for r in rows)  # nothing measured without --measure
 

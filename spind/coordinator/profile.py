@@ -68,7 +68,6 @@ class SystemProfile:
         bound = self.decode_ms * (min_k + 1) / min_k
         return sorted(n for n, ms in self.draft_ms_per_token.items() if ms >= bound)
 
-
     def implausible(self, slack: float = 1.5) -> str | None:
         """Why these numbers cannot be the machine's own, or None. A forward of B requests' tokens never costs
         more than plain decoding's batch-1 steps of those tokens one by one, unless other work took the cores
