@@ -163,6 +163,10 @@ def verify_cost_summary(state: SpindState) -> str | None:
     parts = [f"batch pricing **{'on' if sel.get('batch_pricing') else 'off'}**"]
     price = _number(sel.get("price"))
     parts.append(f"price {price:,.1f} tok/s" if price else "no price yet")
+    cuts = sel.get("cut_slots") if isinstance(sel.get("cut_slots"), dict) else {}
+    shorter, plain = _number(cuts.get("shorter")), _number(cuts.get("plain"))
+    if shorter is not None and plain is not None:
+        parts.append(f"drafts cut to what pays: {shorter:g} request slots shortened, {plain:g} made plain")
     cost = verify_cost(state)
     if cost is None:
         parts.append("verify cost not fitted yet")

@@ -116,6 +116,8 @@ class VerifyItem(_Rec):
     inline_drafter: Name = ""  # a drafter hosted on the target worker drafts k tokens right before verifying
     k: Count = 0
     max_draft: Count = 0  # a request with a grammar: the tokens it forces may lengthen the draft up to this (0: never)
+    shadow: list[Name] = []  # model-free drafters hosted here that draft counterfactually for it (never verified)
+    shadow_k: Count = 0  # tokens each shadow draft proposes
 
 
 class Verify(_Msg, tag="verify"):
@@ -213,6 +215,8 @@ class VerifyResult(_Rec):
     tokens: list[TokenId]  # accepted drafts, then the recovered or bonus token
     draft_s: Seconds = 0.0  # an inline drafter's time for its batch
     logprobs: list[TokenLogprobs] | None = None  # one per token, for a request that asked (SamplingParams.logprobs)
+    shadow: dict[Name, list[TokenId]] = {}  # what each VerifyItem.shadow drafter would have drafted (before the verify)
+    switch_s: Seconds = 0.0  # of draft_s: the inline drafter's catch-up with tokens it had not seen (its first use)
 
 
 class Verified(_Msg, tag="verified"):

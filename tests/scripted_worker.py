@@ -148,6 +148,7 @@ class ScriptedWorker:
             tokens = self.mirrors[it.req_id]
             assert self.kv_len[it.req_id] == len(tokens) - 1, f"{it.req_id}: verify before its prefill completed"
             d = draft(it.inline_drafter, tokens, it.k) if it.inline_drafter else it.draft
+            shadow = {n: draft(n, tokens, it.shadow_k) for n in it.shadow}  # before the tokens it commits
             right = continuation(tokens, len(d) + 1)
             n = 0
             while n < len(d) and d[n] == right[n]:
@@ -155,7 +156,8 @@ class ScriptedWorker:
             new = d[:n] + [right[n]]
             tokens.extend(new)
             self.kv_len[it.req_id] = len(tokens) - 1
-            results.append(P.VerifyResult(it.req_id, len(d), n, new, 0.001 if it.inline_drafter else 0.0))
+            results.append(P.VerifyResult(it.req_id, len(d), n, new, 0.001 if it.inline_drafter else 0.0,
+                                          shadow=shadow))
         return P.Verified(msg.seq, results, 0.003, [P.BusyInterval("verify", 0.0, 0.003, len(results))])
 
     @property

@@ -12,6 +12,7 @@ from spind.coordinator.phases import VerifyOutcome
 from spind.coordinator.profile import SystemProfile
 from spind.coordinator.selection.arms import ArmSet
 from spind.coordinator.selection.cost import VerifyCost
+from spind.coordinator.selection.estimates import worth_drafting
 from spind.coordinator.selection.lbss import LBSSSelector
 from spind.coordinator.selection.marginal import choose
 from spind import protocol as P
@@ -246,6 +247,54 @@ def test_lbss_with_pricing_speculates_for_the_one_request_that_pays():
     others = [arm for arms in late for arm in arms[:7]]
     assert sum(a.drafter == "ngram" for a in copy_arms) / len(copy_arms) > 0.8
     assert sum(arm == PLAIN_ARM for arm in others) / len(others) > 0.85
+
+
+def test_a_draft_keeps_the_positions_whose_survival_pays_for_their_verify():
+    assert worth_drafting([0.9, 0.9, 0.5, 0.5], 0.5, 8) == 2  # 0.9, 0.81 pay; 0.405 does not
+    assert worth_drafting([0.9, 0.9, 0.5, 0.5], 0.5, 1) == 1  # never past the arm's k
+    assert worth_drafting([0.9, 0.9], 1.0, 8) == 0  # a token that costs a whole token never pays
+    assert worth_drafting([float("nan")] * 4, 0.1, 4) == 0  # unknown: nothing drafted
+    assert worth_drafting([0.99, 0.99], 0.5, 8) == 8  # past the positions counted, the last rate holds
+
+
+def test_each_slot_drafts_only_what_pays_now_and_follows_the_text():
+    """One request on n-gram at batch 1 whose text copies, then stops copying, then copies again (its shadow
+    drafts, as the coordinator has the target's worker draft them every slot, say so): its drafts are cut to
+    plain decoding within a few slots of the copying stopping, and come back within a few slots of it resuming,
+    while the stage's matching keeps it on n-gram."""
+    sel = LBSSSelector(SelectionConfig(seed=0, alpha=0), ["ngram"], 4, verify_points=profile_points(),
+                       draft_s_per_token={"ngram": 1e-5})
+    copying = [True] * 40 + [False] * 40 + [True] * 40
+    arms = []
+    for t, copies in enumerate(copying):
+        arm = sel.select([info("r", t)], Capacity({"ngram": 16}))[0]
+        arms.append(arm)
+        drafted = arm.k if arm.drafter else 0
+        accepted = drafted if copies else 0
+        sel.observe([SlotFeedback(req_id="r", arm=arm, num_drafted=drafted, num_accepted=accepted,
+                                  num_committed=accepted + 1, draft_s=0.0, verify_s=cpu_verify(1, drafted + 1),
+                                  batch_size=1, batch_tokens=drafted + 1, shadow=(("ngram", 8, 8 if copies else 0),),
+                                  shadowed=arm.drafter == "ngram")])
+    assert all(a.drafter == "ngram" and a.k >= 2 for a in arms[20:40]), arms[20:40]
+    assert all(a == PLAIN_ARM for a in arms[46:80]), arms[40:80]
+    assert all(a.drafter == "ngram" for a in arms[86:120]), arms[80:120]
+    assert sel.describe()["requests"]["r"]["arm"].startswith("ngram")  # the stage's arm: the matching's choice
+
+
+def test_where_no_draft_token_could_pay_the_batch_decodes_plainly_without_shadows():
+    """At batch 8 this machine's verify costs 3 ms per token carried, a plain slot 2 ms per request: a draft token
+    sure to be accepted still costs more than the token it adds, so selection decodes plainly without exploring
+    and asks for no shadow drafts; at batch 1 (1 ms per token, 4 ms a slot) drafts may pay again."""
+    points = [(1, 1, 0.004), (1, 5, 0.008), (8, 8, 0.016), (8, 40, 0.112)]
+    sel = LBSSSelector(SelectionConfig(seed=0, alpha=4), ["ngram"], 4, verify_points=points,
+                       draft_s_per_token={"ngram": 1e-5})
+    cap = Capacity({"ngram": 16})
+    for t in range(10):  # exploration slots included
+        assert sel.select([info(f"r{i}", t) for i in range(8)], cap) == [PLAIN_ARM] * 8
+        assert not sel.learns_from_shadows
+    assert sel.describe()["nothing_pays"]
+    sel.select([info("r0", 10)], cap)
+    assert sel.learns_from_shadows and not sel.describe()["nothing_pays"]
 
 
 def test_without_batch_pricing_lbss_speculates_on_the_same_batch():

@@ -175,6 +175,8 @@ def test_verify_cost_summary_names_pricing_price_and_coefficients():
     text = charts.verify_cost_summary(decode_state(with_pricing(snapshot("busy"))))
     assert text == ("batch pricing **on** · price 812.3 tok/s · verify ms = 10 + 0.5·B + 0.25·T "
                     "(6 profile points, 42 forwards observed)")
+    cut = decode_state(with_pricing(snapshot("busy"), cut_slots={"shorter": 12, "plain": 30}))
+    assert " · drafts cut to what pays: 12 request slots shortened, 30 made plain · " in charts.verify_cost_summary(cut)
     unfitted = decode_state(with_pricing(snapshot("busy"), batch_pricing=False, price=0.0, verify_cost=None))
     assert charts.verify_cost_summary(unfitted) == "batch pricing **off** · no price yet · verify cost not fitted yet"
     assert charts.verify_cost(unfitted) is None and charts.verify_cost_frame(unfitted).empty

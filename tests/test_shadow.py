@@ -1,5 +1,6 @@
-"""Counterfactual n-gram drafts: the incremental index equals a direct search, shadow drafts are decided
-exactly by the committed tokens, and LBSS learns a request's n-gram acceptance from them without running it."""
+"""Counterfactual drafts of the free drafters: the incremental n-gram index equals a direct search, shadow drafts
+are decided exactly by the committed tokens, the target's worker drafts them with the verify, and LBSS learns a
+request's acceptance from them without running the drafter."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 from spind.config import SelectionConfig
 from spind.coordinator.selection.lbss import LBSSSelector
 from spind.coordinator.selection.protocol import PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
-from spind.coordinator.selection.shadow import ShadowDrafts
+from spind.coordinator.selection.shadow import SHADOW_K, ShadowDrafts
 from spind.ngram_index import NgramIndex
 
 
@@ -38,17 +39,18 @@ def test_incremental_index_equals_the_direct_search_at_every_length():
 
 
 def test_shadow_drafts_are_decided_by_the_committed_tokens():
-    shadows = ShadowDrafts({"ng": (3, 1)}, k=4)
-    prompt = [1, 2, 3, 4, 5, 9, 1, 2, 3]  # the suffix 1 2 3 occurred before, followed by 4 5 9 1
-    shadows.draft("r", prompt)
-    assert shadows.resolve("r", prompt + [4]) == []  # one token matched, three undecided
-    assert shadows.resolve("r", prompt + [4, 5, 7]) == [("ng", 4, 2)]  # mismatch at the third
-    shadows.draft("r", prompt + [4, 5, 7])  # nothing earlier matches "7": an empty proposal
-    assert shadows.resolve("r", prompt + [4, 5, 7, 8]) == [("ng", 0, 0)]
-    shadows.draft("r", prompt + [4, 5, 7, 8], exclude="ng")  # the request runs n-gram itself: no shadow
-    assert shadows.resolve("r", prompt + [4, 5, 7, 8, 1]) == []
-    shadows.draft("r", prompt + [4, 5, 7, 8, 1])
-    assert shadows.resolve("r", prompt + [4, 5, 7, 8, 1, 2], is_final=True) == [("ng", 1, 1)]  # cut short
+    shadows = ShadowDrafts()
+    prompt = [1, 2, 3, 4, 5, 9, 1, 2, 3]
+    shadows.add("r", len(prompt), {"ng": [4, 5, 9, 1], "sfx": [4, 5]})  # what the worker drafted after the prompt
+    assert shadows.resolve("r", prompt + [4]) == []  # one token matched, the rest undecided
+    assert sorted(shadows.resolve("r", prompt + [4, 5, 7])) == [("ng", 4, 2), ("sfx", 2, 2)]  # a mismatch; all
+    shadows.add("r", len(prompt) + 3, {"ng": []})  # nothing to propose: decided at once, as an empty proposal
+    assert shadows.resolve("r", prompt + [4, 5, 7]) == [("ng", 0, 0)]
+    shadows.add("r", len(prompt) + 3, {})  # the request ran n-gram itself: no shadow
+    assert shadows.resolve("r", prompt + [4, 5, 7, 8]) == []
+    shadows.add("r", len(prompt) + 4, {"ng": [1, 2, 3]})
+    assert shadows.resolve("r", prompt + [4, 5, 7, 8, 1, 2], is_final=True) == [("ng", 2, 2)]  # cut short
+    shadows.add("r", 0, {"ng": [1]})
     shadows.remove("r")
     assert shadows.resolve("r", prompt) == []
 
@@ -101,3 +103,47 @@ def test_shadow_evidence_outweighs_a_few_unlucky_slots_on_the_arm():
         sel.observe([fb(Arm(None, 0), 0, 0, shadow=(("ng", 4, 4),))])
     tokens = sel.describe()["requests"]["r"]["tokens"]
     assert tokens["ng@4"] > 3.0 and tokens["none"] == 1.0  # its own mean on the arm is 1 token; the shadows say ~5
+
+
+def test_the_targets_worker_drafts_shadow_drafts_from_the_tokens_the_verify_starts_from(tmp_path):
+    """A verify that asks for shadows returns what each free drafter would have drafted before the verify's tokens
+    (the same as it would have proposed for real), and the inline drafter's first use reports its catch-up."""
+    from spind import protocol as P
+    from spind.config import from_dict
+    from spind.drafters.base import DraftInput
+    from spind.drafters.ngram import NgramDrafter
+    from spind.drafters.suffix import SuffixDrafter
+    from spind.worker.worker import Worker
+    from tiny_model import write_tiny_checkpoint
+
+    tiny_dir = write_tiny_checkpoint(tmp_path / "tiny")
+    cfg = from_dict({
+        "model": {"target": str(tiny_dir), "max_model_len": 64, "cache_dir": str(tmp_path)},
+        "runtime": {"attention": "packed", "kv_block_size": 16, "kv_num_blocks": 0, "max_batch_size": 2,
+                    "profile": "off"},
+        "drafters": [{"name": "ngram", "kind": "ngram", "worker": "target"},
+                     {"name": "suffix", "kind": "suffix", "worker": "target"}],
+        "workers": [{"name": "target", "device": "cpu"}]})
+    w = Worker("target", cfg)
+    w.ready(1)
+    prompt = [3, 5, 7, 9, 3, 5, 7, 9, 3, 5, 7, 9, 3, 5]  # repeats: both drafters have something to propose
+    for req_id in ("a", "b"):
+        assert not isinstance(w.answer(P.AddRequest(1, req_id, prompt, P.SamplingParams(max_tokens=8), True)),
+                              P.ErrorReply)
+    w.answer(P.Prefill(2, [P.PrefillItem("a", len(prompt) - 1), P.PrefillItem("b", len(prompt) - 1)]))
+    reply = w.answer(P.Verify(3, 1, [P.VerifyItem("a", [], inline_drafter="suffix", k=2, shadow=["ngram"],
+                                                  shadow_k=SHADOW_K),
+                                     P.VerifyItem("b", [], shadow=["ngram", "suffix"], shadow_k=SHADOW_K)]))
+    assert not isinstance(reply, P.ErrorReply), reply
+    a, b = reply.results
+    expect_ngram = NgramDrafter("x").propose([DraftInput("x", prompt, SHADOW_K)])[0].tokens
+    fresh = SuffixDrafter("y")
+    fresh.add_request("y", None)
+    expect_suffix = fresh.propose([DraftInput("y", prompt, SHADOW_K)])[0].tokens
+    assert expect_ngram and expect_suffix
+    assert a.shadow == {"ngram": expect_ngram} and b.shadow == {"ngram": expect_ngram, "suffix": expect_suffix}
+    assert a.num_drafted == 2 and 0 < a.switch_s <= a.draft_s  # suffix's first use caught the prompt up
+    assert b.num_drafted == 0 and b.switch_s == 0.0
+    # the second slot: the suffix trie of "a" grew by what it committed, within one slot's tokens: no catch-up
+    reply = w.answer(P.Verify(4, 2, [P.VerifyItem("a", [], inline_drafter="suffix", k=2)]))
+    assert reply.results[0].switch_s == 0.0 and reply.results[0].shadow == {}

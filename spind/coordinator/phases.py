@@ -33,7 +33,7 @@ from spind.coordinator.request import RequestState, SpecStats, output_logprobs
 from spind.coordinator.scheduler import KVBudget, num_admissible, plan_prefill, visible_len
 from spind.coordinator.selection.protocol import (AUTO, PLAIN, PLAIN_ARM, Arm, Capacity, RequestInfo, Selector,
                                                   SlotFeedback)
-from spind.coordinator.selection.shadow import ShadowDrafts
+from spind.coordinator.selection.shadow import FREE_KINDS, SHADOW_K, ShadowDrafts
 from spind.coordinator.transport.pool import WorkerDied, WorkerError, WorkerPool
 from spind.tokenizer import Tokenizer
 
@@ -49,7 +49,6 @@ class Selection:
 
     arms: dict[str, Arm] = field(default_factory=dict)
     precompute: list[tuple[RequestState, str]] = field(default_factory=list)  # (request, model drafter): queue its KV
-    shadow: list[tuple[RequestState, str | None]] = field(default_factory=list)  # (greedy request, its arm's drafter)
 
 
 @dataclass
@@ -96,8 +95,10 @@ class SlotPhases:
         self.drafter_worker = {d.name: d.worker for d in cfg.drafters}
         self.capacity = Capacity({d.name: cfg.drafter_capacity(d.name) for d in cfg.drafters})
         self.worker_capacity = {w: cfg.worker_capacity(w) for w in set(self.drafter_worker.values())}
-        self.model_drafters = {d.name for d in cfg.drafters if d.kind not in ("ngram", "suffix")}  # with KV
-        self.shadows = ShadowDrafts({d.name: (d.ngram_max, d.ngram_min) for d in cfg.drafters if d.kind == "ngram"})
+        self.model_drafters = {d.name for d in cfg.drafters if d.kind not in FREE_KINDS}  # with KV
+        # free drafters beside the target: the target's worker drafts their shadow drafts as it verifies (shadow.py)
+        self.shadowed = tuple(d.name for d in cfg.drafters if d.kind in FREE_KINDS and d.worker == TARGET_WORKER)
+        self.shadows = ShadowDrafts()
         self.num_cores = os.cpu_count() or 1
         self.failure: str | None = None  # why the engine gave up (a worker that cannot be restarted)
         self.failed = asyncio.Event()  # set with failure
@@ -238,17 +239,15 @@ class SlotPhases:
                 if used[w] > self.worker_capacity[w]:
                     arm = PLAIN_ARM
             out.arms[st.req_id] = arm
-            if st.seq.params.is_greedy:
-                out.shadow.append((st, arm.drafter))
+            if self.selector.learns_from_shadows and st.seq.params.is_greedy and st.req.drafter == AUTO:
+                st.shadow = list(self.shadowed)  # its own drafter's too: all SHADOW_K positions, past a cut draft
             hint = self.selector.precompute_hint(st.req_id)
             if hint is not None and hint in self.model_drafters and hint not in st.precomputed:
                 out.precompute.append((st, hint))
         return out
 
     def send_side_work(self, selection: Selection) -> None:
-        """The counterfactual n-gram drafts of the greedy requests, and the drafter KV worth precomputing."""
-        for st, drafter in selection.shadow:
-            self.shadows.draft(st.req_id, st.seq.token_ids, exclude=drafter)
+        """The drafter KV worth precomputing."""
         for st, drafter in selection.precompute:
             self._precompute(st, drafter)
 
@@ -366,12 +365,15 @@ class SlotPhases:
             # a speculating request with a grammar: the tokens the grammar forces may lengthen its draft up to this
             forced = st.seq.max_draft(arm.k + MAX_FORCED) if arm.drafter and st.seq.params.grammar else 0
             if arm.drafter is not None and self.drafter_worker[arm.drafter] == TARGET_WORKER:
-                items.append(P.VerifyItem(st.req_id, [], inline_drafter=arm.drafter, k=st.seq.max_draft(arm.k),
-                                          max_draft=forced))
+                item = P.VerifyItem(st.req_id, [], inline_drafter=arm.drafter, k=st.seq.max_draft(arm.k),
+                                    max_draft=forced)
             elif d is not None:
-                items.append(P.VerifyItem(st.req_id, d.tokens, d.has_probs, d.slot, max_draft=forced))
+                item = P.VerifyItem(st.req_id, d.tokens, d.has_probs, d.slot, max_draft=forced)
             else:
-                items.append(P.VerifyItem(st.req_id, [], max_draft=forced))
+                item = P.VerifyItem(st.req_id, [], max_draft=forced)
+            if st.shadow:
+                item.shadow, item.shadow_k = st.shadow, SHADOW_K
+            items.append(item)
         if not items:
             return VerifyOutcome()
         reply = await self.await_workers(
@@ -427,6 +429,9 @@ class SlotPhases:
             st.per_drafter.setdefault(name, SpecStats()).record(r.num_drafted, r.num_accepted)
             self.drafter_counters[name].record(r.num_drafted, r.num_accepted)
             self.metrics.record_verify(name, r.num_drafted, r.num_accepted)
+        shadowed = arm.drafter is not None and arm.drafter in st.shadow
+        st.shadow = []
+        self.shadows.add(st.req_id, len(seq.token_ids), r.shadow)
         kept = seq.append(r.tokens)
         if seq.params.grammar is not None:
             self.times.grammar_tokens += len(kept)
@@ -434,6 +439,7 @@ class SlotPhases:
         st.synced[TARGET_WORKER] = len(seq.token_ids)
         d = drafts.get(st.req_id)
         draft_s = d.draft_s if d is not None else r.draft_s
+        switch_s = d.switch_s if d is not None else r.switch_s  # a drafter's catch-up: the switch's cost, not drafting
         st.draft_s += draft_s
         st.verify_s += outcome.verify_s
         st.arms_used.append(arm.name)
@@ -442,10 +448,10 @@ class SlotPhases:
             st.arm = arm
             feedback = SlotFeedback(
                 req_id=st.req_id, arm=arm, num_drafted=r.num_drafted, num_accepted=r.num_accepted,
-                num_committed=len(kept), draft_s=draft_s, verify_s=outcome.verify_s,
-                switch_s=d.switch_s if d is not None else 0.0, batch_size=len(outcome.batch),
+                num_committed=len(kept), draft_s=max(0.0, draft_s - switch_s), verify_s=outcome.verify_s,
+                switch_s=switch_s, batch_size=len(outcome.batch),
                 batch_tokens=outcome.num_tokens,
-                shadow=tuple(self.shadows.resolve(st.req_id, seq.token_ids, seq.is_finished)))
+                shadow=tuple(self.shadows.resolve(st.req_id, seq.token_ids, seq.is_finished)), shadowed=shadowed)
         self.metrics.generation_tokens.inc(len(kept))
         self.history.add_step(name, len(kept), r.num_drafted, r.num_accepted)
         if kept and st.first_token_at is None:

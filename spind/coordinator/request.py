@@ -219,6 +219,7 @@ class RequestState:
     num_target_kv: int = 0  # committed tokens whose KV the target holds (all but the newest once prefilled)
     synced: dict[str, int] = field(default_factory=dict)  # worker -> committed tokens its mirror holds
     precomputed: set[str] = field(default_factory=set)  # drafters asked to precompute this request's KV
+    shadow: list[str] = field(default_factory=list)  # free drafters its next verify drafts shadow drafts of
     per_drafter: dict[str, SpecStats] = field(default_factory=dict)  # this request's counts per drafter
     num_streamed_chars: int = 0
     first_token_at: float | None = None

@@ -259,7 +259,10 @@ class SuffixDrafter(Drafter):
         out = []
         for x in inputs:
             local = self.local[x.req_id]
+            new, start = len(x.tokens) - len(local.tokens), self.clock.now()
             local.sync(x.tokens)
+            # beyond the k + 1 tokens a slot on it commits: a catch-up (its first use, or slots on other drafters)
+            switch_s = (self.clock.now() - start) * max(0, new - x.k - 1) / new if new > x.k + 1 else 0.0
             best: tuple[list[int], float] = ([], 0.0)
             if x.k > 0:
                 node = local.deepest()
@@ -270,7 +273,7 @@ class SuffixDrafter(Drafter):
                     other = self.cache.trie.speculate(shared, x.tokens, x.k, self.factor, self.min_prob)
                     if other[1] > best[1]:
                         best = other
-            out.append(Draft(best[0]))
+            out.append(Draft(best[0], switch_s=switch_s))
         return out
 
     def describe(self) -> dict:

@@ -294,11 +294,14 @@ class Worker:
                 m = self._mirror(it.req_id)
                 self._attach(it.req_id, it.inline_drafter, m)
                 inline.setdefault(it.inline_drafter, []).append(DraftInput(it.req_id, m.tokens, it.k))
+        switch_s = {}
         for name, inputs in inline.items():
             out, elapsed = self._draft(name, inputs)
             for x, d in zip(inputs, out):
                 drafts[x.req_id] = (d.tokens, d.probs)
                 draft_s[x.req_id] = elapsed
+                switch_s[x.req_id] = d.switch_s
+        shadows = self._shadow_drafts(items)
         wanted = [(slot if it.probs_slot < 0 else it.probs_slot, it.req_id) for it in items if it.has_probs]
         if wanted:
             if self.probs_in is None:
@@ -319,8 +322,26 @@ class Worker:
         for o in outs:
             self.mirrors[o.req_id].tokens.extend(o.tokens)
         return [P.VerifyResult(o.req_id, o.num_drafted, o.num_accepted, o.tokens, draft_s.get(o.req_id, 0.0),
-                               None if o.logprobs is None else [P.TokenLogprobs(*t) for t in o.logprobs])
+                               None if o.logprobs is None else [P.TokenLogprobs(*t) for t in o.logprobs],
+                               shadows.get(o.req_id, {}), switch_s.get(o.req_id, 0.0))
                 for o in outs], verify_s
+
+    def _shadow_drafts(self, items: list[P.VerifyItem]) -> dict[str, dict[str, list[int]]]:
+        """The counterfactual drafts the coordinator asked for: what each named model-free drafter would propose
+        after the request's committed tokens (the coordinator checks them against what then commits, and the
+        selector learns the request's acceptance on drafters it did not run). Grouped per drafter, one batch each."""
+        groups: dict[str, list[DraftInput]] = {}
+        for it in items:
+            if it.shadow and it.shadow_k:
+                m = self._mirror(it.req_id)
+                for name in it.shadow:
+                    self._attach(it.req_id, name, m)
+                    groups.setdefault(name, []).append(DraftInput(it.req_id, m.tokens, it.shadow_k))
+        out: dict[str, dict[str, list[int]]] = {}
+        for name, inputs in groups.items():
+            for x, d in zip(inputs, self._draft(name, inputs)[0]):
+                out.setdefault(x.req_id, {})[name] = list(d.tokens)
+        return out
 
     def _target(self) -> TargetVerifier:
         if self.target is None:

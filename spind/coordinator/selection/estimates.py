@@ -22,6 +22,7 @@ so its own observations take over as they accumulate; n0 = 0 is the paper's plai
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,8 +53,9 @@ class Counts:
         return cls(np.zeros(d), np.zeros(d), np.zeros(d), np.zeros(d), np.zeros(a), np.zeros(a), np.zeros(a))
 
     def add(self, row: tuple, j: int | None, a: int | None, fb: SlotFeedback, reward: float) -> None:
-        """Count one slot; row indexes the leading dimensions (() for a request)."""
-        if j is not None:
+        """Count one slot; row indexes the leading dimensions (() for a request). Its draft's acceptance only if it
+        does not reach the selector as a shadow draft too (fb.shadowed: that one has every position)."""
+        if j is not None and not fb.shadowed:
             self.add_acceptance(row, j, fb.num_drafted, fb.num_accepted)
         if a is not None:
             self.reward[(*row, a)] += reward
@@ -82,6 +84,60 @@ class Counts:
             self.slots[(*row, a)] = window
 
 
+class Positions:
+    """Per key (a drafter, or a context and a drafter) and draft position t = 1..K: drafts that reached t (their
+    first t - 1 tokens accepted) and those whose t-th token was accepted too. survived / reached is the chance
+    that token t survives once the ones before it did: copying drafters (n-gram, suffix) miss mostly on their first
+    token and then copy on, which a single per-token rate (a geometric run) cannot say. `decay` < 1 forgets old
+    drafts at each new one of the key (a request's recent drafts: copying comes in runs). Plain float lists: it
+    is updated for every request on every slot, where numpy's per-call overhead is the cost."""
+
+    def __init__(self, num_positions: int, decay: float = 1.0) -> None:
+        self.num_positions, self.decay = num_positions, decay
+        self.rows: dict[object, tuple[list[float], list[float]]] = {}  # key -> (reached, survived)
+
+    def add(self, key: object, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted <= 0:
+            return
+        row = self.rows.get(key)
+        if row is None:
+            row = self.rows[key] = ([0.0] * self.num_positions, [0.0] * self.num_positions)
+        reached, survived = row
+        if self.decay < 1.0:
+            d = self.decay
+            for t in range(self.num_positions):
+                reached[t] *= d
+                survived[t] *= d
+        for t in range(min(num_drafted, num_accepted + 1, self.num_positions)):
+            reached[t] += 1.0
+        for t in range(min(num_accepted, self.num_positions)):
+            survived[t] += 1.0
+
+    def cap(self, key: object, window: int) -> None:
+        """At most `window` drafts for the key, the rates unchanged."""
+        row = self.rows.get(key)
+        if row is not None and row[0][0] > window:
+            scale = window / row[0][0]
+            for x in row:
+                x[:] = [v * scale for v in x]
+
+
+def worth_drafting(survival: Sequence[float], price_tokens: float, k: int) -> int:
+    """Draft tokens worth verifying, given [K] the conditional survival per position (nan = unknown: 0). The t-th
+    token adds the chance that the first t all survive (it commits only if every one before it did) and costs
+    `price_tokens` (its share of the slot's seconds, in tokens at the batch's rate), so keep the longest prefix, up
+    to k, whose last token still pays (the chance only falls). Past K positions the last one's rate holds."""
+    alive, n = 1.0, 0
+    last = len(survival) - 1
+    while n < k:
+        q = survival[min(n, last)]
+        alive *= 0.0 if q != q else q  # nan: unknown, not worth a token
+        if alive < price_tokens or alive <= 0.0:
+            break
+        n += 1
+    return n
+
+
 def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
     """num / den, nan where den is 0."""
     return np.divide(num, den, out=np.full(np.shape(num), np.nan), where=den > 0)
@@ -107,12 +163,16 @@ class PopulationStats:
         self.hit_s, self.hit_n, self.drafts = np.zeros(num_arms), np.zeros(num_arms), np.zeros(num_arms)  # [A]
         self.miss_s, self.miss_n = np.zeros(num_arms), np.zeros(num_arms)  # [A]
         self.draft_s, self.draft_tokens = np.zeros(num_drafters), np.zeros(num_drafters)  # [D] timed drafts
+        self.positions = Positions(max(self.arm_set.k_set))  # keyed (context, drafter)
         self._rates: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # context -> rates(), until the next add
+        self._survival: dict[tuple[int, int], list[float]] = {}  # (context, drafter) -> survival(), until an add
 
     def add(self, context: int, j: int | None, a: int | None, fb: SlotFeedback, reward: float) -> None:
         self._rates.clear()
         self.counts.add((context,), j, a, fb, reward)
         self.counts.scale((context,), j, a, self.window)
+        if j is not None and not fb.shadowed:
+            self._add_positions(context, j, fb.num_drafted, fb.num_accepted)
         if j is not None and fb.num_drafted > 0:
             self.draft_s[j] += fb.draft_s
             self.draft_tokens[j] += fb.num_drafted
@@ -140,6 +200,13 @@ class PopulationStats:
         self._rates.clear()
         self.counts.add_acceptance((context,), j, num_drafted, num_accepted)
         self.counts.scale((context,), j, None, self.window)
+        self._add_positions(context, j, num_drafted, num_accepted)
+
+    def _add_positions(self, context: int, j: int, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted > 0:
+            self._survival.clear()
+            self.positions.add((context, j), num_drafted, num_accepted)
+            self.positions.cap((context, j), self.window)
 
     def rates(self, context: int) -> tuple[np.ndarray, np.ndarray]:
         """[D] acceptance and proposal rate of the context, shrunk towards everyone's; nan = unknown."""
@@ -152,6 +219,27 @@ class PopulationStats:
         h = _shrink(c.proposed[context], c.proposed[context] + c.empty[context], overall_h, CONTEXT_STRENGTH)
         self._rates[context] = p, h
         return p, h
+
+    def survival(self, context: int, j: int) -> list[float]:
+        """[K] the context's chance on drafter j that draft position t survives once the ones before it did, shrunk
+        towards everyone's; nan = unknown."""
+        key = (context, j)
+        if key not in self._survival:
+            k = self.positions.num_positions
+            reached, survived = [0.0] * k, [0.0] * k
+            for (_, dj), (r, s) in self.positions.rows.items():
+                if dj == j:
+                    reached = [a + b for a, b in zip(reached, r)]
+                    survived = [a + b for a, b in zip(survived, s)]
+            own = self.positions.rows.get(key, ([0.0] * k, [0.0] * k))
+            out = []
+            for r, s, r_all, s_all in zip(*own, reached, survived):
+                if r_all > 0:
+                    out.append((s + CONTEXT_STRENGTH * s_all / r_all) / (r + CONTEXT_STRENGTH))
+                else:
+                    out.append(float("nan"))
+            self._survival[key] = out
+        return self._survival[key]
 
     def mean_reward(self) -> np.ndarray:
         """[A] everyone's mean reward per arm; nan = never run."""
@@ -224,24 +312,48 @@ def estimate(own: Counts, context: int, population: PopulationStats, n0: float) 
     own_mean = _ratio(own.reward, own.slots)
     if n0 == 0:
         return own_mean
-    prior = population.model_goodput(*_rates(own, context, population, n0))
+    prior = population.model_goodput(*request_rates(own, context, population, n0))
     w = _prior_weight(own, population, n0)
     return np.where(np.isnan(prior), own_mean, (own.reward + w * np.where(np.isnan(prior), 0, prior))
                     / (own.slots + w))
 
 
-def _rates(own: Counts, context: int, population: PopulationStats, n0: float) -> tuple[np.ndarray, np.ndarray]:
+def request_rates(own: Counts, context: int, population: PopulationStats, n0: float) -> tuple[np.ndarray, np.ndarray]:
     """[D] the request's acceptance and proposal rate per drafter, shrunk towards its context's with n0."""
     p_ctx, h_ctx = population.rates(context)
     return (_shrink(own.accepted, own.accepted + own.rejected, p_ctx, n0),
             _shrink(own.proposed, own.proposed + own.empty, h_ctx, n0))
 
 
+def survival_of(own: Positions, counts: Counts, context: int, population: PopulationStats, n0: float,
+                j: int, strength: float) -> list[float]:
+    """[K] one request's chance on drafter j that draft position t survives once the ones before it did: its own
+    recent drafts (real and shadow) shrunk with `strength` pseudo-drafts towards its context's curve scaled by
+    how the request's acceptance (shrunk with n0) compares with its context's (so positions its drafts have not
+    reached lately, e.g. past a cut, are read from its own rate, not from other requests of its context); nan =
+    unknown. Plain floats: it runs per request and slot."""
+    p_ctx = float(population.rates(context)[0][j])
+    ratio = 1.0
+    if p_ctx > 0:  # the request's own acceptance, shrunk as request_rates does, against its context's
+        acc, rej = float(counts.accepted[j]), float(counts.rejected[j])
+        ratio = (acc + n0 * p_ctx) / (acc + rej + n0) / p_ctx if acc + rej + n0 > 0 else 1.0
+    prior = population.survival(context, j)
+    reached, survived = own.rows.get(j) or ([0.0] * len(prior), [0.0] * len(prior))
+    out = []
+    for r, s, q in zip(reached, survived, prior):
+        if q != q:  # nan: no prior; the request's own rate, if any
+            out.append(s / r if r > 0 else float("nan"))
+        else:
+            out.append((s + strength * min(1.0, q * ratio)) / (r + strength) if r + strength > 0
+                       else min(1.0, q * ratio))
+    return out
+
+
 def estimate_tokens(own: Counts, context: int, population: PopulationStats,
                     n0: float) -> tuple[np.ndarray, np.ndarray]:
     """[A] expected tokens one request commits per slot on each arm (its own mean shrunk towards the model of its
     shrunk acceptance, as `estimate` does for goodput), and [A] the tokens it would draft there; nan = unknown."""
-    prior, drafted = population.model_tokens(*_rates(own, context, population, n0))
+    prior, drafted = population.model_tokens(*request_rates(own, context, population, n0))
     own_mean = _ratio(own.tokens, own.slots)
     if n0 == 0:
         return np.where(np.isnan(own_mean), prior, own_mean), drafted

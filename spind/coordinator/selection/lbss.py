@@ -49,11 +49,26 @@ speculates only where that pays the whole batch. Exploration skips, besides the 
 lose, those the population showed to lose at that price (EVIDENCE_SLOTS), so a loaded server does not
 keep paying to re-learn them. The g~ estimates stay what describe() reports and what precompute hints follow.
 
+Each slot's drafts cut to what pays (with batch pricing, in both stages). The matching fixes a request's arm for a
+stage, but whether its next draft tokens pay changes from slot to slot: prompt lookup copies a passage for a
+few slots, then finds nothing worth copying. So every slot the request's draft is cut to the positions t whose
+chance of surviving (the first t drafts all accepted: `Positions`, per draft position, from the request's
+recent drafts, shrunk towards its context's) is at least what the token costs: the seconds it adds to the slot
+(the batch size's verify cost per token, and the drafter's) at plain decoding's tokens per second for this
+batch. Each token kept then adds more than plain decoding makes in its time, so the slot's expected goodput is
+never below plain decoding's; a draft cut to nothing is a plain slot. The matching's weights are the arms'
+values under the cut (`_under_cut`): an arm whose drafts would all be cut is worth exactly plain decoding, and
+between equal gains the request stays on the drafter (TIE_BREAK), where it drafts as soon as its text pays.
+
 Config: the `[selection]` section of config.toml (`spind.config.SelectionConfig`, defaults documented there).
 
-Beyond the paper, free drafters teach without being explored: under greedy decoding the coordinator checks
-what n-gram lookup would have drafted against what was committed (`spind.coordinator.selection.shadow`) and reports it
-in `SlotFeedback.shadow`; it counts as acceptance evidence for that request and its context (never reward).
+Beyond the paper, free drafters teach without being explored: under greedy decoding the target's worker drafts,
+with each verify, what every free drafter beside it (n-gram lookup, suffix decoding) would have proposed, the
+request's own drafter included (its draft may have been cut short), and the coordinator checks those
+counterfactual drafts against what is then committed (`spind.coordinator.selection.shadow`) and reports them in
+`SlotFeedback.shadow`: acceptance evidence per position for that request and its context (never reward), on
+every slot. A real draft whose drafter also drafted a shadow (`SlotFeedback.shadowed`) leaves its acceptance to
+the shadow, which has all of its positions.
 """
 
 from __future__ import annotations
@@ -69,14 +84,22 @@ from spind.config import SelectionConfig
 from spind.coordinator.selection.arms import (PLAIN_INDEX, ArmSet, free_capacity, random_drop, split_bypass, take,
                                     with_requested_k)
 from spind.coordinator.selection.cost import VerifyCost
-from spind.coordinator.selection.estimates import Counts, PopulationStats, estimate, estimate_tokens
+from spind.coordinator.selection.estimates import (Counts, PopulationStats, Positions, estimate, estimate_tokens,
+                                                   request_rates, survival_of, worth_drafting)
 from spind.coordinator.selection.features import context_name, context_of
 from spind.coordinator.selection.marginal import choose
 from spind.coordinator.selection.matching import max_weight_assignment
-from spind.coordinator.selection.protocol import Arm, Capacity, RequestInfo, SlotFeedback, fit_capacity
+from spind.coordinator.selection.protocol import PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback, fit_capacity
 
 UNKNOWN_WEIGHT = -1e6  # matching weight of an arm nobody has run: exploit only what was observed
 EVIDENCE_SLOTS = 16  # everyone's slots on a drafter before the estimates alone may rule its arms out
+# A request's survival per draft position is its recent drafts' (real and shadow; copying comes in runs, and its
+# drafts should stop within a few slots of the copying), each draft's weight decaying by RECENT_DECAY at the next
+# one (~2.5 drafts in all), against POSITION_PRIOR pseudo-drafts of its context's curve
+RECENT_DECAY = 0.6
+POSITION_PRIOR = 1.0
+TIE_BREAK = 1e-6  # tokens: between equal gains a drafter, not plain decoding: drafts cut to nothing cost nothing,
+#                   and on the drafter the request drafts in the stage's later slots where its text starts to pay
 FIT_HISTORY = 64  # verify forwards whose predicted and measured seconds describe() keeps
 EXPLORE, EXPLOIT = "explore", "exploit"
 
@@ -86,6 +109,7 @@ class _Request:
     context: int
     is_bypass: bool
     counts: Counts  # its own slots: acceptance per drafter, reward per arm
+    positions: Positions  # its recent drafts' survival per drafter and position (real and shadow)
     kv_len: np.ndarray  # [D] context length when it last ran on each drafter (0: never)
     num_tokens: int = 0  # prompt + output tokens at the last select
     current: Arm | None = None  # the arm it was given last slot
@@ -95,6 +119,8 @@ class _Request:
     slot_s: float = 0.0  # summed seconds of its slots
     num_slots: int = 0
     marginal: np.ndarray | None = None  # [A] its marginal gains (tokens) at the last matching that priced it
+    expected: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
+    #         _expected() of this slot (the key says which): cleared at each observe
 
 
 class LBSSSelector:
@@ -115,6 +141,7 @@ class LBSSSelector:
         self.cost.add_prior(verify_points)
         known = draft_s_per_token or {}
         self._draft_prior = np.array([known.get(d, np.nan) for d in self.arm_set.drafters], dtype=float)  # [D]
+        self._delta: np.ndarray | None = None  # _draft_s_per_token(), until the next observe
         self.price = 0.0  # G: the batch's expected tokens per second at the last priced matching
         self._fit: deque[tuple[float, float]] = deque(maxlen=FIT_HISTORY)  # (predicted, measured) verify seconds
         self.rng = np.random.default_rng(cfg.seed)
@@ -130,19 +157,44 @@ class LBSSSelector:
         self.observed_s = self.switch_s_total = 0.0
         self._capacity: dict[str, int] = {}
         self._batch_size = 1  # requests in the last slot selected
+        self._plain_price = 0.0  # that slot's tokens per second with every request plain: what cuts drafts
+        self.cut_slots = {"shorter": 0, "plain": 0}  # request slots whose draft the cut shortened, or removed
+        self.nothing_pays = False  # at the last slot's batch size no draft token could pay, even one sure to survive
+        self._shadowed: set[int] = set()  # drafters whose acceptance shadow drafts have taught
+
+    @property
+    def learns_from_shadows(self) -> bool:
+        """Shadow drafts teach acceptance, except where no draft could pay anyway: the lookups are saved."""
+        return not self.nothing_pays
+
+    def _nothing_pays(self) -> bool:
+        """Whether, at this batch size, every drafter's draft token costs the batch at least a token (the seconds it
+        adds, verify and drafting, at plain decoding's tokens per second), so none can pay even if it is sure to be
+        accepted: a CPU's verify past a few requests. Selection then decodes plainly, without exploring, cutting
+        or shadow drafts."""
+        if self._plain_price <= 0:
+            return False
+        delta = self._draft_s_per_token()
+        cheapest = float(np.nanmin(delta)) if not np.isnan(delta).all() else 0.0
+        return self._plain_price * (self.cost.seconds_per_token_at(self._batch_size) + cheapest) >= 1.0
 
     # -- the protocol --------------------------------------------------------------------------------------
 
     def select(self, reqs: Sequence[RequestInfo], capacity: Capacity) -> list[Arm]:
         self._advance_stage()
         self._batch_size = max(1, len(reqs))
+        plain_s = self.cost.predict(self._batch_size, self._batch_size) if self.prices_batch else None
+        self._plain_price = self._batch_size / plain_s if plain_s else 0.0
+        self.nothing_pays = self._nothing_pays()
         self._capacity = {d: capacity.of(d) for d in self.arm_set.drafters}
         bypass = split_bypass(reqs, self.default_k)
         free = free_capacity(capacity, self.arm_set.drafters, [a for a in bypass if a is not None])
         auto = [r for r, b in zip(reqs, bypass) if b is None]
         for r, b in zip(reqs, bypass):
             self._track(r, is_bypass=b is not None)
-        if self.stage == EXPLORE:
+        if self.nothing_pays:
+            choice = dict.fromkeys((r.req_id for r in auto), PLAIN_INDEX)
+        elif self.stage == EXPLORE:
             choice = self._explore(auto, free)
         else:
             fixed = [(self._reqs[r.req_id], b) for r, b in zip(reqs, bypass) if b is not None]
@@ -152,11 +204,23 @@ class LBSSSelector:
         arms = fit_capacity(arms, capacity)
         for r, arm in zip(reqs, arms):
             self._record(self._reqs[r.req_id], arm)
+        # each slot's drafts cut to what pays now; the stage's arm stays the request's. Exploration runs the arm it
+        # drew, to learn it, but for drafters whose acceptance shadow drafts teach (there it learns nothing more)
+        exploring = self.stage == EXPLORE
+        cut = [self._cut(self._reqs[r.req_id], arm, exploring) if b is None and r.requested_k is None else arm
+               for r, b, arm in zip(reqs, bypass, arms)]
+        for before, after in zip(arms, cut):
+            if after != before:
+                self.cut_slots["plain" if after.drafter is None else "shorter"] += 1
+        arms = cut
         self.slot_in_stage += 1
         self.num_slots += 1
         return arms
 
     def observe(self, feedback: Sequence[SlotFeedback]) -> None:
+        self._delta = None
+        for st in self._reqs.values():
+            st.expected.clear()
         self._observe_cost(feedback)
         slot_s = 0.0
         for fb in feedback:
@@ -172,6 +236,8 @@ class LBSSSelector:
             self.population.add(st.context, j, a, fb, reward)
             if not st.is_bypass:
                 st.counts.add((), j, a, fb, reward)
+                if j is not None and not fb.shadowed:
+                    st.positions.add(j, fb.num_drafted, fb.num_accepted)
             st.slot_s += seconds
             st.num_slots += 1
             self._slot_s_sum += seconds
@@ -200,9 +266,11 @@ class LBSSSelector:
             j = self.arm_set.drafter_index.get(name)
             if j is None:
                 continue
+            self._shadowed.add(j)
             self.population.add_acceptance(st.context, j, drafted, accepted)
             if not st.is_bypass:
                 st.counts.add_acceptance((), j, drafted, accepted)
+                st.positions.add(j, drafted, accepted)
 
     def remove(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)
@@ -233,7 +301,10 @@ class LBSSSelector:
         switch_s_per_token {drafter: learned KV catch-up seconds per token}; num_slots; num_switches
         (drafter changes); observed_s (summed slot seconds, from the feedback); switches_per_minute;
         switch_s (summed KV catch-up seconds fed back); batch_pricing (arms chosen for the batch's goodput,
-        `marginal.py`); price (its tokens per second at the last priced matching); verify_cost (the fitted
+        `marginal.py`); price (its tokens per second at the last priced matching); plain_price (the last slot's
+        tokens per second with every request plain: what a draft token must beat); cut_slots {shorter, plain}
+        (request slots whose draft the cut shortened, or removed: `_cut`); nothing_pays (at the last slot's batch
+        size no draft token could pay: everyone decoded plainly); verify_cost (the fitted
         verify seconds per forward, per request and per token, `cost.py`); verify_fit ([predicted, measured] ms
         of the last verify forwards); config (the SelectionConfig). A request priced in a matching also has
         marginal {arm: its marginal gain in tokens per slot}."""
@@ -264,6 +335,8 @@ class LBSSSelector:
             "observed_s": round(self.observed_s, 3), "switch_s": round(self.switch_s_total, 3),
             "switches_per_minute": round(60 * self.num_switches / self.observed_s, 2) if self.observed_s else None,
             "batch_pricing": self.prices_batch, "price": round(float(self.price), 3),
+            "plain_price": round(float(self._plain_price), 3), "cut_slots": dict(self.cut_slots),
+            "nothing_pays": self.nothing_pays,
             "verify_cost": self.cost.describe(),
             "verify_fit": [[round(p * 1e3, 3), round(m * 1e3, 3)] for p, m in self._fit],
             "config": dataclasses.asdict(self.cfg),
@@ -307,23 +380,86 @@ class LBSSSelector:
         verifies seen); else each request's own goodput (the paper's weights)."""
         return self.cfg.batch_pricing and self.cost.is_known
 
-    def _expected(self, st: _Request) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _expected(self, st: _Request, cut: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """[A] tokens the request is expected to commit per slot, [A] tokens it drafts, and [A] the seconds its
         drafter takes for them (measured per drafted token; the profile's until the drafter was timed)."""
+        key = (self.num_slots, self._plain_price, cut)
+        if key in st.expected:  # nothing observed since, the same batch's price
+            return st.expected[key]
         committed, drafted = estimate_tokens(st.counts, st.context, self.population, self.cfg.prior_strength)
-        delta = self.population.draft_s_per_token()
-        delta = np.where(np.isnan(delta), self._draft_prior, delta)  # [D]
+        if cut and self._plain_price > 0:
+            self._under_cut(st, committed, drafted)
+        delta = self._draft_s_per_token()
         d = self.arm_set.drafter_of
         per_token = np.where(d >= 0, delta[np.maximum(d, 0)], 0.0)
         with np.errstate(invalid="ignore"):
             draft_s = np.where(drafted == 0, 0.0, drafted * per_token)
+        st.expected[key] = (committed, drafted, draft_s)
         return committed, drafted, draft_s
 
-    def _marginal(self, st: _Request, price: float) -> np.ndarray:
+    def _under_cut(self, st: _Request, committed: np.ndarray, drafted: np.ndarray) -> None:
+        """committed, drafted ([A], in place): each arm's expected tokens as the slots will run it, its drafts cut
+        at the batch's price (`_cut`) and read from the request's survival per position, where that is known:
+        E[committed] = 1 + h * sum over kept positions t of P(the first t survive), h its proposal rate. An arm
+        whose drafts are all cut is worth plain decoding's one token, never less."""
+        _, h = request_rates(st.counts, st.context, self.population, self.cfg.prior_strength)
+        for j in range(len(self.arm_set.drafters)):
+            if np.isnan(h[j]):
+                continue
+            survival, tau = self._survival_and_price(st, j)
+            if survival[0] != survival[0]:  # nothing known of its drafts' survival: the estimate as it is
+                continue
+            alive, total = 1.0, [0.0]  # total[t]: expected tokens of the first t positions (t <= K = max k)
+            for q in survival:
+                alive *= 0.0 if q != q else q
+                total.append(total[-1] + alive)
+            for a in np.flatnonzero(self.arm_set.drafter_of == j):
+                kept = worth_drafting(survival, tau, self.arm_set.arms[a].k)
+                committed[a] = 1.0 + h[j] * total[kept]
+                drafted[a] = h[j] * kept
+
+    def _draft_s_per_token(self) -> np.ndarray:
+        """[D] each drafter's seconds per draft token: measured, else the profile's; nan where neither is known.
+        Read many times a slot; solved once after each observe."""
+        if self._delta is None:
+            delta = self.population.draft_s_per_token()
+            self._delta = np.where(np.isnan(delta), self._draft_prior, delta)
+        return self._delta
+
+    def _cut(self, st: _Request, arm: Arm, exploring: bool = False) -> Arm:
+        """The arm with its draft cut to the tokens worth verifying this slot: draft token t adds the chance that
+        the request's first t drafts survive (its recent drafts on that drafter, real and shadow, shrunk towards
+        its context's: `survival_of`) and costs the seconds it adds to the slot (`_survival_and_price`). A request
+        whose drafter's next token does not pay decodes plainly this slot: the matching picked its arm for the
+        stage, the cut follows the text (copying comes in runs). Not where nothing is known of the drafter's
+        survival yet, nor an exploring arm of a drafter without shadow drafts: exploration is how those are learned."""
+        j = self.arm_set.drafter_index.get(arm.drafter)
+        if j is None or self._plain_price <= 0 or exploring and j not in self._shadowed:
+            return arm
+        survival, tau = self._survival_and_price(st, j)
+        if survival[0] != survival[0]:
+            return arm
+        k = worth_drafting(survival, tau, arm.k)
+        return arm if k == arm.k else PLAIN_ARM if k == 0 else Arm(arm.drafter, k)
+
+    def _survival_and_price(self, st: _Request, j: int) -> tuple[list[float], float]:
+        """The request's survival per draft position on drafter j, and what one draft token costs the batch in
+        tokens: the seconds it adds (verify at this batch size, and drafting) at plain decoding's rate for this
+        batch. Each token kept then adds more tokens than plain decoding would make in the time it takes, so the
+        slot's expected goodput is never below plain decoding's (the matching's price, the optimum's goodput, is
+        higher; it was set at the stage's start, for the batch of then)."""
+        delta = self._draft_s_per_token()[j]
+        per_token_s = self.cost.seconds_per_token_at(self._batch_size) + (0.0 if np.isnan(delta) else delta)
+        survival = survival_of(st.positions, st.counts, st.context, self.population, self.cfg.prior_strength, j,
+                               POSITION_PRIOR)
+        return survival, self._plain_price * per_token_s
+
+    def _marginal(self, st: _Request, price: float, cut: bool = True) -> np.ndarray:
         """[A] the request's marginal gain per arm at a price (tokens per second of slot): expected tokens less
         price x the seconds its drafts add to the slot (verify and draft, at the last slot's batch size); plain
-        decoding's is 1."""
-        committed, drafted, draft_s = self._expected(st)
+        decoding's is 1. cut: each arm as the slots run it, its drafts cut to what pays (`_under_cut`); else as
+        drawn, all k of it."""
+        committed, drafted, draft_s = self._expected(st, cut)
         return committed - price * (drafted * self.cost.seconds_per_token_at(self._batch_size) + draft_s)
 
     def _base(self, others: Sequence[tuple[_Request, Arm]], num_new: int) -> tuple[float, float]:
@@ -351,6 +487,7 @@ class LBSSSelector:
         cost_s = np.stack([d * per_token + s for _, d, s in rows])
         adjust = -self.cfg.switch_weight * np.stack(
             [self._switch_penalty(st, c, remaining_slots) for st, c in zip(states, committed)])
+        adjust += TIE_BREAK * (self.arm_set.drafter_of >= 0)
         base_s, base_tokens = self._base(others, len(states))
         choice = choose(committed, cost_s, adjust, self.arm_set, room, base_s, base_tokens, UNKNOWN_WEIGHT)
         self.price = choice.price
@@ -425,7 +562,7 @@ class LBSSSelector:
             return available
         tried = np.append(st.counts.slots[PLAIN_INDEX] > 0, st.counts.proposed + st.counts.empty > 0)  # [1 + D]
         if self.prices_batch and self.price > 0:  # marginal gains at the batch's last price; the population's
-            g = self._marginal(st, self.price)  # evidence in its context may rule an arm out too
+            g = self._marginal(st, self.price, cut=False)  # evidence in its context may rule an arm out too
             tried |= np.append(True, self.population.evidence() >= EVIDENCE_SLOTS)  # pooled: as the rates are
         else:
             g = self.estimate(st)
@@ -474,6 +611,7 @@ class LBSSSelector:
             num_drafters = len(self.arm_set.drafters)
             st = self._reqs[r.req_id] = _Request(context_of(r.num_prompt_tokens, r.prompt_repetition), is_bypass,
                                                  Counts.zeros((), num_drafters, len(self.arm_set)),
+                                                 Positions(max(self.arm_set.k_set), RECENT_DECAY),
                                                  np.zeros(num_drafters, dtype=np.int64))
         st.is_bypass = is_bypass
         st.num_tokens = r.num_prompt_tokens + r.num_output_tokens

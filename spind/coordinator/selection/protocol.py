@@ -85,10 +85,15 @@ class SlotFeedback:
     # counterfactual drafts of free drafters it did not run, decided by what greedy decoding committed:
     # (drafter, drafted, accepted) each; acceptance evidence only, no timing (spind.coordinator.selection.shadow)
     shadow: tuple[tuple[str, int, int], ...] = ()
+    shadowed: bool = False  # its own draft's drafter drafted a shadow draft for it this slot too (all of SHADOW_K
+    #                         positions, where a draft cut short has only its own): acceptance is counted from that
 
 
 class Selector(Protocol):
     policy: str
+    # read after each select: the coordinator has the free drafters' shadow drafts drafted for that slot's requests
+    # (SlotFeedback.shadow teaches the selector their acceptance)
+    learns_from_shadows: bool
 
     def select(self, reqs: Sequence[RequestInfo], capacity: Capacity) -> list[Arm]:
         """One arm per request, in order. Must respect capacity: at most capacity.of(j) requests on drafter j."""
@@ -133,6 +138,7 @@ class StaticSelector:
     """No learning: a named drafter as asked, "auto" -> one configured default, "none" -> plain decoding."""
 
     policy = "static"
+    learns_from_shadows = False
 
     def __init__(self, default_drafter: str | None, default_k: int) -> None:
         self.default_drafter = None if default_drafter == PLAIN else default_drafter
