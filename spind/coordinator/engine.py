@@ -72,6 +72,7 @@ class Coordinator:
         self.phases.selector = selector  # None: built from [selection] at start
         self.loop: Lockstep | Pipeline = Pipeline(self.phases) if cfg.runtime.pipeline else Lockstep(self.phases)
         self.dominated_drafters: list[str] = []  # left out of auto selection (profile.dominated_drafters)
+        self.selectable: list[str] = [d.name for d in cfg.drafters]  # what selection may choose (_build_selector)
         self.max_model_len = cfg.model.max_model_len
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.watchdog_s = watchdog_s  # 0: off
@@ -113,6 +114,10 @@ class Coordinator:
             ph.sync_kv_budget()
             if ph.selector is None:
                 ph.selector = await self._build_selector()
+            if isinstance(self.loop, Pipeline) and not self._pipeline_overlaps():
+                log.info("lockstep slots: selection drafts only beside the target (%s), so the pipeline has no "
+                         "drafting to overlap with verification", ", ".join(self.selectable) or "no drafter")
+                self.loop = Lockstep(ph)
             r = self.cfg.runtime
             if r.pipeline and not r.micro_batches and r.profile != "off" and ph.profile is None:
                 ph.profile = await load_or_measure(self.pool, self.cfg, ph.call_timeout_s)
@@ -138,6 +143,14 @@ class Coordinator:
         self._is_shut_down = True
         await self.pool.stop()
 
+    def _pipeline_overlaps(self) -> bool:
+        """Whether the pipeline has drafting to overlap with verification: a drafter selection may choose drafts on
+        a worker of its own. Where all it may choose drafts inline on the target's worker (n-gram, suffix; the
+        model drafters left out as dominated), lockstep slots do the same work without the pipeline's bookkeeping
+        (at batch 1 on a CPU, ~0.4 ms of a 5 ms step). A request that names a drafter elsewhere is still served,
+        its draft and verify one after the other."""
+        return any(self.phases.drafter_worker.get(d, TARGET_WORKER) != TARGET_WORKER for d in self.selectable)
+
     async def _build_selector(self) -> Selector:
         ph = self.phases
         policy = self.cfg.selection.parsed_policy
@@ -159,6 +172,7 @@ class Coordinator:
                          "so they cannot beat plain decoding; requests may still name them",
                          ", ".join(self.dominated_drafters), min_k, min_k + 1, ph.profile.decode_ms)
                 drafters = [d for d in drafters if d not in self.dominated_drafters]
+        self.selectable = [] if policy.name == "none" else [policy.drafter] if policy.drafter else drafters
         try:
             return build_selector(policy, self.cfg.selection, drafters, self.cfg.speculation.k, costs=costs,
                                   verify_points=verify_points)

@@ -165,10 +165,11 @@ class PopulationStats:
         self.draft_s, self.draft_tokens = np.zeros(num_drafters), np.zeros(num_drafters)  # [D] timed drafts
         self.positions = Positions(max(self.arm_set.k_set))  # keyed (context, drafter)
         self._rates: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # context -> rates(), until the next add
-        self._survival: dict[tuple[int, int], list[float]] = {}  # (context, drafter) -> survival(), until an add
+        self._survival: dict[tuple, list[float]] = {}  # survival() and acceptance() per context and drafter, until an add
 
     def add(self, context: int, j: int | None, a: int | None, fb: SlotFeedback, reward: float) -> None:
         self._rates.clear()
+        self._survival.clear()
         self.counts.add((context,), j, a, fb, reward)
         self.counts.scale((context,), j, a, self.window)
         if j is not None and not fb.shadowed:
@@ -198,6 +199,7 @@ class PopulationStats:
     def add_acceptance(self, context: int, j: int, num_drafted: int, num_accepted: int) -> None:
         """Acceptance evidence without a slot (a counterfactual draft the request did not run)."""
         self._rates.clear()
+        self._survival.clear()
         self.counts.add_acceptance((context,), j, num_drafted, num_accepted)
         self.counts.scale((context,), j, None, self.window)
         self._add_positions(context, j, num_drafted, num_accepted)
@@ -219,6 +221,22 @@ class PopulationStats:
         h = _shrink(c.proposed[context], c.proposed[context] + c.empty[context], overall_h, CONTEXT_STRENGTH)
         self._rates[context] = p, h
         return p, h
+
+    def acceptance(self, context: int, j: int) -> float:
+        """rates(context)[0][j] in plain floats (nan = unknown), cached until the next add: read per request and slot."""
+        key = (context, j, "p")
+        if key not in self._survival:
+            c = self.counts
+            acc, rej = c.accepted[:, j], c.rejected[:, j]
+            total_acc, total = float(acc.sum()), float(acc.sum() + rej.sum())
+            overall = total_acc / total if total > 0 else float("nan")
+            a, n = float(acc[context]), float(acc[context] + rej[context])
+            if overall == overall:
+                p = (a + CONTEXT_STRENGTH * overall) / (n + CONTEXT_STRENGTH)
+            else:
+                p = a / n if n > 0 else float("nan")
+            self._survival[key] = [p]
+        return self._survival[key][0]
 
     def survival(self, context: int, j: int) -> list[float]:
         """[K] the context's chance on drafter j that draft position t survives once the ones before it did, shrunk
@@ -332,7 +350,7 @@ def survival_of(own: Positions, counts: Counts, context: int, population: Popula
     how the request's acceptance (shrunk with n0) compares with its context's (so positions its drafts have not
     reached lately, e.g. past a cut, are read from its own rate, not from other requests of its context); nan =
     unknown. Plain floats: it runs per request and slot."""
-    p_ctx = float(population.rates(context)[0][j])
+    p_ctx = population.acceptance(context, j)
     ratio = 1.0
     if p_ctx > 0:  # the request's own acceptance, shrunk as request_rates does, against its context's
         acc, rej = float(counts.accepted[j]), float(counts.rejected[j])

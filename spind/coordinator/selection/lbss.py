@@ -174,8 +174,8 @@ class LBSSSelector:
         or shadow drafts."""
         if self._plain_price <= 0:
             return False
-        delta = self._draft_s_per_token()
-        cheapest = float(np.nanmin(delta)) if not np.isnan(delta).all() else 0.0
+        known = [x for x in self._draft_s_per_token().tolist() if x == x]
+        cheapest = min(known) if known else 0.0
         return self._plain_price * (self.cost.seconds_per_token_at(self._batch_size) + cheapest) >= 1.0
 
     # -- the protocol --------------------------------------------------------------------------------------
@@ -448,8 +448,8 @@ class LBSSSelector:
         batch. Each token kept then adds more tokens than plain decoding would make in the time it takes, so the
         slot's expected goodput is never below plain decoding's (the matching's price, the optimum's goodput, is
         higher; it was set at the stage's start, for the batch of then)."""
-        delta = self._draft_s_per_token()[j]
-        per_token_s = self.cost.seconds_per_token_at(self._batch_size) + (0.0 if np.isnan(delta) else delta)
+        delta = float(self._draft_s_per_token()[j])
+        per_token_s = self.cost.seconds_per_token_at(self._batch_size) + (0.0 if delta != delta else delta)
         survival = survival_of(st.positions, st.counts, st.context, self.population, self.cfg.prior_strength, j,
                                POSITION_PRIOR)
         return survival, self._plain_price * per_token_s
