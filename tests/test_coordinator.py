@@ -219,6 +219,23 @@ def test_lbss_leaves_out_drafters_that_cost_more_than_a_target_step(tmp_path):
     assert any(it.drafter == "bad" for m in env.ops("draft", P.Propose) for it in m.items)
 
 
+def test_lockstep_slots_where_selection_may_draft_only_beside_the_target(tmp_path, mode):
+    """Every drafter on the draft worker costs more than it can save, so LBSS leaves them out and chooses only "inl"
+    (inline on the target): the pipeline would have no drafting to overlap, and the engine runs lockstep slots. A
+    request that names a left-out drafter is still served, its draft and verify in turn. Where selection may
+    choose a drafter on the draft worker, the configured loop stays."""
+    slow = {"good": 10.0, "bad": 10.0, "half": 10.0}
+    env = Env(tmp_path, make_cfg(policy="lbss"), draft_ms=slow)
+    outs = run(env, [request("a", PROMPTS[0]), request("b", PROMPTS[1], "good")])
+    c = env.coordinator
+    assert c.selectable == ["inl"] and not isinstance(c.loop, Pipeline)
+    assert [tokens_of(o) for o in outs] == [continuation(PROMPTS[0], 12), continuation(PROMPTS[1], 12)]
+    assert any(it.drafter == "good" for m in env.ops("draft", P.Propose) for it in m.items)
+    env = Env(tmp_path / "b", make_cfg(policy="lbss"))
+    run(env, [request("a", PROMPTS[0])])
+    assert isinstance(env.coordinator.loop, Pipeline) == mode
+
+
 def test_a_new_request_gets_its_likely_drafters_kv_precomputed(tmp_path):
     env = Env(tmp_path, make_cfg())
     run(env, [request("a", PROMPTS[2], "auto")])
