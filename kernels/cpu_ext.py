@@ -20,6 +20,13 @@ ops under its own namespace (`torch.ops.spind_cpu_<isa>`), so builds can be load
 Callers use `ops()`, or fall back to torch when `available()` is False. Every op runs on the kernels' own thread pool
 (csrc/pool.h) at torch's thread count.
 
+Built at install time: `pip install .` / `pip install -e .` (setup.py) compile this CPU's serving build into
+`prebuilt/` beside this file, with a manifest of what it was built from (sources, headers, flags, torch version), so
+an import loads it in milliseconds. A C++ extension is tied to the torch release it was compiled against: where the
+manifest does not match (another torch, edited sources, another CPU's build, a forced ISA), the build is compiled here
+on first use instead, as before, and said on stderr once it takes more than two seconds (what, why, how long,
+where it is cached). A torch build lock left behind by a killed compile is removed once it is older than any build.
+
 Ops (all batch-invariant: a row's result does not depend on the other rows of the call):
 - `q4_1_linear(x, blocks)`, `q8_0_linear(x, blocks)` (fp32-precision activations), `*_q16` and `*_q8` (15- and
   8-bit activations): y = x W^T from packed GGUF blocks (csrc/quant_gemm.cpp);
@@ -37,12 +44,15 @@ Ops (all batch-invariant: a row's result does not depend on the other rows of th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import shutil
+import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -50,6 +60,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
+PREBUILT = Path(__file__).resolve().parent / "prebuilt"  # setup.py writes this CPU's build here at install time
 SOURCES = ("quant_gemm.cpp", "row_attention.cpp", "fused_ops.cpp", "stack.cpp")
 HEADERS = ("simd.h", "pool.h", "ops.h", "amx.h")
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"]
@@ -60,6 +71,9 @@ ISA_FLAGS = {
     "avx512amxemu": [*_AVX512, "-DSPIND_AMX_EMULATE"],  # tests only
 }
 EMULATED_AMX = "avx512amxemu"
+CFLAGS = ["-O3", "-ffp-contract=off"]
+BUILD_S = 30  # what one build takes on 2 cores (25 s seen on a Zen 4 for avx512vnni): said before a compile
+STALE_LOCK_S = 600  # a torch build lock older than this belongs to a compile that was killed
 
 _lock = threading.Lock()
 _builds: dict[str, str | None] = {}  # isa -> None when loaded, else why it is not
@@ -208,24 +222,140 @@ def _ninja_on_path() -> str | None:
     return os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
-def _build(isa: str) -> str | None:
-    path = _ninja_on_path()
-    old_path = os.environ.get("PATH")
-    try:
-        from torch.utils import cpp_extension
+def _flags(isa: str) -> list[str]:
+    # torch's builder hashes the sources, not the headers: a define carrying their digest rebuilds on a change
+    headers = hashlib.sha1(b"".join((CSRC / h).read_bytes() for h in HEADERS)).hexdigest()[:12]
+    return [*CFLAGS, f"-DSPIND_OPS=spind_cpu_{isa}", f"-DSPIND_HEADERS={headers}", *ISA_FLAGS[isa]]
 
-        if path is not None:
-            os.environ["PATH"] = path
-        # torch's builder hashes the sources, not the headers: a define carrying their digest rebuilds on a change
-        headers = hashlib.sha1(b"".join((CSRC / h).read_bytes() for h in HEADERS)).hexdigest()[:12]
+
+def fingerprint(isa: str) -> str:
+    """What a build of `isa` is made from: its sources and headers, its flags, and the torch release whose C++ ABI
+    it links against. A prebuilt library serves only where this matches."""
+    h = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        h.update(name.encode() + (CSRC / name).read_bytes())
+    h.update(" ".join(_flags(isa)).encode() + torch.__version__.encode())
+    return h.hexdigest()[:16]
+
+
+def install_isas() -> list[str]:
+    """The builds an install compiles ahead: the one this CPU serves with, and where that is AMX the VNNI build too
+    (it serves where the AMX build turns out to fail). Other builds (a forced AVX2, the tests' emulated AMX) are
+    compiled on first use."""
+    isas = supported_isas()
+    return isas[:2] if isas[:1] == ["avx512amx"] else isas[:1]
+
+
+def prebuild(isa: str, out_dir: Path) -> Path:
+    """Compile one build into `out_dir` (the library and its manifest) for the install; returns the library.
+    Raises where it cannot be built (no compiler, no ninja): the install then goes on without it."""
+    import json
+    import tempfile
+
+    from torch.utils import cpp_extension
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"spind_cpu_{isa}.") as tmp, _ninja_on_path_env():
         cpp_extension.load(name=f"spind_cpu_{isa}", sources=[str(CSRC / s) for s in SOURCES],
-                           extra_cflags=["-O3", "-ffp-contract=off", f"-DSPIND_OPS=spind_cpu_{isa}",
-                                         f"-DSPIND_HEADERS={headers}", *ISA_FLAGS[isa]],
-                           extra_include_paths=[str(CSRC)], is_python_module=False, verbose=False)
-    except Exception as e:  # no compiler, no ninja, a failed build: all mean "use torch instead"
-        lines = str(e).strip().splitlines()
-        return f"building {', '.join(SOURCES)} failed ({type(e).__name__}: {lines[-1] if lines else e})"
+                           extra_cflags=_flags(isa), extra_include_paths=[str(CSRC)], build_directory=tmp,
+                           is_python_module=False, verbose=False)
+        lib = out_dir / f"spind_cpu_{isa}.so"
+        shutil.copyfile(Path(tmp) / lib.name, lib)
+    (out_dir / f"spind_cpu_{isa}.json").write_text(json.dumps(
+        {"isa": isa, "fingerprint": fingerprint(isa), "torch": torch.__version__}, indent=1) + "\n")
+    return lib
+
+
+def _prebuilt(isa: str) -> tuple[Path | None, str]:
+    """The install's library for `isa` when it matches this checkout and torch, else (None, why not)."""
+    import json
+
+    lib, manifest = PREBUILT / f"spind_cpu_{isa}.so", PREBUILT / f"spind_cpu_{isa}.json"
+    if not lib.is_file() or not manifest.is_file():
+        return None, f"the install built no {isa} library" if PREBUILT.is_dir() else "the install built none"
+    try:
+        built = json.loads(manifest.read_text())
+    except ValueError:
+        return None, f"an unreadable manifest {manifest}"
+    if built.get("fingerprint") != fingerprint(isa):
+        if built.get("torch") != torch.__version__:
+            return None, f"the install built it against torch {built.get('torch')}, this is torch {torch.__version__}"
+        return None, "its sources changed since the install"
+    return lib, ""
+
+
+@contextlib.contextmanager
+def _said_if_slow(message: str, after_s: float = 2.0):
+    """Print `message` on stderr if the block is still running after `after_s`, and then how long it took: a
+    compile that finds its cache up to date takes a second and says nothing."""
+    done, said = threading.Event(), []
+    start = time.perf_counter()
+
+    def say() -> None:
+        if not done.wait(after_s):
+            said.append(True)
+            print(f"spind: {message}", file=sys.stderr, flush=True)
+
+    t = threading.Thread(target=say, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        done.set()
+        t.join()
+        if said:
+            print(f"spind: done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _ninja_on_path_env():
+    path, old_path = _ninja_on_path(), os.environ.get("PATH")
+    if path is not None:
+        os.environ["PATH"] = path
+    try:
+        yield
     finally:
         if path is not None and old_path is not None:
             os.environ["PATH"] = old_path
+
+
+def _remove_stale_lock(name: str) -> None:
+    """torch's builder waits forever on a lock file a killed compile left behind (seen: a CI run killed mid-build
+    hung every later import). A lock older than any build is removed."""
+    from torch.utils import cpp_extension
+
+    try:
+        lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+        if lock.is_file() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            log.warning("removing a stale build lock %s (%.0f s old: its compile was killed)", lock,
+                        time.time() - lock.stat().st_mtime)
+            lock.unlink()
+    except (OSError, AttributeError, RuntimeError):  # a private torch helper moved: the lock stays, as before
+        pass
+
+
+def _build(isa: str) -> str | None:
+    lib, why = _prebuilt(isa)
+    if lib is not None:
+        try:
+            torch.ops.load_library(str(lib))
+            return None
+        except (OSError, RuntimeError) as e:  # e.g. a library whose symbols this torch lacks: compile instead
+            why = f"loading {lib} failed ({e})"
+    name = f"spind_cpu_{isa}"
+    try:
+        from torch.utils import cpp_extension
+
+        _remove_stale_lock(name)
+        where = cpp_extension._get_build_directory(name, verbose=False)
+        ahead = ("`pip install -e .` builds it ahead" if isa in install_isas()
+                 else f"an install builds only {', '.join(install_isas())}")
+        with _ninja_on_path_env(), _said_if_slow(
+                f"compiling the {isa} CPU kernels ({why}; {ahead}): ~{BUILD_S} s, once per machine, torch and "
+                f"source change, cached in {where}"):
+            cpp_extension.load(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=_flags(isa),
+                               extra_include_paths=[str(CSRC)], is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no ninja, a failed build: all mean "use torch instead"
+        lines = str(e).strip().splitlines()
+        return f"building {', '.join(SOURCES)} failed ({type(e).__name__}: {lines[-1] if lines else e})"
     return None
