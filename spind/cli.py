@@ -14,6 +14,9 @@ import time
 
 from spind.cli_args import add_config_args, config_from_args
 from spind.config import ConfigError
+from spind.progress import about, say
+
+LOAD_S = 5  # the default model and its five drafters load in ~5 s on 2 cores (the profile, when it runs, says its own)
 
 
 def check_prompt_fits(num_tokens: int, max_model_len: int) -> None:
@@ -43,10 +46,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tok = Tokenizer(resolve_model_dir(cfg.model.target, cfg.cache_path))
     prompt = tok.apply_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode_prompt(args.prompt)
     check_prompt_fits(len(prompt), cfg.model.max_model_len)
-    print(f"spind: loading {cfg.model.target} ({cfg.model.dtype}) with {names} ...", file=sys.stderr, flush=True)
+    expected = f" ({about(LOAD_S)})" if cfg.model.target == "default" else ""
+    say(f"loading {cfg.model.target} ({cfg.model.dtype}) with {names}{expected} ...")
     start = time.perf_counter()
     engine = LocalEngine.load(cfg, drafters=drafters, tokenizer=tok)
-    print(f"spind: loaded in {time.perf_counter() - start:.1f}s; generating", file=sys.stderr, flush=True)
+    say(f"loaded in {time.perf_counter() - start:.1f}s; generating")
     try:
         check_prompt_fits(len(prompt), engine.max_model_len)  # the model's own limit may be lower
         res = engine.generate([GenRequest("cli", prompt, params, None if args.drafter == "none" else args.drafter,

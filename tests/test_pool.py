@@ -69,3 +69,28 @@ def test_a_call_that_times_out_raises_worker_died_and_the_worker_counts_as_dead_
             await pool.stop()
 
     asyncio.run(go())
+
+
+def test_workers_load_at_once_and_a_failed_load_stops_the_others() -> None:
+    """Each worker builds on its own thread at the same time: two workers that each wait for the other to be
+    building could not both finish if the pool built them one after another. A load that fails stops the rest."""
+    building = threading.Barrier(2, timeout=10)
+
+    def make(name: str) -> HangingWorker:
+        building.wait()  # BrokenBarrierError after 10 s where the other worker is not being built beside it
+        if name == "bad":
+            raise RuntimeError("no weights")
+        return HangingWorker(name, hang=False)
+
+    async def main() -> None:
+        pool = InProcessPool(["target", "draft"], make)
+        await pool.start()
+        assert pool.is_alive("target") and pool.is_alive("draft")
+        await pool.stop()
+        building.reset()
+        pool = InProcessPool(["target", "bad"], make)
+        with pytest.raises(RuntimeError, match="no weights"):
+            await pool.start()
+        assert not pool.is_alive("target")
+
+    asyncio.run(main())

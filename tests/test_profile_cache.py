@@ -75,3 +75,24 @@ def test_loaded_twice_serves_the_measurement_uncached_and_a_bad_cache_is_replace
     pool = Pool([AT_REST])
     assert asyncio.run(load_or_measure(pool, cfg, 10.0)).verify_ms == AT_REST.verify_ms and pool.calls == 2
     assert json.loads(path.read_text())["verify_ms"]["1"] == 14.6
+
+
+def test_the_verify_probe_prefills_once_and_frees_every_block(tmp_path):
+    """time_verify's probe requests share one prefilled context (forked KV, copied on write where a verify writes
+    into a shared block): one prefill forward whatever the batch sizes, and every block back afterwards."""
+    from tiny_model import write_tiny_checkpoint
+
+    from spind.models.llama import load_llama
+    from spind.models.runner import ModelRunner
+    from spind.worker.profile import time_verify
+
+    runner = ModelRunner(load_llama(write_tiny_checkpoint(tmp_path), "float32"), 64, 16, "packed", max_batch=8)
+    free = runner.kv.num_free_blocks
+    widths = []
+    forward = runner.forward
+    runner.forward = lambda items: widths.append([len(i.tokens) for i in items]) or forward(items)
+    ms = time_verify(runner, [1, 2, 8], context=40, k=4, reps=2)  # 40: the verify writes into a shared block
+    assert sorted(ms) == [1, 2, 8] and all(v > 0 for v in ms.values())
+    assert widths[0] == [40] and all(w == [5] * len(w) for w in widths[1:])  # the one prefill, then verifies only
+    assert sorted({len(w) for w in widths[1:]}) == [1, 2, 8]
+    assert runner.kv.num_free_blocks == free and not runner.kv.seqs

@@ -21,12 +21,14 @@ from pathlib import Path
 
 from spind import protocol as P
 from spind.config import TARGET_WORKER, SpindConfig
+from spind.progress import about, say
 
 log = logging.getLogger(__name__)
 
 PROFILE_VERSION = 3
 CONTEXT = 128  # tokens of KV each probe request holds
 REPS = 3
+PROFILE_S = 3  # what profiling the default model and its drafters takes on 2 cores (said before it starts)
 
 
 @dataclass
@@ -140,7 +142,10 @@ async def load_or_measure(pool, cfg: SpindConfig, timeout_s: float) -> SystemPro
             log.warning("measuring again: the cached profile %s is implausible (%s)", path, why)
         except (ValueError, KeyError, TypeError):
             log.warning("ignoring an unreadable profile cache %s", path)
+    expected = about(PROFILE_S) if cfg.model.target == "default" else "longer for a larger model"
     log.info("profiling the models (once per model, device and threads; cached in %s)", path.parent)
+    say(f"profiling the models ({expected}; once per model, device and threads: cached in {path.parent}, later "
+        f"starts read it)")
     profile = await _measure(pool, cfg, max_model_len, timeout_s)
     why = profile.implausible()
     if why is not None:  # other work shared the cores: once more, and only a plausible profile is cached

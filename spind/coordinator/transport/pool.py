@@ -171,8 +171,13 @@ class InProcessPool:
         return self._local[name].worker
 
     async def start(self) -> None:
-        for name in self._names:
-            await self._start_one(name)
+        """Every worker loads at once, each on its own thread (a cold `spind generate` waited for the target's
+        load, then the draft worker's, one after the other)."""
+        results = await asyncio.gather(*(self._start_one(name) for name in self._names), return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            await self.stop()
+            raise failed
 
     async def _start_one(self, name: str, restarts: int = 0) -> None:
         executor = ThreadPoolExecutor(1, thread_name_prefix=f"spind-{name}")
