@@ -254,13 +254,21 @@ def prebuild(isa: str, out_dir: Path) -> Path:
 
     from torch.utils import cpp_extension
 
+    lib = out_dir / f"spind_cpu_{isa}.so"
+    try:
+        if json.loads((out_dir / f"spind_cpu_{isa}.json").read_text())["fingerprint"] == fingerprint(isa) \
+                and lib.is_file():
+            return lib  # a reinstall of the same sources and torch (e.g. `pip install -e '.[test]'` after `-e .`)
+    except (OSError, ValueError, KeyError):
+        pass
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"spind_cpu_{isa}.") as tmp, _ninja_on_path_env():
         cpp_extension.load(name=f"spind_cpu_{isa}", sources=[str(CSRC / s) for s in SOURCES],
                            extra_cflags=_flags(isa), extra_include_paths=[str(CSRC)], build_directory=tmp,
                            is_python_module=False, verbose=False)
-        lib = out_dir / f"spind_cpu_{isa}.so"
-        shutil.copyfile(Path(tmp) / lib.name, lib)
+        staged = lib.with_name(f".{lib.name}.{os.getpid()}")
+        shutil.copyfile(Path(tmp) / lib.name, staged)
+        os.replace(staged, lib)  # a new file, never rewritten in place: a process running the old one keeps it
     (out_dir / f"spind_cpu_{isa}.json").write_text(json.dumps(
         {"isa": isa, "fingerprint": fingerprint(isa), "torch": torch.__version__}, indent=1) + "\n")
     return lib

@@ -14,9 +14,7 @@ import time
 
 from spind.cli_args import add_config_args, config_from_args
 from spind.config import ConfigError
-from spind.progress import about, say
-
-LOAD_S = 5  # the default model and its five drafters load in ~5 s on 2 cores (the profile, when it runs, says its own)
+from spind.progress import say
 
 
 def check_prompt_fits(num_tokens: int, max_model_len: int) -> None:
@@ -41,14 +39,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ())).validate()
     drafters = [] if args.drafter == "none" else None if args.drafter == "auto" else [args.drafter]
-    names = ", ".join(d.name for d in cfg.drafters) if drafters is None else ", ".join(drafters) or "no drafter"
     # the tokenizer alone (no torch, no weights) checks the prompt, so a prompt over the limit fails at once
     tok = Tokenizer(resolve_model_dir(cfg.model.target, cfg.cache_path))
     prompt = tok.apply_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode_prompt(args.prompt)
     check_prompt_fits(len(prompt), cfg.model.max_model_len)
-    expected = f" ({about(LOAD_S)})" if cfg.model.target == "default" else ""
-    say(f"loading {cfg.model.target} ({cfg.model.dtype}) with {names}{expected} ...")
-    start = time.perf_counter()
+    start = time.perf_counter()  # the engine says what it loads (spind/progress.py)
     engine = LocalEngine.load(cfg, drafters=drafters, tokenizer=tok)
     say(f"loaded in {time.perf_counter() - start:.1f}s; generating")
     try:

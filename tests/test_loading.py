@@ -201,3 +201,26 @@ def test_the_gguf_cache_is_keyed_by_content_not_path(tmp_path: Path) -> None:
     done.mkdir(parents=True)
     (done / "complete").write_text("")
     assert _gguf_to_cache(b, tmp_path / "cache") == done  # b's copy is found where a's conversion went
+
+
+def test_a_gguf_converts_once_into_weights_blocks_and_tokenizer(model_dir: Path, tmp_path: Path) -> None:
+    """One conversion writes everything a start reads (the fp32 copy, the quantized blocks, the tokenizer), in the
+    same files a conversion made by any earlier path holds: no worker parses the GGUF again at load."""
+    import gguf
+    from safetensors import safe_open
+
+    from spind.models.loader import BLOCKS_FILE, _gguf_to_cache, default_gguf_path
+    from spind.tokenizer import Tokenizer
+
+    out = _gguf_to_cache(default_gguf_path(), tmp_path)
+    assert sorted(p.name for p in out.iterdir() if p.suffix != ".jinja") == sorted(
+        [BLOCKS_FILE, "complete", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"])
+    assert not list(tmp_path.glob("models/*.tmp*"))
+    assert json.loads((out / "config.json").read_text()) == json.loads((model_dir / "config.json").read_text())
+    reader = gguf.GGUFReader(str(default_gguf_path()))
+    quantized = {t.name for t in reader.tensors if t.tensor_type.name in ("Q4_0", "Q4_1", "Q8_0")}
+    with safe_open(str(out / BLOCKS_FILE), "pt") as f:
+        assert len(list(f.keys())) == len(quantized) > 0
+        assert set(f.metadata().values()) <= {"Q4_0", "Q4_1", "Q8_0"}
+    text = "Converting a GGUF: naïve café ☕, 12345 tokens!"
+    assert Tokenizer(out).encode_prompt(text) == Tokenizer(model_dir).encode_prompt(text)

@@ -28,6 +28,9 @@ def add_parsers(sub: argparse._SubParsersAction,
     """Register `spind bench <name>` subcommands."""
     bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from spind.bench import first_run  # no torch: it times `spind generate` in subprocesses
+
+    first_run.add_parser(bench_sub)
 
     d = bench_sub.add_parser("drafters", help="cost, acceptance and speedup of every drafter, side by side")
     add_config_args(d)

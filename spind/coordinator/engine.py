@@ -47,10 +47,13 @@ from spind.coordinator.selection.baselines import build_selector
 from spind.coordinator.selection.protocol import AUTO, PLAIN, Selector
 from spind.coordinator.snapshot import build_state
 from spind.coordinator.transport.pool import WorkerPool
+from spind.progress import about, say
 from spind.state import SpindState
 from spind.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+LOAD_S = 5  # the default model and its five drafters load in ~5 s on 2 cores (said before they start)
 
 HEARTBEAT_INTERVAL_S = 1.0  # every worker is pinged this often (its op queue answers in order)
 WATCHDOG_MAX_CPU_S = 0.05  # CPU a worker may use over watchdog_s and still count as hung (a stopped one uses 0)
@@ -107,6 +110,10 @@ class Coordinator:
             self.generation_defaults = load_generation_defaults(model_dir)
         self.pool.on_busy = self.phases.on_busy
         self.phases.tokenizer = self.tokenizer
+        m = self.cfg.model
+        expected = f", {about(LOAD_S)}" if m.target == "default" else ""
+        say(f"loading {m.target} ({m.dtype}) with {', '.join(d.name for d in self.cfg.drafters) or 'no drafter'} on "
+            f"{len(self.pool.names)} worker(s){expected} ...")
         await self.pool.start()
         ph = self.phases
         try:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from spind.config import SpindConfig, load_config
+from spind.progress import PREFIX as PROGRESS_PREFIX
 from spind.state import SpindState, StateVersionError, decode_state
 
 if TYPE_CHECKING:
@@ -77,7 +78,9 @@ def _start_detached(args: argparse.Namespace, cfg: SpindConfig) -> int:
     print(f"spind: starting the daemon (pid {proc.pid}): loading the models, log: {log_path}", file=sys.stderr,
           flush=True)
     deadline = time.monotonic() + args.timeout
+    echoed = log_start
     while time.monotonic() < deadline:
+        echoed = echo_progress(log_path, echoed)
         if proc.poll() is not None:  # it died: its own words, not a readiness probe answered by someone else
             with open(log_path, errors="replace") as f:
                 f.seek(log_start)
@@ -93,6 +96,23 @@ def _start_detached(args: argparse.Namespace, cfg: SpindConfig) -> int:
     print(f"spind: no answer from {url} after {args.timeout:.0f}s; the daemon (pid {proc.pid}) is still "
           f"starting or stuck, see {log_path}", file=sys.stderr)
     return 1
+
+
+def echo_progress(log_path: Path, offset: int) -> int:
+    """Print the start-up steps the daemon wrote to its log since `offset` (its `spind: ...` lines: converting the
+    model, profiling, compiling kernels; spind/progress.py), so that a detached start is not silent while it loads;
+    returns the offset read up to (whole lines only)."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+    except OSError:
+        return offset
+    end = chunk.rfind(b"\n") + 1
+    for line in chunk[:end].decode(errors="replace").splitlines():
+        if line.startswith(PROGRESS_PREFIX):
+            print(line, file=sys.stderr, flush=True)
+    return offset + end
 
 
 def find_daemon(args: argparse.Namespace) -> tuple[SpindConfig, PidInfo | None]:

@@ -170,7 +170,7 @@ def _content_key(path: Path, sample: int = 4 << 20) -> str:
     return h.hexdigest()[:12]
 
 
-CONVERT_S = 6  # what converting the default model takes on 2 cores (said before it starts)
+CONVERT_S = 7  # what converting the default model takes on 2 cores (said before it starts)
 
 
 def _gguf_to_cache(gguf_path: Path, cache_dir: Path, isolated: bool = False) -> Path:
