@@ -1,6 +1,6 @@
 """A built wheel works on its own: built from a copy of this checkout, installed into a fresh virtual environment
 (torch and the other dependencies from this interpreter's site-packages, nothing downloaded), then `spind generate`
-run from a directory outside the checkout. It reads the embedded config.toml from the installed package, not from the
+run from a directory outside the checkout, on the kernels the wheel's build compiled. It reads the embedded config.toml from the installed package, not from the
 checkout (which only an editable install can see)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("pyproject.toml", "README.md", "config.toml", "spind", "kernels", "dashboard")
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "config.toml", "spind", "kernels", "dashboard")
 
 
 def _run(argv: list, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300) -> str:
@@ -31,7 +31,7 @@ def test_an_installed_wheel_generates_with_its_embedded_config(tmp_path):
     for name in SOURCES:
         if (ROOT / name).is_dir():  # symlinks=True: spind/config.toml stays a link, as committed
             shutil.copytree(ROOT / name, src / name, symlinks=True,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "*.so"))
+                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "*.so", "prebuilt"))
         else:
             shutil.copy2(ROOT / name, src / name)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PIP_REQUIRE_VIRTUALENV")}
@@ -61,14 +61,20 @@ def test_an_installed_wheel_generates_with_its_embedded_config(tmp_path):
 
     assert {"quant_gemm.cpp", "ops.h"} <= {p.name for p in (site / "spind" / "kernels" / "csrc").iterdir()}
 
-    # An fp32 target with the kernels off (SPIND_CPU_ISA=none: torch's ops): no kernel build, which takes a minute,
-    # and would rebuild the one the checkout keeps in torch's extensions directory (its sources' path differs; a
-    # directory of its own here all the same). The rest is the embedded config: the default model, no drafter.
-    env.update(SPIND_CPU_ISA="none", TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"))
+    # The wheel carries this CPU's kernel build (setup.py compiled it against this torch): the quantized default
+    # target runs on it with no compile, in a torch extensions directory of its own that stays empty.
+    from spind.kernels import cpu_ext
+
+    if cpu_ext.supported_isas():
+        built = {p.name for p in (site / "spind" / "kernels" / "prebuilt").iterdir()}
+        assert {f"spind_cpu_{isa}.{ext}" for isa in cpu_ext.install_isas() for ext in ("so", "json")} <= built
+    env.update(TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"))
+    env.pop("SPIND_CPU_ISA", None)
     out = subprocess.run([spind, "generate", "--prompt", "The capital of France is", "--max-tokens", "3",
-                          "--drafter", "none", "--dtype", "float32", "--threads", "1"], cwd=elsewhere, env=env,
+                          "--drafter", "none", "--threads", "1"], cwd=elsewhere, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "config file not found" not in out.stderr
+    assert "compiling the" not in out.stderr and not (tmp_path / "torch_extensions").exists(), out.stderr[-2000:]
     assert out.stdout.strip(), out.stderr[-2000:]  # the generated text
     assert "[3 tokens in " in out.stderr, out.stderr[-2000:]  # and its summary line
