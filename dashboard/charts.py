@@ -1,12 +1,20 @@
-"""SpindState -> pandas frames -> Altair charts, for the page. Times are plotted as seconds before the
-snapshot (`t - state.now`, so -30 .. 0), which needs no agreement between the page's clock and the daemon's."""
+"""SpindState -> pandas frames -> Altair charts and display tables, for the pages (no streamlit).
+
+Times are plotted as seconds before the snapshot (`t - state.now`, so -30 .. 0), which needs no agreement between
+the page's clock and the daemon's. Every drafter is named by `names` (its configured name, plain decoding
+"none (plain)"), with the same colour in every chart. Every quantitative axis and legend says its unit in its
+title and carries a d3 format (AXIS_FORMATS): Vega's default prints what a float holds, and a newcomer saw axes
+of 0.000000. A chart is only built from a frame that has rows; the pages say "no data yet" instead of drawing an
+empty one (an empty Vega chart is a blank box, which read as a page that had not loaded).
+"""
 
 from __future__ import annotations
 
 import altair as alt
 import pandas as pd
 
-from spind.state import BUSY_KINDS, PLAIN, SelectionState, SpindState, WorkerState
+from spind.dashboard.names import PLAIN_LABEL, arm_label, drafter_label, drafter_of, short_id
+from spind.state import BUSY_KINDS, SelectionState, SpindState, WorkerState
 
 HEIGHT = 220
 MERGE_GAP_S = 0.005  # busy spans of the same activity closer than this are drawn as one bar
@@ -16,53 +24,76 @@ DRAFTER_COLOURS = [("#f58518", "#ffbf79"), ("#54a24b", "#88d27a"), ("#e45756", "
 VERIFY_COLOUR, PREFILL_COLOUR, PLAIN_COLOUR = "#4c78a8", "#79706e", "#bab0ac"
 KIND_COLOURS = alt.Scale(domain=list(BUSY_KINDS), range=["#f58518", VERIFY_COLOUR, PREFILL_COLOUR, "#ffbf79"])
 
+# d3 formats of the axes and legends, by unit: whole seconds, tokens per second, milliseconds (3 significant
+# digits, no trailing zeros), shares, counts (with whole-number ticks), tokens per step
+AXIS_FORMATS = {"s": "d", "tok/s": ",.0f", "ms": ",.3~r", "share": ".0%", "count": ",d", "tokens/step": ".1f"}
+MISSING = "—"  # an unknown cell of a table (st.table reads a bare "-" as a Markdown list bullet)
+HEATMAP_LEGEND = ("Rows: the running requests (the last characters of their id, as on the Requests page) · "
+                  "columns: a drafter and its draft length k (none (plain) = no drafting) · colour and number: "
+                  "the selector's estimated goodput of that request with that drafter, in tok/s; blank = no "
+                  "estimate yet.")
+
+
+def axis(unit: str, **kw) -> alt.Axis:
+    """An axis in `unit` (a key of AXIS_FORMATS); counts get whole-number ticks only."""
+    return alt.Axis(format=AXIS_FORMATS[unit], **({"tickMinStep": 1} if unit == "count" else {}), **kw)
+
+
+def legend(unit: str, **kw) -> alt.Legend:
+    return alt.Legend(format=AXIS_FORMATS[unit], **kw)
+
+
+def drafter_domain(state: SpindState) -> list[str]:
+    """Plain decoding first, then the configured drafters in config order, as labels."""
+    return [PLAIN_LABEL, *map(drafter_label, state.drafters)]
+
 
 def drafter_colours(state: SpindState) -> alt.Scale:
     """The same colour for a drafter in every chart; plain decoding grey."""
     names = list(state.drafters)
-    return alt.Scale(domain=[PLAIN, *names],
+    return alt.Scale(domain=drafter_domain(state),
                      range=[PLAIN_COLOUR, *(DRAFTER_COLOURS[i % len(DRAFTER_COLOURS)][0] for i in range(len(names)))])
 
 
-def short_id(req_id: str) -> str:
-    """chatcmpl-3f9a...e41c -> …e41c: enough to tell a page's requests apart."""
-    return "…" + req_id[-6:]
-
-
-def drafter_of(arm: str) -> str:
-    """'int8@4' -> 'int8'; 'none' stays."""
-    return arm.split("@", 1)[0]
+def _time_axis(state: SpindState, field: str = "t") -> alt.X:
+    return alt.X(f"{field}:Q", scale=alt.Scale(domain=[-state.window_s, 0]), title="time (s before now)",
+                 axis=axis("s"))
 
 
 # ---- selection ------------------------------------------------------------------------------------------------
 def estimate_frame(sel: SelectionState) -> pd.DataFrame:
-    rows = [{"request": short_id(r), "arm": arm, "goodput": g}
+    """request x arm -> the selector's estimated goodput (tok/s; None: no estimate yet)."""
+    rows = [{"request": short_id(r), "arm": arm_label(arm), "goodput": g}
             for r, by_arm in sel.estimates.items() for arm, g in by_arm.items()]
     return pd.DataFrame(rows, columns=["request", "arm", "goodput"])
 
 
 def estimate_heatmap(sel: SelectionState) -> alt.Chart:
-    """Estimated goodput (tok/s) per running request x arm; blank = not known yet."""
+    """Estimated goodput (tok/s) per running request x arm; blank = not known yet (HEATMAP_LEGEND)."""
     df = estimate_frame(sel)
     base = alt.Chart(df).encode(
-        x=alt.X("arm:N", sort=sel.arms, title="drafter@k"),
+        x=alt.X("arm:N", sort=[arm_label(a) for a in sel.arms], title="drafter and draft length k",
+                axis=alt.Axis(labelAngle=-40)),
         y=alt.Y("request:N", title="request"))
     cells = base.mark_rect().encode(
-        color=alt.Color("goodput:Q", title="tok/s", scale=alt.Scale(scheme="viridis")),
-        tooltip=["request:N", "arm:N", alt.Tooltip("goodput:Q", format=".1f")])
+        color=alt.Color("goodput:Q", title="estimated tok/s", scale=alt.Scale(scheme="viridis"),
+                        legend=legend("tok/s")),
+        tooltip=["request:N", alt.Tooltip("arm:N", title="drafter"),
+                 alt.Tooltip("goodput:Q", title="estimated tok/s", format=".1f")])
     labels = base.transform_filter("isValid(datum.goodput)").mark_text(fontSize=10, color="white").encode(
         text=alt.Text("goodput:Q", format=".0f"))
     return (cells + labels).properties(height=alt.Step(22))
 
 
 def assignment_frame(state: SpindState) -> pd.DataFrame:
-    """Requests per drafter at the last slot against its capacity B_j then ("none": plain decoding, unlimited)."""
+    """Requests per drafter at the selector's last slot against its capacity B_j then (plain decoding: unlimited)."""
     sel = state.selection
     assigned: dict[str, int] = {}
     for arm, n in (sel.assignment if sel else {}).items():
-        assigned[drafter_of(arm)] = assigned.get(drafter_of(arm), 0) + n
-    capacity = sel.capacity if sel else {}
-    names = [PLAIN, *state.drafters]
+        label = drafter_label(drafter_of(arm))
+        assigned[label] = assigned.get(label, 0) + n
+    capacity = {drafter_label(n): c for n, c in (sel.capacity if sel else {}).items()}
+    names = drafter_domain(state)
     return pd.DataFrame({"drafter": names, "requests": [assigned.get(n, 0) for n in names],
                          "capacity": [capacity.get(n) for n in names]})
 
@@ -70,10 +101,57 @@ def assignment_frame(state: SpindState) -> pd.DataFrame:
 def assignment_chart(state: SpindState) -> alt.Chart:
     df = assignment_frame(state)
     base = alt.Chart(df).encode(y=alt.Y("drafter:N", sort=list(df["drafter"]), title=None))
-    bars = base.mark_bar().encode(x=alt.X("requests:Q", title="requests (bar) / capacity B_j (tick)"),
-                                  color=alt.Color("drafter:N", scale=drafter_colours(state), legend=None), tooltip=["drafter:N", "requests:Q", "capacity:Q"])
+    bars = base.mark_bar().encode(
+        x=alt.X("requests:Q", title="requests (bar) / capacity B_j (tick)", axis=axis("count")),
+        color=alt.Color("drafter:N", scale=drafter_colours(state), legend=None),
+        tooltip=["drafter:N", "requests:Q", "capacity:Q"])
     ticks = base.mark_tick(color="crimson", thickness=3, size=22).encode(x="capacity:Q")
     return (bars + ticks).properties(height=alt.Step(26))
+
+
+def requests_frame(state: SpindState) -> pd.DataFrame:
+    """The requests in the daemon now, one row each: the drafter its last step ran with and the arm the selector
+    picked for it (they differ for a slot when the pick comes into force at the next one), named as in the heat
+    map."""
+    picked = {r: v.get("arm") for r, v in ((state.selector or {}).get("requests") or {}).items()
+              if isinstance(v, dict)}
+    rows = [{"request": short_id(r.req_id), "status": r.status, "drafter": drafter_label(r.drafter),
+             "k": str(r.k) if r.k else MISSING,
+             "selector's pick": arm_label(picked[r.req_id]) if picked.get(r.req_id) else MISSING,
+             "asked for": "auto" if r.requested_drafter == "auto" else drafter_label(r.requested_drafter),
+             "prompt tokens": f"{r.num_prompt_tokens:,}", "output tokens": f"{r.num_output_tokens:,}",
+             "steps": f"{r.num_steps:,}"} for r in state.requests]
+    return pd.DataFrame(rows, columns=["request", "status", "drafter", "k", "selector's pick", "asked for",
+                                       "prompt tokens", "output tokens", "steps"])
+
+
+# ---- drafters -------------------------------------------------------------------------------------------------
+def drafters_frame(state: SpindState) -> pd.DataFrame:
+    """One row per configured drafter: where it runs, its capacity, and what it drafted since start."""
+    rows = [{"drafter": drafter_label(n), "worker": d.worker, "capacity B_j": "unbounded" if d.capacity is None
+             else f"{d.capacity:,}", "drafted tokens": f"{d.drafted:,}", "accepted tokens": f"{d.accepted:,}",
+             "acceptance": f"{d.accepted / d.drafted:.0%}" if d.drafted else MISSING,
+             "steps": f"{d.num_steps:,}",
+             "tokens / step": f"{(d.accepted + d.num_steps) / d.num_steps:.2f}" if d.num_steps else MISSING}
+            for n, d in state.drafters.items()]
+    return pd.DataFrame(rows, columns=["drafter", "worker", "capacity B_j", "drafted tokens", "accepted tokens",
+                                       "acceptance", "steps", "tokens / step"])
+
+
+def accepted_at_frame(state: SpindState) -> pd.DataFrame:
+    """Accepted draft tokens per drafter and draft position (1 = the first drafted token), since start."""
+    rows = [{"drafter": drafter_label(n), "position": i + 1, "accepted": a}
+            for n, d in state.drafters.items() for i, a in enumerate(d.accepted_at) if a]
+    return pd.DataFrame(rows, columns=["drafter", "position", "accepted"])
+
+
+def accepted_at_chart(state: SpindState) -> alt.Chart:
+    return alt.Chart(accepted_at_frame(state)).mark_bar().encode(
+        x=alt.X("position:O", title="draft position (1 = first drafted token)", axis=alt.Axis(labelAngle=0)),
+        xOffset="drafter:N",
+        y=alt.Y("accepted:Q", title="accepted tokens since start", axis=axis("count")),
+        color=alt.Color("drafter:N", scale=drafter_colours(state)),
+        tooltip=["drafter:N", "position:O", alt.Tooltip("accepted:Q", format=",d")]).properties(height=HEIGHT)
 
 
 # ---- verify cost (lbss with batch pricing) --------------------------------------------------------------------
@@ -124,10 +202,11 @@ def verify_cost_frame(state: SpindState, batches: tuple[int, ...] = COST_BATCHES
 def verify_cost_chart(state: SpindState) -> alt.Chart:
     df = verify_cost_frame(state)
     return alt.Chart(df).mark_line(point=True).encode(
-        x=alt.X("tokens:Q", title="tokens in the forward (T)"),
-        y=alt.Y("predicted_ms:Q", title="predicted verify ms"),
+        x=alt.X("tokens:Q", title="tokens in the forward, T", axis=axis("count")),
+        y=alt.Y("predicted_ms:Q", title="predicted verify time (ms)", axis=axis("ms")),
         color=alt.Color("requests:O", title="requests (B)", scale=alt.Scale(scheme="blues")),
-        tooltip=["requests:O", "tokens:Q", alt.Tooltip("predicted_ms:Q", format=".2f")]).properties(height=HEIGHT)
+        tooltip=["requests:O", "tokens:Q", alt.Tooltip("predicted_ms:Q", title="ms", format=".2f")],
+    ).properties(height=HEIGHT)
 
 
 def verify_fit_frame(state: SpindState) -> pd.DataFrame:
@@ -148,7 +227,8 @@ def verify_fit_chart(state: SpindState) -> alt.Chart:
     df = verify_fit_frame(state).rename(columns={"predicted_ms": "predicted", "measured_ms": "measured"})
     folded = alt.Chart(df).transform_fold(["measured", "predicted"], as_=["series", "ms"])
     return folded.mark_line(point=True).encode(
-        x=alt.X("forward:Q", title="verify forward (oldest → newest)"), y=alt.Y("ms:Q", title="verify ms"),
+        x=alt.X("forward:Q", title="verify forward (oldest → newest)", axis=axis("count")),
+        y=alt.Y("ms:Q", title="verify time (ms)", axis=axis("ms")),
         color=alt.Color("series:N", title=None,
                         scale=alt.Scale(domain=["measured", "predicted"], range=[VERIFY_COLOUR, PREDICTED_COLOUR])),
         tooltip=["forward:Q", "series:N", alt.Tooltip("ms:Q", format=".2f")]).properties(height=HEIGHT)
@@ -186,7 +266,7 @@ def verify_cost_summary(state: SpindState) -> str | None:
 
 # ---- pipeline occupancy ---------------------------------------------------------------------------------------
 def activity(kind: str, drafter: str) -> str:
-    return f"{kind} {drafter}" if drafter and kind in ("draft", "precompute") else kind
+    return f"{kind} {drafter_label(drafter)}" if drafter and kind in ("draft", "precompute") else kind
 
 
 def activity_colours(state: SpindState) -> alt.Scale:
@@ -217,12 +297,12 @@ def occupancy_frame(state: SpindState) -> pd.DataFrame:
 def occupancy_timeline(state: SpindState) -> alt.Chart:
     """What each worker did over the last window; white = idle."""
     df = occupancy_frame(state)
-    window = alt.Scale(domain=[-state.window_s, 0])
     return alt.Chart(df).mark_bar(height=26).encode(
-        x=alt.X("start:Q", scale=window, title="seconds ago"), x2="end:Q",
+        x=_time_axis(state, "start"), x2="end:Q",
         y=alt.Y("worker:N", sort=[w.name for w in state.workers], title=None),
         color=alt.Color("activity:N", scale=activity_colours(state)),
-        tooltip=["worker:N", "activity:N", alt.Tooltip("start:Q", format=".2f"), alt.Tooltip("end:Q", format=".2f")],
+        tooltip=["worker:N", "activity:N", alt.Tooltip("start:Q", title="start (s)", format=".2f"),
+                 alt.Tooltip("end:Q", title="end (s)", format=".2f")],
     ).properties(height=max(60 * len(state.workers), 20 * (2 + 2 * len(state.drafters)) + 20))
 
 
@@ -241,8 +321,8 @@ def utilisation_frame(state: SpindState) -> pd.DataFrame:
 def utilisation_chart(state: SpindState) -> alt.Chart:
     df = utilisation_frame(state)
     return alt.Chart(df).mark_bar().encode(
-        x=alt.X("share:Q", stack="zero", scale=alt.Scale(domain=[0, 1]), axis=alt.Axis(format="%"),
-                title=f"busy share of the last {state.window_s:.0f} s"),
+        x=alt.X("share:Q", stack="zero", scale=alt.Scale(domain=[0, 1]), axis=axis("share"),
+                title=f"busy share of the last {state.window_s:.0f} s (%)"),
         y=alt.Y("worker:N", sort=[w.name for w in state.workers], title=None),
         color=alt.Color("kind:N", scale=KIND_COLOURS),
         tooltip=["worker:N", "kind:N", alt.Tooltip("share:Q", format=".0%")],
@@ -251,14 +331,64 @@ def utilisation_chart(state: SpindState) -> alt.Chart:
 
 # ---- throughput -----------------------------------------------------------------------------------------------
 def throughput_frame(state: SpindState) -> pd.DataFrame:
-    """Per second x drafter: goodput (committed tok/s), acceptance rate, mean accepted length."""
+    """Per second x drafter that ran that second: goodput (committed tok/s), acceptance, mean accepted length."""
     rows = []
     for s in state.throughput:
         for name, c in s.drafters.items():
-            rows.append({"t": s.t - state.now, "drafter": name, "goodput": c.num_committed,
+            rows.append({"t": s.t - state.now, "drafter": drafter_label(name), "goodput": c.num_committed,
                          "acceptance": c.num_accepted / c.num_drafted if c.num_drafted else None,
                          "accepted_length": (c.num_accepted + c.num_steps) / c.num_steps if c.num_steps else None})
     return pd.DataFrame(rows, columns=["t", "drafter", "goodput", "acceptance", "accepted_length"])
+
+
+def goodput_frame(state: SpindState) -> pd.DataFrame:
+    """Committed tokens per second x drafter, every second of the window: 0 where a drafter committed nothing,
+    so that the stack reads 0 tok/s when idle instead of leaving gaps (plain decoding alone when none ran)."""
+    ran = {drafter_label(n) for s in state.throughput for n in s.drafters}
+    domain = drafter_domain(state)
+    names = [n for n in domain if n in ran] + sorted(ran - set(domain)) or [PLAIN_LABEL]
+    rows = []
+    for s in state.throughput:
+        by_label = {drafter_label(n): c.num_committed for n, c in s.drafters.items()}
+        rows += [{"t": s.t - state.now, "drafter": n, "goodput": by_label.get(n, 0)} for n in names]
+    return pd.DataFrame(rows, columns=["t", "drafter", "goodput"])
+
+
+def goodput_chart(state: SpindState) -> alt.Chart:
+    """Committed tokens per second, stacked by the drafter the requests ran with."""
+    return alt.Chart(goodput_frame(state)).mark_area(interpolate="step-after").encode(
+        x=_time_axis(state), y=alt.Y("goodput:Q", stack="zero", title="committed tok/s", axis=axis("tok/s")),
+        color=alt.Color("drafter:N", scale=drafter_colours(state)),
+        tooltip=["drafter:N", alt.Tooltip("goodput:Q", title="tok/s", format=",d")]).properties(height=HEIGHT)
+
+
+def per_drafter_frame(state: SpindState, field: str) -> pd.DataFrame:
+    """`field` (acceptance or accepted_length) per second x drafter, where it is defined: drafters that drafted."""
+    df = throughput_frame(state)
+    return df[(df["drafter"] != PLAIN_LABEL) & df[field].notna()]
+
+
+def per_drafter_line(state: SpindState, field: str, title: str, unit: str) -> alt.Chart:
+    return alt.Chart(per_drafter_frame(state, field)).mark_line(point=True).encode(
+        x=_time_axis(state), y=alt.Y(f"{field}:Q", title=title, axis=axis(unit)),
+        color=alt.Color("drafter:N", scale=drafter_colours(state)),
+        tooltip=["drafter:N", alt.Tooltip(f"{field}:Q", format=AXIS_FORMATS[unit])]).properties(height=HEIGHT)
+
+
+def tokens_frame(state: SpindState) -> pd.DataFrame:
+    """Tokens per second of the window, every second (0 when idle): generated (committed) and prefilled."""
+    rows = [{"t": s.t - state.now, "tokens": what, "tok/s": n} for s in state.throughput
+            for what, n in (("generated", sum(c.num_committed for c in s.drafters.values())),
+                            ("prefilled", s.num_prompt_tokens))]
+    return pd.DataFrame(rows, columns=["t", "tokens", "tok/s"])
+
+
+def tokens_chart(state: SpindState) -> alt.Chart:
+    return alt.Chart(tokens_frame(state)).mark_line(interpolate="step-after").encode(
+        x=_time_axis(state), y=alt.Y("tok/s:Q", title="tok/s", axis=axis("tok/s")),
+        color=alt.Color("tokens:N", title=None, scale=alt.Scale(domain=["generated", "prefilled"],
+                                                                range=[VERIFY_COLOUR, PREFILL_COLOUR])),
+        tooltip=["tokens:N", alt.Tooltip("tok/s:Q", format=",d")]).properties(height=HEIGHT)
 
 
 def queue_frame(state: SpindState) -> pd.DataFrame:
@@ -267,44 +397,50 @@ def queue_frame(state: SpindState) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["t", "queue", "requests"])
 
 
-def _time_axis(state: SpindState) -> alt.X:
-    return alt.X("t:Q", scale=alt.Scale(domain=[-state.window_s, 0]), title="seconds ago")
-
-
-def goodput_chart(state: SpindState) -> alt.Chart:
-    """Committed tokens per second, stacked by the drafter the requests ran with."""
-    return alt.Chart(throughput_frame(state)).mark_area(interpolate="step-after").encode(
-        x=_time_axis(state), y=alt.Y("goodput:Q", stack="zero", title="committed tok/s"),
-        color=alt.Color("drafter:N", scale=drafter_colours(state)),
-        tooltip=["drafter:N", "goodput:Q"]).properties(height=HEIGHT)
-
-
-def per_drafter_line(state: SpindState, field: str, title: str, fmt: str) -> alt.Chart:
-    df = throughput_frame(state)
-    df = df[(df["drafter"] != PLAIN) & df[field].notna()]
-    return alt.Chart(df).mark_line(point=True).encode(
-        x=_time_axis(state), y=alt.Y(f"{field}:Q", title=title, axis=alt.Axis(format=fmt)),
-        color=alt.Color("drafter:N", scale=drafter_colours(state)),
-        tooltip=["drafter:N", alt.Tooltip(f"{field}:Q", format=fmt)]).properties(height=HEIGHT)
-
-
 def queue_chart(state: SpindState) -> alt.Chart:
     return alt.Chart(queue_frame(state)).mark_line(interpolate="step-after").encode(
-        x=_time_axis(state), y=alt.Y("requests:Q", title="requests"),
-        color=alt.Color("queue:N")).properties(height=HEIGHT)
+        x=_time_axis(state), y=alt.Y("requests:Q", title="requests", axis=axis("count")),
+        color=alt.Color("queue:N"), tooltip=["queue:N", "requests:Q"]).properties(height=HEIGHT)
+
+
+# ---- latency --------------------------------------------------------------------------------------------------
+def latency_long_frame(state: SpindState) -> pd.DataFrame:
+    """measure x percentile -> ms, for the measures that have finished requests behind them."""
+    lat = state.latency
+    rows = [{"measure": name, "percentile": p, "ms": ms}
+            for name, by_p in (("time to first token", lat.ttft_ms), ("request latency", lat.latency_ms))
+            for p, ms in by_p.items()]
+    return pd.DataFrame(rows, columns=["measure", "percentile", "ms"])
 
 
 def latency_frame(state: SpindState) -> pd.DataFrame:
-    """Percentile columns (ms), one row per measure that has finished requests behind it."""
-    lat = state.latency
-    rows = {name: ms for name, ms in (("TTFT (ms)", lat.ttft_ms), ("latency (ms)", lat.latency_ms)) if ms}
-    return pd.DataFrame.from_dict(rows, orient="index")
+    """The percentiles as a table: one row per measure, one column per percentile, in ms with 1 decimal."""
+    df = latency_long_frame(state)
+    if df.empty:
+        return pd.DataFrame(columns=["measure"])
+    table = df.pivot(index="measure", columns="percentile", values="ms").reindex(
+        [m for m in ("time to first token", "request latency") if m in set(df["measure"])])
+    return table.map(lambda ms: f"{ms:,.1f}").rename(columns=lambda p: f"{p} (ms)").reset_index()
+
+
+def latency_chart(state: SpindState) -> alt.Chart:
+    df = latency_long_frame(state)
+    return alt.Chart(df).mark_bar().encode(
+        x=alt.X("ms:Q", title="milliseconds (ms)", axis=axis("ms")),
+        y=alt.Y("measure:N", title=None), yOffset="percentile:N",
+        color=alt.Color("percentile:N", scale=alt.Scale(scheme="blues")),
+        tooltip=["measure:N", "percentile:N", alt.Tooltip("ms:Q", format=",.1f")]).properties(height=alt.Step(18))
 
 
 # ---- workers --------------------------------------------------------------------------------------------------
-def workers_frame(workers: list[WorkerState]) -> pd.DataFrame:
+def workers_frame(workers: list[WorkerState], busy: dict[str, float] | None = None) -> pd.DataFrame:
+    """One row per worker, numbers as text in their unit; `busy`: each worker's share of the rate window (else
+    the snapshot's own 30 s utilisation)."""
+    busy = busy or {}
     return pd.DataFrame([{
         "worker": w.name, "health": "alive" if w.alive else "DEAD", "device": w.device, "dtype": w.dtype,
-        "model": w.model, "threads": w.threads, "pid": w.pid,
-        "memory (MiB)": None if w.rss_bytes is None else round(w.rss_bytes / 2**20),
-        "busy": f"{w.utilisation:.0%}", "restarts": w.restarts, "hung (killed)": w.hangs} for w in workers])
+        "model": w.model, "threads": str(w.threads), "pid": MISSING if w.pid is None else str(w.pid),
+        "memory": MISSING if w.rss_bytes is None else f"{w.rss_bytes / 2**20:,.0f} MiB",
+        "busy": f"{busy.get(w.name, w.utilisation):.0%}", "restarts": str(w.restarts), "hung (killed)": str(w.hangs)}
+        for w in workers], columns=["worker", "health", "device", "dtype", "model", "threads", "pid", "memory",
+                                    "busy", "restarts", "hung (killed)"])
