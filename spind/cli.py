@@ -26,13 +26,16 @@ def check_prompt_fits(num_tokens: int, max_model_len: int) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from spind.coordinator.transport.local import GenRequest, LocalEngine
     from spind.models.loader import resolve_model_dir
-    from spind.params import SamplingParams
+    from spind.params import SamplingParams, drafter_k_conflict
     from spind.tokenizer import Tokenizer
 
     if not args.prompt.strip():
         raise ValueError("empty prompt")
     if args.k is not None and args.k < 0:
         raise ValueError("--k must be >= 0")
+    conflict = drafter_k_conflict(args.drafter, args.k)  # as the HTTP and ZeroMQ APIs refuse it
+    if conflict is not None:
+        raise ValueError(conflict)
     cfg = config_from_args(args)
     if args.drafter not in ("none", "auto"):
         cfg.drafter(args.drafter)  # unknown name -> ConfigError before any model loads

@@ -32,7 +32,13 @@ DEFAULT_ADDRESS = "tcp://127.0.0.1:8001"
 
 
 class SpindError(StatusError):
-    """The daemon refused or failed a request; `status` is HTTP-style (400, 401, 413, 503, ...)."""
+    """The daemon refused or failed a request; `status` is HTTP-style (400, 401, 413, 503, ...); `param`: the field at
+    fault, named as the HTTP API's error bodies name it ("spind.k", "temperature"), or None."""
+
+    def __init__(self, message: str, status: int = 400, code: str = "invalid_request_error",
+                 param: str | None = None) -> None:
+        super().__init__(message, status, code)
+        self.param = param
 
 
 @dataclass
@@ -68,7 +74,7 @@ def _check(msg: object) -> P.ClientChunk | P.ClientReply:
     if isinstance(msg, P.ProtocolVersionError):  # routed to every waiting request by the async reader
         raise msg
     if isinstance(msg, P.ClientError):
-        raise SpindError(msg.message, msg.status, msg.code)
+        raise SpindError(msg.message, msg.status, msg.code, msg.param)
     if not isinstance(msg, (P.ClientChunk, P.ClientReply)):
         raise P.ProtocolError(f"unexpected {type(msg).__name__} from the daemon")
     return msg

@@ -23,6 +23,24 @@ class Grammar(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     text: str
 
 
+
+class ParamError(ValueError):
+    """A sampling parameter out of range, naming it (`param`: its name in the OpenAI body, as error bodies give it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def drafter_k_conflict(drafter: str, k: int | None) -> str | None:
+    """Why a request's drafter and k contradict each other, or None. k = 0 drafts nothing: with a named drafter
+    (or auto, which would pick one) it was once served silently as plain decoding; plain decoding is drafter "none"."""
+    if k == 0 and drafter != "none":
+        what = "auto selection" if drafter == "auto" else f"drafter {drafter!r}"
+        return (f"k = 0 drafts no tokens, which contradicts {what}: give k >= 1 to draft, or drafter \"none\" for "
+                f"plain decoding")
+    return None
+
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens: int = 128
     temperature: float = 0.0  # 0 = greedy
@@ -45,34 +63,34 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def validate(self) -> "SamplingParams":
         """Raise ValueError on anything a worker could choke on; returns self (normalised) when valid."""
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError("max_tokens must be a positive integer")
+            raise ParamError("max_tokens", "max_tokens must be a positive integer")
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
                 or not 0.0 <= self.temperature <= 100.0:
-            raise ValueError("temperature must be a number in [0, 100]")
+            raise ParamError("temperature", "temperature must be a number in [0, 100]")
         if not isinstance(self.top_p, (int, float)) or not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError("top_p must be in (0, 1]")
+            raise ParamError("top_p", "top_p must be in (0, 1]")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k < 2**31:
-            raise ValueError("top_k must be a non-negative integer")
+            raise ParamError("top_k", "top_k must be a non-negative integer")
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
-            raise ValueError("seed must be a 64-bit integer")
+            raise ParamError("seed", "seed must be a 64-bit integer")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings")
+            raise ParamError("stop", f"stop takes at most {MAX_STOP_STRINGS} strings")
         for s in self.stop:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS:
-                raise ValueError(f"each stop string must be a non-empty string of at most {MAX_STOP_CHARS} characters")
+                raise ParamError("stop", f"each stop string must be a non-empty string of at most {MAX_STOP_CHARS} characters")
             if not is_encodable(s):
-                raise ValueError("stop strings must be valid Unicode (no lone surrogates)")
+                raise ParamError("stop", "stop strings must be valid Unicode (no lone surrogates)")
         self._validate_logit_bias()
         if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token)")
+            raise ParamError("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token)")
         if self.grammar is not None:
             if not isinstance(self.grammar, Grammar) or self.grammar.kind not in ("json_schema", "regex", "grammar") \
                     or not isinstance(self.grammar.text, str) or not self.grammar.text:
-                raise ValueError('a grammar needs a kind ("json_schema", "regex" or "grammar") and its text')
+                raise ParamError("response_format", 'a grammar needs a kind ("json_schema", "regex" or "grammar") and its text')
             if len(self.grammar.text) > MAX_GRAMMAR_CHARS:
-                raise ValueError(f"a grammar takes at most {MAX_GRAMMAR_CHARS} characters")
+                raise ParamError("response_format", f"a grammar takes at most {MAX_GRAMMAR_CHARS} characters")
             if self.ignore_eos:
-                raise ValueError("ignore_eos cannot go with a grammar: the output ends where the grammar does")
+                raise ParamError("ignore_eos", "ignore_eos cannot go with a grammar: the output ends where the grammar does")
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             # As vLLM does: a vanishing temperature is greedy decoding, not a softmax that overflows.
             return msgspec.structs.replace(self, temperature=0.0)
@@ -80,18 +98,18 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def _validate_logit_bias(self) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
+            raise ParamError("logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
         seen = set()
         for pair in self.logit_bias:
             if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-                raise ValueError("logit_bias must be (token id, bias) pairs")
+                raise ParamError("logit_bias", "logit_bias must be (token id, bias) pairs")
             token, bias = pair
             if type(token) is not int or not 0 <= token < 2**31:
-                raise ValueError("logit_bias token ids must be integers in [0, 2**31)")
+                raise ParamError("logit_bias", "logit_bias token ids must be integers in [0, 2**31)")
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
+                raise ParamError("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
             if token in seen:
-                raise ValueError(f"logit_bias names token {token} twice")
+                raise ParamError("logit_bias", f"logit_bias names token {token} twice")
             seen.add(token)
 
     @property

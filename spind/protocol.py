@@ -351,6 +351,7 @@ class ClientError(_Msg, tag="client_error"):
     status: int  # HTTP-style: 400 bad input, 401 key, 413 too long, 503 overloaded/draining, 500 internal
     code: str
     message: str
+    param: str | None = None  # the offending field, named as the HTTP API's error bodies name it ("spind.k")
 
 
 WorkerOp = Union[AddRequest, Prefill, Propose, Verify, Precompute, FreeRequests, Profile, Ping, Shutdown]

@@ -55,7 +55,9 @@ def test_bad_argument_exits_non_zero_with_one_line() -> None:
     (["--prompt", "hi", "--k", "-1"], ["--k must be >= 0"]),
     (["--prompt", "   "], ["empty prompt"]),
     (["--prompt", "hi", "--config", "/nonexistent/spind.toml"], ["config file not found"]),
-], ids=["unknown-drafter", "negative-k", "empty-prompt", "missing-config"])
+    (["--prompt", "hi", "--drafter", "ngram", "--k", "0"], ["k = 0 drafts no tokens", "drafter 'ngram'", '"none"']),
+    (["--prompt", "hi", "--k", "0"], ["k = 0 drafts no tokens", "auto selection"]),
+], ids=["unknown-drafter", "negative-k", "empty-prompt", "missing-config", "k0-named-drafter", "k0-auto"])
 def test_bad_generate_arguments(capsys: pytest.CaptureFixture, args: list[str], fragments: list[str]) -> None:
     assert main(["generate", *args]) == 2
     out = capsys.readouterr()

@@ -102,14 +102,15 @@ def test_response_format_and_spind_grammars_are_parsed_and_checked():
     assert parse({"prompt": "hi", "spind": {"grammar": 'root ::= "a"'}}).params.grammar == Grammar("grammar",
                                                                                                 'root ::= "a"')
     for body, param, message in (
-            ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format", "schema"),
-            ({"response_format": {"type": "yaml"}}, "response_format", "text, json_object or json_schema"),
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format.json_schema",
+             "schema"),
+            ({"response_format": {"type": "yaml"}}, "response_format.type", "text, json_object or json_schema"),
             ({"response_format": "json"}, "response_format", "must be an object"),
             ({"spind": {"regex": "a", "grammar": "b"}}, "spind", "one of"),
-            ({"spind": {"regex": 5}}, "regex", "a string"),
+            ({"spind": {"regex": 5}}, "spind.regex", "a string"),
             ({"regex": "a"}, "regex", "spind extension"),
             ({"response_format": {"type": "json_object"}, "spind": {"regex": "a"}}, "response_format", "not both"),
-            ({"response_format": {"type": "json_object"}, "ignore_eos": True}, None, "ignore_eos")):
+            ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "ignore_eos")):
         e = refused({"prompt": "hi", **body})
         assert e.status == 400 and e.param == param and re.search(message, e.message), (body, e.message)
 
@@ -172,6 +173,11 @@ def test_prompt_batch_of_one_is_unwrapped():
     ({"prompt": "x", "spind": {"k": 99}}, "spind.k"), ({"prompt": "x", "spind": {"other": 1}}, "spind"),
     ({"prompt": "x", "spind": "ngram"}, "spind"), ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "best_of": 3}, "best_of"), ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "spind": {"drafter": 5}}, "spind.drafter"), ({"prompt": "x", "spind": {"k": "4"}}, "spind.k"),
+    ({"prompt": "x", "spind": {"grammar": 5}}, "spind.grammar"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ({"prompt": "x", "temperature": -1}, "temperature"), ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "stop": [""]}, "stop"), ({"prompt": "x", "logit_bias": {"1": 500}}, "logit_bias"),
 ])
 def test_bad_fields_are_400_naming_the_param(body, param):
     e = refused(body)
@@ -186,11 +192,25 @@ def test_out_of_range_sampling_is_400(body):
     assert refused(body).status == 400
 
 
-@pytest.mark.parametrize("messages", [None, [], "hi", [{"role": "user"}], [{"role": "tool", "content": "x"}],
-                                      [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], [3]])
-def test_bad_messages_are_400(messages):
+@pytest.mark.parametrize("messages, param", [
+    (None, "messages"), ([], "messages"), ("hi", "messages"), ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "user", "content": "a"}, {"role": "tool", "content": "x"}], "messages[1].role"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content"),
+    ([3], "messages[0].role"), ([{"role": "user", "content": "\ud800"}], "messages[0].content")])
+def test_bad_messages_are_400_naming_the_message(messages, param):
     e = refused({"messages": messages}, is_chat=True)
-    assert e.status == 400 and e.param == "messages"
+    assert e.status == 400 and e.param == param, e.message
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "auto"])
+def test_k_0_with_a_drafter_that_would_draft_is_a_400_naming_the_conflict(drafter):
+    """k = 0 drafts nothing: with a named drafter, or auto, it contradicts the request (it was served silently as
+    plain decoding); drafter "none" with k = 0 is plain decoding, as is drafter "none" alone."""
+    e = refused({"prompt": "x", "spind": {"drafter": drafter, "k": 0}})
+    assert e.status == 400 and e.param == "spind.k" and "k = 0 drafts no tokens" in e.message
+    assert repr(drafter) in e.message or "auto selection" in e.message
+    assert parse({"prompt": "x", "spind": {"drafter": "none", "k": 0}}).k == 0
+    assert parse({"prompt": "x", "spind": {"drafter": drafter, "k": 1}}).k == 1
 
 
 @pytest.mark.parametrize("raw", [b"", b"{", b"[1,2]", b"null", b"\xff\xfe", b"[" * 100_000, b'"prompt"'])
@@ -434,6 +454,23 @@ def test_zmq_server_answers_malformed_frames_with_errors():
             msg = P.decode(await asyncio.wait_for(sock.recv(), 5), P.ClientOut)
             assert isinstance(msg, P.ClientError) and msg.status == 503 and msg.code == "draining"
     asyncio.run(check())
+
+
+def test_zmq_errors_name_the_field_as_http_does():
+    """The k = 0 conflict, a bad drafter and a sampling field out of range: the same 400 and `param` as over HTTP."""
+    async def check():
+        async with zmq_server() as (_, sock):
+            out = []
+            for req in (make_request("x", drafter="ngram", k=0), make_request("x", drafter="nope"),
+                        make_request("x", temperature=-1.0), make_request("x", drafter="none", k=0)):
+                await sock.send(P.encode(req))
+                out.append(P.decode(await asyncio.wait_for(sock.recv(), 5), P.ClientOut))
+            return out
+    conflict, unknown, temperature, plain = asyncio.run(check())
+    assert (conflict.status, conflict.param) == (400, "spind.k") and "k = 0 drafts no tokens" in conflict.message
+    assert (unknown.status, unknown.param) == (400, "spind.drafter")
+    assert (temperature.status, temperature.param) == (400, "temperature")
+    assert (plain.status, plain.code) == (500, "internal_error")  # "none" with k = 0 passes validation (no engine)
 
 
 def test_zmq_api_refuses_requests_without_the_api_key():

@@ -17,7 +17,7 @@ from aiohttp import web
 from spind import protocol as P
 from spind.coordinator.interface import Delta, EngineError, Usage
 from spind.grammar import GrammarError, check_grammar
-from spind.params import MAX_LOGPROBS, MAX_N, Grammar, SamplingParams, is_encodable
+from spind.params import MAX_LOGPROBS, MAX_N, Grammar, SamplingParams, drafter_k_conflict, is_encodable
 
 MAX_BODY_BYTES = 1 << 20
 ABORT = "abort"  # the engine's finish_reason for a request ended early; never sent as an OpenAI finish_reason
@@ -76,13 +76,17 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 INT_LIMIT = 2**63
 
 
-def _get(body: dict, name: str, kinds: type | tuple[type, ...], what: str, default: object = None) -> object:
+def _get(body: dict, name: str, kinds: type | tuple[type, ...], what: str, default: object = None,
+         path: str = "") -> object:
+    """body[name] checked to be of `kinds`; `path`: where `body` sits in the request ("spind."), so that an error's
+    `param` is the field's dotted path from the body's root, as every error body names it ("spind.k",
+    "stream_options.include_usage", "messages[2].content")."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)) \
             or not isinstance(value, kinds):
-        raise ApiError(400, f"'{name}' must be {what}", param=name)
+        raise ApiError(400, f"'{path}{name}' must be {what}", param=path + name)
     return value
 
 
@@ -117,11 +121,14 @@ def parse_messages(messages: object) -> list[dict]:
         if isinstance(content, list):  # content parts: only text is understood
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
-                raise ApiError(400, f"messages[{i}]: only text content parts are supported", param="messages")
+                raise ApiError(400, f"messages[{i}]: only text content parts are supported",
+                               param=f"messages[{i}].content")
             content = "".join(p["text"] for p in content)
-        if role not in CHAT_ROLES or not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}] needs a role in {CHAT_ROLES} and string content", param="messages")
-        check_text(content, "messages")
+        if role not in CHAT_ROLES:
+            raise ApiError(400, f"messages[{i}] needs a role in {CHAT_ROLES}", param=f"messages[{i}].role")
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}] needs string content", param=f"messages[{i}].content")
+        check_text(content, f"messages[{i}].content")
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
 
@@ -138,7 +145,10 @@ def check_extension(drafter: str, k: int | None, limits: ApiLimits) -> None:
         known = ", ".join(("auto", "none", *limits.drafter_names))
         raise ApiError(400, f"unknown drafter {drafter!r}; choose one of: {known}", param="spind.drafter")
     if k is not None and not 0 <= k <= limits.max_k:
-        raise ApiError(400, f"'k' must be in [0, {limits.max_k}], got {k}", param="spind.k")
+        raise ApiError(400, f"'spind.k' must be in [0, {limits.max_k}], got {k}", param="spind.k")
+    conflict = drafter_k_conflict(drafter, k)
+    if conflict is not None:
+        raise ApiError(400, conflict, param="spind.k")
 
 
 def _parse_spind(body: dict, limits: ApiLimits) -> tuple[str, int | None, Grammar | None]:
@@ -146,9 +156,11 @@ def _parse_spind(body: dict, limits: ApiLimits) -> tuple[str, int | None, Gramma
     unknown = set(ext) - set(SPIND_FIELDS)
     if unknown:
         raise ApiError(400, f"unknown 'spind' field(s): {', '.join(sorted(unknown))}", param="spind")
-    drafter, k = _get(ext, "drafter", str, "a string", "auto"), _get(ext, "k", int, "an integer")
+    drafter = _get(ext, "drafter", str, "a string", "auto", path="spind.")
+    k = _get(ext, "k", int, "an integer", path="spind.")
     check_extension(drafter, k, limits)
-    grammars = [Grammar(kind, _get(ext, kind, str, "a string")) for kind in ("regex", "grammar") if ext.get(kind)]
+    grammars = [Grammar(kind, _get(ext, kind, str, "a string", path="spind.")) for kind in ("regex", "grammar")
+                if ext.get(kind)]
     if len(grammars) > 1:
         raise ApiError(400, "give one of 'spind.regex' and 'spind.grammar'", param="spind")
     return drafter, k, grammars[0] if grammars else None
@@ -166,10 +178,10 @@ def _parse_response_format(body: dict) -> Grammar | None:
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, (dict, bool)):
             raise ApiError(400, "'response_format' of type json_schema needs \"json_schema\": {\"name\": ..., "
-                                "\"schema\": {...}}", param="response_format")
+                                "\"schema\": {...}}", param="response_format.json_schema")
         return Grammar("json_schema", json.dumps(schema))
     raise ApiError(400, f"'response_format' type must be text, json_object or json_schema, got {rf.get('type')!r}",
-                   param="response_format")
+                   param="response_format.type")
 
 
 def _parse_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
@@ -244,12 +256,12 @@ def parse_generate(raw: bytes, is_chat: bool, limits: ApiLimits,
             logit_bias=_parse_logit_bias(body), logprobs=_parse_logprobs(body, is_chat),
             grammar=grammar or response_format).validate()
     except (ValueError, TypeError, OverflowError) as e:
-        raise ApiError(400, str(e)) from None
+        raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
     is_stream = bool(_get(body, "stream", bool, "a boolean", False))
     options = _get(body, "stream_options", dict, "an object", None)
     if options is not None and not is_stream:
         raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    include_usage = bool(_get(options or {}, "include_usage", bool, "a boolean", False))
+    include_usage = bool(_get(options or {}, "include_usage", bool, "a boolean", False, path="stream_options."))
     ignored = tuple(sorted(set(body) - KNOWN_FIELDS - set(NEUTRAL_VALUES)))
     n = _int(body, "n", 1, MAX_N, 1)
     return GenerateArgs(prompt=prompt, messages=messages, params=params, has_max_tokens=max_tokens is not None,
@@ -263,7 +275,8 @@ async def check_grammar_off_loop(params: SamplingParams) -> None:
     try:
         await asyncio.to_thread(check_grammar, params.grammar)
     except GrammarError as e:
-        raise ApiError(400, str(e)) from None  # from response_format or spind.regex / spind.grammar
+        field = "response_format" if params.grammar.kind == "json_schema" else f"spind.{params.grammar.kind}"
+        raise ApiError(400, str(e), param=field) from None
 
 
 def check_serving(status: str) -> None:

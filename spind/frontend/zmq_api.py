@@ -71,7 +71,7 @@ def client_prompt(msg: P.ClientRequest, limits: ApiLimits) -> tuple[str | list[i
     """Validate a ClientRequest the same way as the HTTP API; returns (prompt, messages) for encode_prompt."""
     given = [x is not None for x in (msg.prompt, msg.prompt_ids, msg.messages)]
     if sum(given) != 1:
-        raise ApiError(400, "exactly one of prompt, prompt_ids or messages must be set")
+        raise ApiError(400, "exactly one of prompt, prompt_ids or messages must be set", param="prompt")
     if msg.prompt is not None and not msg.prompt or msg.prompt_ids is not None and not msg.prompt_ids:
         raise ApiError(400, "empty prompt", param="prompt")
     if msg.prompt is not None:
@@ -171,7 +171,8 @@ class ZmqApiServer:
 
     async def _send_error(self, env: Envelope, req_id: str, e: ApiError) -> None:
         try:
-            await self._send(env, P.ClientError(req_id, e.status, e.code or "invalid_request_error", e.message))
+            await self._send(env, P.ClientError(req_id, e.status, e.code or "invalid_request_error", e.message,
+                                                  e.param))
         except zmq.ZMQError:
             pass  # the client is gone
 
@@ -198,7 +199,7 @@ class ZmqApiServer:
         try:
             params = msg.params.validate()
         except (ValueError, TypeError) as e:
-            raise ApiError(400, str(e)) from None
+            raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
         prompt_ids = await asyncio.to_thread(self.engine.encode_prompt, prompt, messages)  # off the event loop
         await check_grammar_off_loop(params)
         req = EngineRequest("zmq-" + uuid.uuid4().hex, prompt_ids, params, msg.drafter, msg.k)
