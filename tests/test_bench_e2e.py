@@ -69,10 +69,26 @@ def test_prompt_files_and_their_errors_name_the_line(tmp_path):
     with pytest.raises(WorkloadFormatError, match="bad.jsonl:2: not valid JSON"):
         read_prompt_file(bad)
     bad.write_text('{"turns": ["ok"]}\n{"question_id": 3}\n')
-    with pytest.raises(WorkloadFormatError, match="bad.jsonl:2: expected a non-empty prompt"):
+    with pytest.raises(WorkloadFormatError, match="bad.jsonl:2: got .*a prompt file holds one JSON value per line"):
         read_prompt_file(bad)
-    with pytest.raises(ValueError, match="unknown workload 'nope'"):
+    with pytest.raises(ValueError, match="unknown workload 'nope'.*a prompt file"):
         sample_workload("nope", 2, 0)
+
+
+def test_without_the_datasets_the_error_says_how_to_give_ones_own_prompts(tmp_path, capsys):
+    """No shared datasets (a clone on its own): `bench e2e` names --datasets-dir and --workload FILE.jsonl with the
+    file's format, which the bench then reads."""
+    from spind.cli import main
+
+    missing = tmp_path / "datasets"
+    assert main(["bench", "e2e", "--workload", "alpaca", "--datasets-dir", str(missing), "--json",
+                 str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert "datasets folder not found" in err and "--datasets-dir DIR" in err and "--workload FILE.jsonl" in err
+    assert '"turns": ["the prompt", ...]' in err and "prompt string" in err
+    own = tmp_path / "mine.jsonl"
+    own.write_text('"Say hi."\n{"question_id": 1, "category": "writing", "turns": ["Write a line."]}\n')
+    assert sorted(p.text for p in sample_workload(str(own), 2, 0, missing)) == ["Say hi.", "Write a line."]
 
 
 @pytest.mark.e2e

@@ -178,11 +178,20 @@ WORKLOADS: dict[str, Callable[[Path], list[Prompt]]] = {
 MIX = ("alpaca", "cp", "passage")
 
 
-def check_datasets_dir(datasets_dir: Path) -> Path:
+PROMPT_FILE_FORMAT = ('one JSON value per line, each a prompt string or an MT-bench record {"question_id": 1, '
+                      '"category": "writing", "turns": ["the prompt", ...]} (its first turn is the prompt), or one '
+                      'JSON list of prompt strings; each prompt is sent as a chat message')
+
+
+def check_datasets_dir(datasets_dir: Path, prompts_flag: str | None = None) -> Path:
+    """The shared datasets folder, or an error saying where it was looked for and, for a bench that also takes a
+    prompt file (`prompts_flag`, e.g. --workload), how to give one's own prompts instead."""
     if not datasets_dir.is_dir():
+        own = (f"; or give your own prompts: {prompts_flag} FILE.jsonl, {PROMPT_FILE_FORMAT}" if prompts_flag
+               else "")
         raise DatasetNotFoundError(
             f"datasets folder not found: {datasets_dir} (expected the shared/datasets folder next to the repo "
-            f"checkout; pass --datasets-dir)")
+            f"checkout; pass --datasets-dir DIR{own})")
     return datasets_dir
 
 
@@ -227,8 +236,8 @@ def read_prompt_file(path: Path) -> list[Prompt]:
                 and isinstance(item["turns"][0], str) and item["turns"][0].strip():
             prompts.append(Prompt(path.stem, item["turns"][0], True, str(item.get("category", ""))))
         else:
-            raise WorkloadFormatError(f"{path}:{where}: expected a non-empty prompt string or an MT-bench record "
-                                      f'{{"question_id", "category", "turns": [...]}}, got {json.dumps(item)[:80]}')
+            raise WorkloadFormatError(f"{path}:{where}: got {json.dumps(item)[:80]}; a prompt file holds "
+                                      f"{PROMPT_FILE_FORMAT}")
     if not prompts:
         raise WorkloadFormatError(f"{path}: no prompts")
     return prompts
@@ -245,10 +254,10 @@ def sample_workload(name: str, num: int, seed: int, datasets_dir: Path = DEFAULT
         mixed = [Prompt(p.dataset, p.text, p.is_chat, p.dataset) for group in zip(*parts) for p in group]
         return mixed[:num]
     if name in WORKLOADS:
-        records = WORKLOADS[name](check_datasets_dir(datasets_dir))
+        records = WORKLOADS[name](check_datasets_dir(datasets_dir, "--workload"))
     elif "/" in name or name.endswith((".json", ".jsonl")):
         records = read_prompt_file(Path(name).expanduser())
     else:
-        raise ValueError(f"unknown workload {name!r}; known: {', '.join([*WORKLOADS, 'mix'])}, or a path to a "
-                         f"JSONL (MT-bench schema) or JSON list of prompts")
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join([*WORKLOADS, 'mix'])}, or a prompt file "
+                         f"(a path ending in .jsonl or .json: {PROMPT_FILE_FORMAT})")
     return rng.sample(records, num) if num < len(records) else rng.sample(records, len(records))
