@@ -68,17 +68,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_drafters(args: argparse.Namespace) -> int:
-    from spind.bench.drafters import describe_drafters
+    from spind.drafter_table import describe_drafters, render_drafters
 
-    cfg = config_from_args(args)
-    rows = describe_drafters(cfg, measure=args.measure)
-    if args.json:
-        print(json.dumps(rows))
-    else:
-        print(f"{'name':<10} {'kind':<7} {'variant':<18} {'worker':<8} ms/draft-token")
-        for r in rows:
-            ms = "-" if r["ms_per_token"] is None else f"{r['ms_per_token']:.1f}"
-            print(f"{r['name']:<10} {r['kind']:<7} {r['variant'] or '-':<18} {r['worker']:<8} {ms}")
+    table = describe_drafters(config_from_args(args), measure=args.measure)
+    print(json.dumps(table) if args.json else render_drafters(table))
     return 0
 
 
@@ -115,9 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, timings, drafters")
     g.set_defaults(func=cmd_generate)
 
-    d = sub.add_parser("drafters", help="list the configured drafters")
+    d = sub.add_parser("drafters", help="the configured drafters: whether auto selection uses each on this machine "
+                                        "and why not, with their measured costs")
     add_config_args(d)
-    d.add_argument("--measure", action="store_true", help="load each drafter and measure ms per draft token")
+    d.add_argument("--measure", action="store_true",
+                   help="load the models and profile them where no start has (as `spind start` does), then show")
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_drafters)
 

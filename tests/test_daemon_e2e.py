@@ -222,6 +222,16 @@ def test_unmodified_openai_client(daemon: Daemon, refs: dict[str, Reference]):
         client.chat.completions.create(model="spind", messages=CHAT, presence_penalty=0.5)  # still refused
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="spind", prompt="x", extra_body={"spind": {"drafter": "nope"}})
+    # the README's call: auto with k = 4, and what the response reports about the drafters that served it
+    readme = client.chat.completions.create(model="spind", messages=CHAT, temperature=0, max_tokens=MAX_TOKENS,
+                                            extra_body={"spind": {"drafter": "auto", "k": 4}})
+    assert readme.choices[0].message.content == refs["chat"].text
+    report = readme.model_extra["spind"]
+    assert set(report) == {"drafters", "time_slots", "mean_accepted_length"} and report["time_slots"] >= 1
+    assert all(set(n) == {"drafted", "accepted"} and n["accepted"] <= n["drafted"] for n in report["drafters"].values())
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="spind", messages=CHAT, extra_body={"spind": {"drafter": "ngram", "k": 0}})
+    assert refused.value.body["param"] == "spind.k" and "k = 0 drafts no tokens" in refused.value.body["message"]
 
 
 def test_logit_bias_through_the_openai_client_and_zmq(daemon: Daemon, refs: dict[str, Reference]):

@@ -36,24 +36,6 @@ PLAIN = "none"
 PROBE = "bench-probe"
 
 
-def describe_drafters(cfg: SpindConfig, measure: bool = False) -> list[dict]:
-    """One row per configured drafter; with measure=True, each is loaded and its ms per draft token timed."""
-    costs: dict[str, float | None] = {}
-    if measure:
-        costs = measure_draft_costs(cfg)
-    return [{"name": d.name, "kind": d.kind, "variant": d.variant, "worker": d.worker,
-             "ms_per_token": costs.get(d.name)} for d in cfg.drafters]
-
-
-def measure_draft_costs(cfg: SpindConfig, k: int = 4, rounds: int = 5) -> dict[str, float | None]:
-    engine = LocalEngine.load(cfg)
-    try:
-        prompt = engine.tokenizer.apply_chat([{"role": "user", "content": "Tell me about the history of Rome."}])
-        return time_draft_tokens({d.name: engine.drafter(d.name) for d in cfg.drafters}, prompt, k, rounds)
-    finally:
-        engine.close()
-
-
 def time_target_steps(models: dict[str, LlamaModel], prompt: list[int], steps: int, k: int,
                       block_size: int, attention: str = "packed",
                       verify_rows: tuple[int, ...] = ()) -> dict[str, dict[str, float]]:

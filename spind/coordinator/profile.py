@@ -119,25 +119,53 @@ def served_context(cfg: SpindConfig, pool) -> int:
     return pool.info(TARGET_WORKER).max_model_len or cfg.model.max_model_len  # the worker reports the smaller
 
 
+def _config_fields(cfg: SpindConfig) -> dict:
+    """What a profile depends on that the config alone says (no worker needed to know it)."""
+    return {"version": PROFILE_VERSION, "kernels": kernels_digest(), "model": cfg.model.target,
+            "dtype": cfg.model.dtype, "k": cfg.speculation.k, "attention": cfg.runtime.attention,
+            "batch": batch_sizes(cfg.runtime.max_batch_size), "drafters": [asdict(d) for d in cfg.drafters]}
+
+
+def profile_fields(cfg: SpindConfig, workers: list[dict], max_model_len: int) -> dict:
+    """Everything that changes a profile's numbers: the config's part, the probe context, and the workers as they
+    reported themselves (devices by name, dtype, threads)."""
+    workers_ = sorted([w["name"], w["device"], w.get("device_name", ""), w.get("dtype", ""), w["threads"]]
+                      for w in workers)
+    return {**_config_fields(cfg), "context": probe_context(max_model_len, cfg.speculation.k), "workers": workers_}
+
+
 def profile_key(cfg: SpindConfig, workers: list[dict], max_model_len: int) -> str:
-    what = {"version": PROFILE_VERSION, "kernels": kernels_digest(), "model": cfg.model.target,
-            "dtype": cfg.model.dtype, "k": cfg.speculation.k,
-            "context": probe_context(max_model_len, cfg.speculation.k),
-            "attention": cfg.runtime.attention, "batch": batch_sizes(cfg.runtime.max_batch_size),
-            "drafters": [asdict(d) for d in cfg.drafters],
-            "workers": sorted((w["name"], w["device"], w.get("device_name", ""), w.get("dtype", ""), w["threads"])
-                              for w in workers)}
+    what = profile_fields(cfg, workers, max_model_len)
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def find_cached(cfg: SpindConfig) -> tuple[Path, SystemProfile] | None:
+    """The newest cached profile of this config (model, dtype, drafters, k, kernels) on this machine, whatever its
+    workers' threads: what `spind drafters` shows without loading a model. None when no start has profiled it."""
+    want, found = json.loads(json.dumps(_config_fields(cfg))), []  # as JSON reads it back: tuples are lists
+    for path in (cfg.cache_path / "profiles").glob("*.json"):
+        try:
+            raw = json.loads(path.read_text())
+            fields = raw.get("fields") or {}
+            if all(fields.get(k) == v for k, v in want.items()):
+                found.append((path, SystemProfile.from_json(raw)))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # unreadable, or written before profiles recorded their fields
+    return max(found, key=lambda f: f[1].measured_at, default=None)
 
 
 async def load_or_measure(pool, cfg: SpindConfig, timeout_s: float) -> SystemProfile:
     max_model_len = served_context(cfg, pool)
+    fields = profile_fields(cfg, pool.describe(), max_model_len)
     path = cfg.cache_path / "profiles" / f"{profile_key(cfg, pool.describe(), max_model_len)}.json"
     if cfg.runtime.profile == "auto" and path.is_file():
         try:
-            cached = SystemProfile.from_json(json.loads(path.read_text()))
+            raw = json.loads(path.read_text())
+            cached = SystemProfile.from_json(raw)
             why = cached.implausible()
             if why is None:
+                if "fields" not in raw:  # cached before profiles recorded them: `spind drafters` finds it from now on
+                    _write(path, cached, fields)
                 return cached
             log.warning("measuring again: the cached profile %s is implausible (%s)", path, why)
         except (ValueError, KeyError, TypeError):
@@ -153,7 +181,7 @@ async def load_or_measure(pool, cfg: SpindConfig, timeout_s: float) -> SystemPro
         profile = await _measure(pool, cfg, max_model_len, timeout_s)
         why = profile.implausible()
     if why is None:
-        _write(path, profile)
+        _write(path, profile, fields)
     else:
         log.warning("serving with a profile measured under load, not cached (%s): selection may speculate less "
                     "than this machine allows; the next start measures again", why)
@@ -172,11 +200,12 @@ async def _measure(pool, cfg: SpindConfig, max_model_len: int, timeout_s: float)
                          time.time(), decode.verify_ms.get(1), dict(decode.verify_ms))
 
 
-def _write(path: Path, profile: SystemProfile) -> None:
+def _write(path: Path, profile: SystemProfile, fields: dict) -> None:
+    """The profile, with the fields its key hashes (`find_cached` matches a config against them)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(profile.to_json(), indent=1))
+        tmp.write_text(json.dumps({**profile.to_json(), "fields": fields}, indent=1))
         tmp.replace(path)
     except OSError as e:  # a read-only cache is no reason not to serve
         log.warning("cannot cache the profile in %s: %s", path, e)
