@@ -26,7 +26,7 @@ class BuildPyWithKernels(build_py):
     def run(self) -> None:
         super().run()
         # an editable install imports spind.kernels from ./kernels, a wheel from its build folder
-        out = ROOT / "kernels" / "prebuilt" if self.editable_mode else Path(self.build_lib) / "spind" / "kernels" / "prebuilt"
+        out = (ROOT / "kernels" if self.editable_mode else Path(self.build_lib) / "spind" / "kernels") / "prebuilt"
         if os.environ.get("SPIND_SKIP_KERNEL_BUILD"):
             print("spind: SPIND_SKIP_KERNEL_BUILD is set: the CPU kernels compile on first use instead")
             return

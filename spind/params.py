@@ -77,7 +77,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ParamError("stop", f"stop takes at most {MAX_STOP_STRINGS} strings")
         for s in self.stop:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS:
-                raise ParamError("stop", f"each stop string must be a non-empty string of at most {MAX_STOP_CHARS} characters")
+                raise ParamError("stop", f"each stop string must be a non-empty string of at most {MAX_STOP_CHARS} "
+                                         f"characters")
             if not is_encodable(s):
                 raise ParamError("stop", "stop strings must be valid Unicode (no lone surrogates)")
         self._validate_logit_bias()
@@ -86,11 +87,13 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.grammar is not None:
             if not isinstance(self.grammar, Grammar) or self.grammar.kind not in ("json_schema", "regex", "grammar") \
                     or not isinstance(self.grammar.text, str) or not self.grammar.text:
-                raise ParamError("response_format", 'a grammar needs a kind ("json_schema", "regex" or "grammar") and its text')
+                raise ParamError("response_format",
+                                 'a grammar needs a kind ("json_schema", "regex" or "grammar") and its text')
             if len(self.grammar.text) > MAX_GRAMMAR_CHARS:
                 raise ParamError("response_format", f"a grammar takes at most {MAX_GRAMMAR_CHARS} characters")
             if self.ignore_eos:
-                raise ParamError("ignore_eos", "ignore_eos cannot go with a grammar: the output ends where the grammar does")
+                raise ParamError("ignore_eos",
+                                 "ignore_eos cannot go with a grammar: the output ends where the grammar does")
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             # As vLLM does: a vanishing temperature is greedy decoding, not a softmax that overflows.
             return msgspec.structs.replace(self, temperature=0.0)
@@ -107,7 +110,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if type(token) is not int or not 0 <= token < 2**31:
                 raise ParamError("logit_bias", "logit_bias token ids must be integers in [0, 2**31)")
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
-                raise ParamError("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
+                raise ParamError("logit_bias",
+                                 f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
             if token in seen:
                 raise ParamError("logit_bias", f"logit_bias names token {token} twice")
             seen.add(token)

@@ -1,7 +1,7 @@
 """A built wheel works on its own: built from a copy of this checkout, installed into a fresh virtual environment
 (torch and the other dependencies from this interpreter's site-packages, nothing downloaded), then `spind generate`
-run from a directory outside the checkout, on the kernels the wheel's build compiled. It reads the embedded config.toml from the installed package, not from the
-checkout (which only an editable install can see)."""
+run from a directory outside the checkout, on the kernels the wheel's build compiled. It reads the embedded config.toml
+from the installed package, not from the checkout (which only an editable install can see)."""
 
 from __future__ import annotations
 

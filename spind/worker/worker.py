@@ -329,8 +329,8 @@ class Worker:
     def _shadow_drafts(self, items: list[P.VerifyItem]) -> dict[str, dict[str, list[int]]]:
         """The counterfactual drafts the coordinator asked for: what each named model-free drafter would propose
         after the request's committed tokens (the coordinator checks them against what then commits, and the
-        selector learns the request's acceptance at every draft position, on each free drafter: the one it ran too, whose
-        real draft may have been cut short). Grouped per drafter, one batch each."""
+        selector learns the request's acceptance at every draft position, on each free drafter: the one it ran
+        too, whose real draft may have been cut short). Grouped per drafter, one batch each."""
         groups: dict[str, list[DraftInput]] = {}
         for it in items:
             if it.shadow and it.shadow_k:
