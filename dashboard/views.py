@@ -85,6 +85,15 @@ def show(chart, key: str) -> None:
         st.altair_chart(chart, width="stretch", height=chart.height if isinstance(chart.height, int) else "content")
 
 
+def section(title: str, empty: bool, note: str, draw) -> None:
+    """A titled chart, or where its data is empty the note saying why: a page never shows an empty chart."""
+    st.subheader(title)
+    if empty:
+        st.info(note)
+    else:
+        draw()
+
+
 def table(df, key: str) -> None:
     with st.container(key=f"table-{key}"):
         st.table(df, hide_index=True)
@@ -159,29 +168,22 @@ def requests(state: SpindState, rates: Rates) -> None:
     cols[0].metric("Running", state.num_running)
     cols[1].metric("Waiting", state.num_waiting)
     rate_metric(cols[2], "Generated", rate_text(rates.committed_tok_s, "tok/s"), rates, "committed tokens per second")
-    st.subheader("Requests in the daemon now")
     df = charts.requests_frame(state)
-    if df.empty:
-        st.info("No request is running or waiting (idle). Send one, e.g. `spind generate --prompt hello`.")
-    else:
-        table(df, "requests")
+    section("Requests in the daemon now", df.empty,
+            "No request is running or waiting (idle). Send one, e.g. `spind generate --prompt hello`.",
+            lambda: table(df, "requests"))
     st.caption("drafter / k: what the request's last verification step drafted with (none (plain): no drafting); "
                "selector's pick: the drafter the selector assigned it for its next slot, named as in the heat map "
                "of the Selection page; asked for: the request's own `drafter` (auto: the selector chooses).")
 
 
 def drafters(state: SpindState, rates: Rates) -> None:
-    st.subheader("Configured drafters (since start)")
     df = charts.drafters_frame(state)
-    if df.empty:
-        st.info("This daemon has no drafters configured: every request decodes plainly (none (plain)).")
-    else:
-        table(df, "drafters")
-    st.subheader("Accepted draft tokens by position")
-    if charts.accepted_at_frame(state).empty:
-        st.info("No drafted token has been accepted yet.")
-    else:
-        show(charts.accepted_at_chart(state), "accepted-at")
+    section("Configured drafters (since start)", df.empty,
+            "This daemon has no drafters configured: every request decodes plainly (none (plain)).",
+            lambda: table(df, "drafters"))
+    section("Accepted draft tokens by position", charts.accepted_at_frame(state).empty,
+            "No drafted token has been accepted yet.", lambda: show(charts.accepted_at_chart(state), "accepted-at"))
 
 
 def verify_cost(state: SpindState, rates: Rates) -> None:
@@ -194,29 +196,20 @@ def verify_cost(state: SpindState, rates: Rates) -> None:
     st.caption(summary)
     left, right = st.columns(2)
     with left:
-        st.subheader("Verify cost model (ms vs tokens)")
-        if charts.verify_cost(state) is None:
-            st.info("The verify cost is not fitted yet.")
-        else:
-            show(charts.verify_cost_chart(state), "verify-cost")
+        section("Verify cost model (ms vs tokens)", charts.verify_cost(state) is None,
+                "The verify cost is not fitted yet.", lambda: show(charts.verify_cost_chart(state), "verify-cost"))
     with right:
-        st.subheader("Verify time, predicted vs measured")
-        if charts.verify_fit_frame(state).empty:
-            st.info("No verify forward has been timed yet.")
-        else:
-            show(charts.verify_fit_chart(state), "verify-fit")
+        section("Verify time, predicted vs measured", charts.verify_fit_frame(state).empty,
+                "No verify forward has been timed yet.", lambda: show(charts.verify_fit_chart(state), "verify-fit"))
 
 
 def occupancy(state: SpindState, rates: Rates) -> None:
     cols = st.columns(max(1, len(state.workers)))
     for col, w in zip(cols, state.workers):
         rate_metric(col, f"{w.name} busy", f"{rates.busy.get(w.name, 0.0):.0%}", rates, "share of the time busy")
-    st.subheader(f"What each worker did, last {state.window_s:.0f} s")
-    if charts.occupancy_frame(state).empty:
-        st.info(f"No worker did anything in the last {state.window_s:.0f} s (idle).")
-    else:
-        show(charts.occupancy_timeline(state), "occupancy")
-        show(charts.utilisation_chart(state), "utilisation")
+    section(f"What each worker did, last {state.window_s:.0f} s", charts.occupancy_frame(state).empty,
+            f"No worker did anything in the last {state.window_s:.0f} s (idle).",
+            lambda: _occupancy_charts(state))
 
 
 def throughput(state: SpindState, rates: Rates) -> None:
@@ -238,6 +231,11 @@ def throughput(state: SpindState, rates: Rates) -> None:
         show(charts.queue_chart(state), "queue")
         st.subheader("Mean accepted length per drafter")
         _drafter_line(state, "accepted_length", "tokens per verification step", "tokens/step")
+
+
+def _occupancy_charts(state: SpindState) -> None:
+    show(charts.occupancy_timeline(state), "occupancy")
+    show(charts.utilisation_chart(state), "utilisation")
 
 
 def _drafter_line(state: SpindState, field: str, title: str, unit: str) -> None:
