@@ -84,8 +84,12 @@ def test_drafters_json_lists_the_configured_drafters(capsys: pytest.CaptureFixtu
     # this machine's cached profile when a start made one (tests run before may have), else nothing measured
     if table["profile"] is None:
         assert all(r["ms_per_token"] is None and r["used_by_auto"] is None for r in rows)
-    else:
-        assert all(isinstance(r["used_by_auto"], bool) and (r["used_by_auto"] or r["why_not"]) for r in rows)
+        assert "--measure" in table["note"]
+    elif table["profile"]["implausible"] is None:  # the default lbss: auto uses a drafter iff it is under the bound
+        bound = table["rule"]["max_cost_ratio"]
+        assert table["rule"] == {"applies": True, "min_k": 2, "max_cost_ratio": 1.5}
+        assert all(r["used_by_auto"] is (r["cost_ratio"] is None or r["cost_ratio"] < bound) for r in rows)
+        assert all(r["used_by_auto"] or f">= {bound:.2f} (the rule)" in r["why_not"] for r in rows)
 
 
 def test_bench_drafters_without_datasets_fails_before_loading(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
