@@ -23,6 +23,12 @@ class Grammar(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     text: str
 
 
+def grammar_param(kind: object) -> str:
+    """Where a grammar of `kind` sits in an OpenAI body, as error bodies name it: a JSON schema in
+    response_format.json_schema.schema (json_object's too), a regex or grammar in the spind object."""
+    return "response_format.json_schema.schema" if kind == "json_schema" else \
+        f"spind.{kind}" if kind in ("regex", "grammar") else "spind.grammar"
+
 
 class ParamError(ValueError):
     """A sampling parameter out of range, naming it (`param`: its name in the OpenAI body, as error bodies give it)."""
@@ -40,6 +46,7 @@ def drafter_k_conflict(drafter: str, k: int | None) -> str | None:
         return (f"k = 0 drafts no tokens, which contradicts {what}: give k >= 1 to draft, or drafter \"none\" for "
                 f"plain decoding")
     return None
+
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens: int = 128
@@ -87,10 +94,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.grammar is not None:
             if not isinstance(self.grammar, Grammar) or self.grammar.kind not in ("json_schema", "regex", "grammar") \
                     or not isinstance(self.grammar.text, str) or not self.grammar.text:
-                raise ParamError("response_format",
+                raise ParamError(grammar_param(getattr(self.grammar, "kind", None)),
                                  'a grammar needs a kind ("json_schema", "regex" or "grammar") and its text')
             if len(self.grammar.text) > MAX_GRAMMAR_CHARS:
-                raise ParamError("response_format", f"a grammar takes at most {MAX_GRAMMAR_CHARS} characters")
+                raise ParamError(grammar_param(self.grammar.kind),
+                                 f"a grammar takes at most {MAX_GRAMMAR_CHARS} characters")
             if self.ignore_eos:
                 raise ParamError("ignore_eos",
                                  "ignore_eos cannot go with a grammar: the output ends where the grammar does")

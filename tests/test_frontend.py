@@ -25,10 +25,10 @@ from spind.client import make_request
 from spind.frontend.api import ApiServer
 from spind.models.loader import load_generation_defaults
 from spind.frontend.openai_schema import (MAX_BODY_BYTES, ApiError, ApiLimits, Choice, ChunkFormatter, InFlight,
-                                          error_json, from_engine_error, parse_generate, sse)
+                                          check_grammar_off_loop, error_json, from_engine_error, parse_generate, sse)
 from spind.frontend.daemon_cli import load_daemon_config, probe_url
 from spind.coordinator.interface import Delta, EngineError, Usage
-from spind.params import Grammar
+from spind.params import Grammar, SamplingParams
 from spind.frontend.server import PidInfo
 from spind.coordinator.transport.process_pool import default_run_dir, prepare_run_dir
 from spind.frontend.zmq_api import Envelope, ZmqApiServer, client_prompt, split_frames
@@ -170,7 +170,7 @@ def test_prompt_batch_of_one_is_unwrapped():
     ({"prompt": "x", "n": 1.5}, "n"), ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "spind": {"drafter": "nope"}}, "spind.drafter"), ({"prompt": "x", "spind": {"k": -1}}, "spind.k"),
-    ({"prompt": "x", "spind": {"k": 99}}, "spind.k"), ({"prompt": "x", "spind": {"other": 1}}, "spind"),
+    ({"prompt": "x", "spind": {"k": 99}}, "spind.k"), ({"prompt": "x", "spind": {"other": 1}}, "spind.other"),
     ({"prompt": "x", "spind": "ngram"}, "spind"), ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "best_of": 3}, "best_of"), ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": "x", "spind": {"drafter": 5}}, "spind.drafter"), ({"prompt": "x", "spind": {"k": "4"}}, "spind.k"),
@@ -178,10 +178,32 @@ def test_prompt_batch_of_one_is_unwrapped():
     ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ({"prompt": "x", "temperature": -1}, "temperature"), ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "stop": [""]}, "stop"), ({"prompt": "x", "logit_bias": {"1": 500}}, "logit_bias"),
+    ({"prompt": "x", "spind": {"regex": "a" * 70_000}}, "spind.regex"),
+    ({"prompt": "x", "spind": {"grammar": "a" * 70_000}}, "spind.grammar"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"description": "a" * 70_000}}}}, "response_format.json_schema.schema"),
+    ({"prompt": "x", "top_logprobs": 2}, "top_logprobs"),
 ])
 def test_bad_fields_are_400_naming_the_param(body, param):
+    """Every error's `param` is the field's dotted path from the body's root (OpenAI names a top-level field alone)."""
     e = refused(body)
     assert e.status == 400 and e.param == param, e.message
+
+
+def test_unknown_spind_fields_are_named_by_path_and_listed():
+    e = refused({"prompt": "x", "spind": {"drafters": "ngram", "kk": 4}})
+    assert e.param == "spind.drafters" and "drafters, kk" in e.message and "known: drafter, k, regex, grammar" in e.message
+
+
+@pytest.mark.parametrize("grammar, param, message", [
+    (Grammar("regex", "(unclosed"), "spind.regex", "regex does not compile"),
+    (Grammar("grammar", "root ::= ???"), "spind.grammar", "grammar does not compile"),
+    (Grammar("json_schema", '{"type": "nonsense"}'), "response_format.json_schema.schema", "schema does not compile")])
+def test_a_grammar_that_does_not_compile_is_named_where_the_body_holds_it(grammar, param, message):
+    """Compiled off the event loop after parsing: the error still names the field the grammar came from."""
+    with pytest.raises(ApiError) as e:
+        asyncio.run(check_grammar_off_loop(SamplingParams(grammar=grammar)))
+    assert e.value.status == 400 and e.value.param == param and message in e.value.message
 
 
 @pytest.mark.parametrize("body", [
@@ -457,19 +479,22 @@ def test_zmq_server_answers_malformed_frames_with_errors():
 
 
 def test_zmq_errors_name_the_field_as_http_does():
-    """The k = 0 conflict, a bad drafter and a sampling field out of range: the same 400 and `param` as over HTTP."""
+    """The k = 0 conflict, a bad drafter, a sampling field out of range and a grammar too long: the same 400 and
+    `param` as over HTTP."""
     async def check():
         async with zmq_server() as (_, sock):
             out = []
             for req in (make_request("x", drafter="ngram", k=0), make_request("x", drafter="nope"),
-                        make_request("x", temperature=-1.0), make_request("x", drafter="none", k=0)):
+                        make_request("x", temperature=-1.0), make_request("x", grammar=Grammar("regex", "a" * 70_000)),
+                        make_request("x", drafter="none", k=0)):
                 await sock.send(P.encode(req))
                 out.append(P.decode(await asyncio.wait_for(sock.recv(), 5), P.ClientOut))
             return out
-    conflict, unknown, temperature, plain = asyncio.run(check())
+    conflict, unknown, temperature, regex, plain = asyncio.run(check())
     assert (conflict.status, conflict.param) == (400, "spind.k") and "k = 0 drafts no tokens" in conflict.message
     assert (unknown.status, unknown.param) == (400, "spind.drafter")
     assert (temperature.status, temperature.param) == (400, "temperature")
+    assert (regex.status, regex.param) == (400, "spind.regex") and "at most 65536 characters" in regex.message
     assert (plain.status, plain.code) == (500, "internal_error")  # "none" with k = 0 passes validation (no engine)
 
 

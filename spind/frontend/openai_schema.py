@@ -17,7 +17,8 @@ from aiohttp import web
 from spind import protocol as P
 from spind.coordinator.interface import Delta, EngineError, Usage
 from spind.grammar import GrammarError, check_grammar
-from spind.params import MAX_LOGPROBS, MAX_N, Grammar, SamplingParams, drafter_k_conflict, is_encodable
+from spind.params import (MAX_LOGPROBS, MAX_N, Grammar, SamplingParams, drafter_k_conflict, grammar_param,
+                          is_encodable)
 
 MAX_BODY_BYTES = 1 << 20
 ABORT = "abort"  # the engine's finish_reason for a request ended early; never sent as an OpenAI finish_reason
@@ -153,9 +154,10 @@ def check_extension(drafter: str, k: int | None, limits: ApiLimits) -> None:
 
 def _parse_spind(body: dict, limits: ApiLimits) -> tuple[str, int | None, Grammar | None]:
     ext = _get(body, "spind", dict, 'an object {"drafter": ..., "k": ...}', {})
-    unknown = set(ext) - set(SPIND_FIELDS)
-    if unknown:
-        raise ApiError(400, f"unknown 'spind' field(s): {', '.join(sorted(unknown))}", param="spind")
+    unknown = sorted(set(ext) - set(SPIND_FIELDS))
+    if unknown:  # named by its path, as OpenAI names an unknown argument; the message lists every one
+        raise ApiError(400, f"unknown 'spind' field(s): {', '.join(unknown)}; known: {', '.join(SPIND_FIELDS)}",
+                       param=f"spind.{unknown[0]}")
     drafter = _get(ext, "drafter", str, "a string", "auto", path="spind.")
     k = _get(ext, "k", int, "an integer", path="spind.")
     check_extension(drafter, k, limits)
@@ -275,8 +277,7 @@ async def check_grammar_off_loop(params: SamplingParams) -> None:
     try:
         await asyncio.to_thread(check_grammar, params.grammar)
     except GrammarError as e:
-        field = "response_format" if params.grammar.kind == "json_schema" else f"spind.{params.grammar.kind}"
-        raise ApiError(400, str(e), param=field) from None
+        raise ApiError(400, str(e), param=grammar_param(params.grammar.kind)) from None
 
 
 def check_serving(status: str) -> None:
