@@ -85,10 +85,29 @@ def test_without_the_datasets_the_error_says_how_to_give_ones_own_prompts(tmp_pa
                  str(tmp_path / "r.json")]) == 2
     err = capsys.readouterr().err
     assert "datasets folder not found" in err and "--datasets-dir DIR" in err and "--workload FILE.jsonl" in err
-    assert '"turns": ["the prompt", ...]' in err and "prompt string" in err
-    own = tmp_path / "mine.jsonl"
-    own.write_text('"Say hi."\n{"question_id": 1, "category": "writing", "turns": ["Write a line."]}\n')
-    assert sorted(p.text for p in sample_workload(str(own), 2, 0, missing)) == ["Say hi.", "Write a line."]
+    assert '"turns": ["the prompt", ...]' in err and '{"prompt": "the prompt"}' in err and "prompt string" in err
+    own = tmp_path / "own.jsonl"  # each kind of line the error names, run through the bench as it says
+    own.write_text('"Say hi."\n{"prompt": "Name three colors.", "category": "mine"}\n'
+                   '{"question_id": 1, "category": "writing", "turns": ["Write a line."]}\n')
+    assert sorted(p.text for p in sample_workload(str(own), 3, 0, missing)) == [
+        "Name three colors.", "Say hi.", "Write a line."]
+    out = tmp_path / "r.json"
+    assert main(["bench", "e2e", "--workload", str(own), "--datasets-dir", str(missing), "--num-requests", "3",
+                 "--batch-size", "3", "--max-tokens", "4", "--systems", "none", "--threads", "1",
+                 "--json", str(out)]) == 0
+    recs = json.loads(out.read_text())["requests"]["none"]
+    assert sorted(r["category"] for r in recs) == ["mine", "own", "writing"]  # a bare string: the file's name
+    assert all(r["token_ids"] and r["num_prompt_tokens"] > 5 for r in recs)  # in the chat template
+
+
+def test_prompt_objects_in_a_json_list_and_their_errors(tmp_path):
+    listed = tmp_path / "l.json"
+    listed.write_text(json.dumps([{"prompt": "a"}, "b", {"turns": ["c"]}]))
+    assert [p.text for p in read_prompt_file(listed)] == ["a", "b", "c"]
+    for bad in ({"prompt": ""}, {"prompt": 5}, {"messages": [{"role": "user", "content": "x"}]}):
+        listed.write_text(json.dumps([bad]))
+        with pytest.raises(WorkloadFormatError, match=r'l.json:1: got .*\{"prompt": "the prompt"\}'):
+            read_prompt_file(listed)
 
 
 @pytest.mark.e2e

@@ -49,8 +49,10 @@ def add_parsers(sub: argparse._SubParsersAction,
 
     e = bench_sub.add_parser("e2e", help="the paper's evaluation: every system side by side on a workload")
     add_config_args(e)
-    e.add_argument("--workload", default="mix", help="alpaca, cp, mtbench, humaneval, gsm8k, passage, mix, or a path "
-                                                    "to a JSONL (MT-bench schema) or JSON list of prompts")
+    e.add_argument("--workload", default="mix",
+                   help="alpaca, cp, mtbench, humaneval, gsm8k, passage, extract or mix (the shared datasets), or "
+                        "your own prompts: FILE.jsonl, one JSON value per line, each a prompt string, "
+                        '{"prompt": "..."} or an MT-bench record {"turns": ["...", ...]}')
     e.add_argument("--num-requests", type=int, default=24)
     e.add_argument("--batch-size", type=int, default=8, help="closed-loop clients (the paper's batch size)")
     e.add_argument("--rate", type=float, default=None, help="open loop instead: Poisson arrivals per second")

@@ -178,9 +178,10 @@ WORKLOADS: dict[str, Callable[[Path], list[Prompt]]] = {
 MIX = ("alpaca", "cp", "passage")
 
 
-PROMPT_FILE_FORMAT = ('one JSON value per line, each a prompt string or an MT-bench record {"question_id": 1, '
-                      '"category": "writing", "turns": ["the prompt", ...]} (its first turn is the prompt), or one '
-                      'JSON list of prompt strings; each prompt is sent as a chat message')
+PROMPT_FILE_FORMAT = ('one JSON value per line, each a prompt string, an object {"prompt": "the prompt"} (with an '
+                      'optional "category": "..."), or an MT-bench record {"question_id": 1, "category": "writing", '
+                      '"turns": ["the prompt", ...]} (its first turn is the prompt); or one JSON list of such values; '
+                      'each prompt is sent as a user chat message')
 
 
 def check_datasets_dir(datasets_dir: Path, prompts_flag: str | None = None) -> Path:
@@ -205,12 +206,17 @@ def load_prompts(name: str, num: int, datasets_dir: Path = DEFAULT_DATASETS_DIR)
 
 
 class WorkloadFormatError(ValueError):
-    """A prompt file that is not JSONL in the MT-bench schema nor a JSON/JSONL list of strings."""
+    """A prompt file not in PROMPT_FILE_FORMAT; the message names the line."""
+
+
+def _nonempty_str(value: object) -> bool:
+    return isinstance(value, str) and bool(value.strip())
 
 
 def read_prompt_file(path: Path) -> list[Prompt]:
-    """Prompts from a file: JSONL in the MT-bench schema ({"question_id", "category", "turns": [...]}: the first
-    turn, chat) or a JSON list / JSONL of prompt strings (chat). One clear error naming the line otherwise."""
+    """Prompts from a file of one's own (PROMPT_FILE_FORMAT): JSONL or one JSON list of prompt strings, {"prompt"}
+    objects (the shape most prompt files have) or MT-bench records ({"question_id", "category", "turns": [...]}:
+    the first turn), each a chat prompt. One clear error naming the line otherwise."""
     if not path.is_file():
         raise DatasetNotFoundError(f"prompt file not found: {path}")
     text = path.read_text()
@@ -230,10 +236,12 @@ def read_prompt_file(path: Path) -> list[Prompt]:
                     raise WorkloadFormatError(f"{path}:{line_no}: not valid JSON: {e}") from None
     prompts = []
     for where, item in rows:
-        if isinstance(item, str) and item.strip():
+        if _nonempty_str(item):
             prompts.append(Prompt(path.stem, item, True))
+        elif isinstance(item, dict) and _nonempty_str(item.get("prompt")):
+            prompts.append(Prompt(path.stem, item["prompt"], True, str(item.get("category", ""))))
         elif isinstance(item, dict) and isinstance(item.get("turns"), list) and item["turns"] \
-                and isinstance(item["turns"][0], str) and item["turns"][0].strip():
+                and _nonempty_str(item["turns"][0]):
             prompts.append(Prompt(path.stem, item["turns"][0], True, str(item.get("category", ""))))
         else:
             raise WorkloadFormatError(f"{path}:{where}: got {json.dumps(item)[:80]}; a prompt file holds "
@@ -259,5 +267,5 @@ def sample_workload(name: str, num: int, seed: int, datasets_dir: Path = DEFAULT
         records = read_prompt_file(Path(name).expanduser())
     else:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join([*WORKLOADS, 'mix'])}, or a prompt file "
-                         f"(a path ending in .jsonl or .json: {PROMPT_FILE_FORMAT})")
+                         f"(a path ending in .jsonl or .json, or holding a /: {PROMPT_FILE_FORMAT})")
     return rng.sample(records, num) if num < len(records) else rng.sample(records, len(records))
