@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -234,6 +235,28 @@ def test_unmodified_openai_client(daemon: Daemon, refs: dict[str, Reference]):
     assert refused.value.body["param"] == "spind.k" and "k = 0 drafts no tokens" in refused.value.body["message"]
 
 
+def test_the_readme_openai_snippet_runs_as_written(daemon: Daemon, capsys: pytest.CaptureFixture):
+    """The README's openai-client lines, run as written against this daemon (its port in place of 8000): they print
+    the reply and the `spind` object saying which drafters served it, and auto's reply is plain decoding's."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    snippet = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL) if "from openai import OpenAI" in b)
+    assert snippet.count("http://localhost:8000/v1") == 1
+    names: dict = {}
+    exec(snippet.replace("http://localhost:8000/v1", daemon.url + "/v1"), names)  # the README's own lines
+    r, printed = names["r"], capsys.readouterr().out
+    report = r.model_extra["spind"]
+    assert printed == f"{r.choices[0].message.content}\n{report}\n" and r.choices[0].message.content.strip()
+    assert set(report) == {"drafters", "time_slots", "mean_accepted_length"} and report["time_slots"] >= 1
+    assert set(report["drafters"]) == {"int8"}  # this module's config: auto is fixed:int8, here at the snippet's k 4
+    assert 0 <= report["drafters"]["int8"]["accepted"] <= report["drafters"]["int8"]["drafted"]
+    client = names["client"]
+    plain = client.chat.completions.create(model="spind", messages=[{"role": "user", "content":
+                                                                    "Write a haiku about the sea."}],
+                                           temperature=0, max_tokens=64, extra_body={"spind": {"drafter": "none"}})
+    assert plain.choices[0].message.content == r.choices[0].message.content
+    assert plain.model_extra["spind"]["drafters"] == {}
+
+
 def test_logit_bias_through_the_openai_client_and_zmq(daemon: Daemon, refs: dict[str, Reference]):
     """A banned token (-100) never appears, and speculation keeps the biased output exact: the same text with and
     without a drafter, over HTTP (the unmodified openai client) and ZeroMQ (token ids)."""
@@ -404,7 +427,10 @@ def test_zmq_clients(daemon: Daemon, refs: dict[str, Reference]):
         assert c.generate(messages=CHAT, max_tokens=MAX_TOKENS) == refs["chat"].text
         with pytest.raises(SpindError) as e:
             c.generate(PROMPTS[2], drafter="nope")
-        assert e.value.status == 400
+        assert (e.value.status, e.value.param) == (400, "spind.drafter")  # named as the HTTP API names it
+        with pytest.raises(SpindError) as e:
+            c.generate(PROMPTS[2], drafter="ngram", k=0)
+        assert (e.value.status, e.value.param) == (400, "spind.k") and "k = 0 drafts no tokens" in str(e.value)
         with pytest.raises(SpindError) as e:
             c.generate(list(range(1, 1100)), max_tokens=4)
         assert e.value.status == 413
