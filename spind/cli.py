@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter", default="auto",
                    help="'auto' (spind chooses per request: [selection].policy), 'none' (plain decoding), or a "
                         "configured drafter: see `spind drafters` (default: auto)")
-    g.add_argument("--k", type=int, default=None, help="tokens drafted per step (default: [speculation].k, 4)")
+    g.add_argument("--k", type=int, default=None,
+                   help="tokens drafted per step (default: [speculation].k, 4); 0 drafts nothing, so it goes only "
+                        "with --drafter none")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1.0, off)")
     g.add_argument("--top-k", type=int, default=0, help="top-k sampling (default: 0, off)")
