@@ -161,8 +161,12 @@ def _parse_spind(body: dict, limits: ApiLimits) -> tuple[str, int | None, Gramma
     drafter = _get(ext, "drafter", str, "a string", "auto", path="spind.")
     k = _get(ext, "k", int, "an integer", path="spind.")
     check_extension(drafter, k, limits)
+    # present means given: a wrong type (0, false) or an empty text is refused, not taken for "no grammar"
     grammars = [Grammar(kind, _get(ext, kind, str, "a string", path="spind.")) for kind in ("regex", "grammar")
-                if ext.get(kind)]
+                if ext.get(kind) is not None]
+    for g in grammars:
+        if not g.text:
+            raise ApiError(400, f"'spind.{g.kind}' must not be empty", param=f"spind.{g.kind}")
     if len(grammars) > 1:
         raise ApiError(400, "give one of 'spind.regex' and 'spind.grammar'", param="spind")
     return drafter, k, grammars[0] if grammars else None
