@@ -24,7 +24,6 @@ def check_prompt_fits(num_tokens: int, max_model_len: int) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from spind.coordinator.transport.local import GenRequest, LocalEngine
     from spind.models.loader import resolve_model_dir
     from spind.params import SamplingParams, drafter_k_conflict
     from spind.tokenizer import Tokenizer
@@ -46,6 +45,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tok = Tokenizer(resolve_model_dir(cfg.model.target, cfg.cache_path))
     prompt = tok.apply_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode_prompt(args.prompt)
     check_prompt_fits(len(prompt), cfg.model.max_model_len)
+    # after the model is resolved (a first run says it converts it): the engine's imports take ~0.5 s
+    from spind.coordinator.transport.local import GenRequest, LocalEngine
+
     start = time.perf_counter()  # the engine says what it loads (spind/progress.py)
     engine = LocalEngine.load(cfg, drafters=drafters, tokenizer=tok)
     say(f"loaded in {time.perf_counter() - start:.1f}s; generating")

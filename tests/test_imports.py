@@ -236,3 +236,18 @@ def test_the_cli_sets_omp_wait_policy_before_torch_loads():
     """
     assert _run(code).splitlines()[-1] == "False PASSIVE"
     assert _run(code, OMP_WAIT_POLICY="ACTIVE").splitlines()[-1] == "False ACTIVE"  # the user's own setting wins
+
+
+def test_the_cli_parser_and_light_commands_import_no_torch():
+    """Building `spind`'s parser, and what runs before a command's first line, import no torch (~1.5 s): a parser
+    default read from the trainer's module once kept every command, `spind --help` and `spind status` included,
+    silent that long, and a cached `spind generate` silent past 2 s before its first line."""
+    code = textwrap.dedent("""
+        import sys
+        from spind.cli import build_parser
+        build_parser()
+        import spind.coordinator.transport.local, spind.drafter_table, spind.models.loader, spind.tokenizer
+        print("torch" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]

@@ -110,7 +110,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub, datasets_default: Path) -> None:
-    from spind.train.eagle import TrainSettings
+    from spind.train.settings import TrainSettings  # not spind.train.eagle: building the parser imports no torch
 
     d = TrainSettings()
     p = sub.add_parser("train-drafter", help="train an EAGLE-3 draft head for the target (resumable)",

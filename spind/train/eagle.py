@@ -27,22 +27,7 @@ import torch.nn.functional as F
 
 from spind.models.eagle import EagleConfig, EagleHead
 from spind.train.data import Sequence
-
-
-@dataclass
-class TrainSettings:
-    steps: int = 4000
-    lr: float = 1e-3
-    warmup: int = 100
-    weight_decay: float = 0.0
-    tokens_per_step: int = 4096  # sequences are packed up to this many tokens per optimizer step
-    unroll: int = 4
-    decay: float = 0.8
-    save_every: int = 100
-    eval_every: int = 250
-    eval_sequences: int = 48
-    seed: int = 0
-    bf16: bool = False  # autocast the head's matmuls to bfloat16 (2x on CPUs with AVX-512 BF16 or AMX)
+from spind.train.settings import TrainSettings
 
 
 def bf16_fast() -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -90,13 +91,18 @@ class LocalEngine:
                 fallback = "none" if not drafters else "lbss"  # auto selects among what is loaded
                 cfg = dataclasses.replace(cfg, selection=dataclasses.replace(cfg.selection, policy=fallback))
         if make_worker is None:
-            from spind.worker.probs import LocalProbsChannel
-            from spind.worker.worker import Worker
-
-            channel = LocalProbsChannel()
+            lock, shared = threading.Lock(), {}
 
             def make_worker(name: str):
-                return Worker(name, cfg, probs_out=channel, probs_in=channel)
+                # torch comes in here, on the workers' threads, once the engine has said what it loads: imported
+                # first, it kept a cached `spind generate` silent for ~1.5 s before its first line
+                from spind.worker.probs import LocalProbsChannel
+                from spind.worker.worker import Worker
+
+                with lock:  # one channel between the target and the drafters, whichever worker builds first
+                    if "channel" not in shared:
+                        shared["channel"] = LocalProbsChannel()
+                return Worker(name, cfg, probs_out=shared["channel"], probs_in=shared["channel"])
 
         model_dir = resolve_model_dir(cfg.model.target, cfg.cache_path)
         pool = InProcessPool(worker_names(cfg), make_worker, lambda name: threads_for(cfg, name))
