@@ -254,13 +254,10 @@ def prebuild(isa: str, out_dir: Path) -> Path:
 
     from torch.utils import cpp_extension
 
+    lib, _ = _prebuilt(isa, out_dir)
+    if lib is not None:
+        return lib  # a reinstall of the same sources and torch (e.g. `pip install -e '.[test]'` after `-e .`)
     lib = out_dir / f"spind_cpu_{isa}.so"
-    try:
-        if json.loads((out_dir / f"spind_cpu_{isa}.json").read_text())["fingerprint"] == fingerprint(isa) \
-                and lib.is_file():
-            return lib  # a reinstall of the same sources and torch (e.g. `pip install -e '.[test]'` after `-e .`)
-    except (OSError, ValueError, KeyError):
-        pass
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"spind_cpu_{isa}.") as tmp, _ninja_on_path_env():
         cpp_extension.load(name=f"spind_cpu_{isa}", sources=[str(CSRC / s) for s in SOURCES],
@@ -274,13 +271,15 @@ def prebuild(isa: str, out_dir: Path) -> Path:
     return lib
 
 
-def _prebuilt(isa: str) -> tuple[Path | None, str]:
-    """The install's library for `isa` when it matches this checkout and torch, else (None, why not)."""
+def _prebuilt(isa: str, folder: Path | None = None) -> tuple[Path | None, str]:
+    """The library for `isa` in `folder` (default: the install's) when its manifest matches this checkout and
+    torch, else (None, why not)."""
     import json
 
-    lib, manifest = PREBUILT / f"spind_cpu_{isa}.so", PREBUILT / f"spind_cpu_{isa}.json"
+    folder = PREBUILT if folder is None else folder
+    lib, manifest = folder / f"spind_cpu_{isa}.so", folder / f"spind_cpu_{isa}.json"
     if not lib.is_file() or not manifest.is_file():
-        return None, f"the install built no {isa} library" if PREBUILT.is_dir() else "the install built none"
+        return None, f"the install built no {isa} library" if folder.is_dir() else "the install built none"
     try:
         built = json.loads(manifest.read_text())
     except ValueError:

@@ -135,8 +135,11 @@ def profile_fields(cfg: SpindConfig, workers: list[dict], max_model_len: int) ->
 
 
 def profile_key(cfg: SpindConfig, workers: list[dict], max_model_len: int) -> str:
-    what = profile_fields(cfg, workers, max_model_len)
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+    return _digest(profile_fields(cfg, workers, max_model_len))
+
+
+def _digest(fields: dict) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def find_cached(cfg: SpindConfig) -> tuple[Path, SystemProfile] | None:
@@ -157,7 +160,7 @@ def find_cached(cfg: SpindConfig) -> tuple[Path, SystemProfile] | None:
 async def load_or_measure(pool, cfg: SpindConfig, timeout_s: float) -> SystemProfile:
     max_model_len = served_context(cfg, pool)
     fields = profile_fields(cfg, pool.describe(), max_model_len)
-    path = cfg.cache_path / "profiles" / f"{profile_key(cfg, pool.describe(), max_model_len)}.json"
+    path = cfg.cache_path / "profiles" / f"{_digest(fields)}.json"
     if cfg.runtime.profile == "auto" and path.is_file():
         try:
             raw = json.loads(path.read_text())
@@ -171,7 +174,6 @@ async def load_or_measure(pool, cfg: SpindConfig, timeout_s: float) -> SystemPro
         except (ValueError, KeyError, TypeError):
             log.warning("ignoring an unreadable profile cache %s", path)
     expected = about(PROFILE_S) if cfg.model.target == "default" else "longer for a larger model"
-    log.info("profiling the models (once per model, device and threads; cached in %s)", path.parent)
     say(f"profiling the models ({expected}; once per model, device and threads: cached in {path.parent}, later "
         f"starts read it)")
     profile = await _measure(pool, cfg, max_model_len, timeout_s)

@@ -199,16 +199,17 @@ def _convert(gguf_path: Path, out: Path) -> None:
     tokenizer = subprocess.Popen([sys.executable, "-m", "spind.models.loader", "--tokenizer", str(gguf_path),
                                   str(tmp)])
     try:
-        reader, arch = _open_gguf(gguf_path)
-        config, tensors = read_gguf(gguf_path, reader)
+        opened = _open_gguf(gguf_path)
+        config, tensors = read_gguf(gguf_path, opened)
         from safetensors.torch import save_file
         save_file(tensors, str(tmp / "model.safetensors"))
         del tensors
-        _save_gguf_blocks(gguf_path, tmp / BLOCKS_FILE, reader)
+        _save_gguf_blocks(gguf_path, tmp / BLOCKS_FILE, opened)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
     finally:
-        if tokenizer.wait() != 0:
-            raise RuntimeError(f"converting the tokenizer of {gguf_path} failed (exit {tokenizer.returncode})")
+        tokenizer.wait()  # also when the tensors failed: their error is the one raised
+    if tokenizer.returncode != 0:
+        raise RuntimeError(f"converting the tokenizer of {gguf_path} failed (exit {tokenizer.returncode})")
     (tmp / "complete").write_text(str(gguf_path))
     try:
         tmp.rename(out)
@@ -274,13 +275,13 @@ def _hf_tensors(reader, arch: str):
         yield hf, t, heads
 
 
-def read_gguf(path: Path, reader=None) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A LLaMA-family GGUF -> (HF config dict, HF-named fp32 tensors); `reader`: the file already parsed."""
+def read_gguf(path: Path, opened=None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A LLaMA-family GGUF -> (HF config dict, HF-named fp32 tensors); `opened`: `_open_gguf(path)` already done."""
     import gguf
     import numpy as np
     import torch
 
-    reader, arch = (reader, _field(reader, "general.architecture")) if reader is not None else _open_gguf(path)
+    reader, arch = opened or _open_gguf(path)
     n_head = int(_field(reader, f"{arch}.attention.head_count"))
     n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
@@ -358,12 +359,12 @@ def load_gguf_blocks(model_dir: Path) -> dict[str, GGUFBlocks]:
         return {name: GGUFBlocks(qtypes[name], f.get_tensor(name)) for name in f.keys()}
 
 
-def _save_gguf_blocks(gguf_path: Path, out: Path, reader=None) -> None:
+def _save_gguf_blocks(gguf_path: Path, out: Path, opened=None) -> None:
     import numpy as np
     import torch
     from safetensors.torch import save_file
 
-    reader, arch = (reader, _field(reader, "general.architecture")) if reader is not None else _open_gguf(gguf_path)
+    reader, arch = opened or _open_gguf(gguf_path)
     tensors, qtypes = {}, {}
     for hf, t, heads in _hf_tensors(reader, arch):
         qtype = t.tensor_type.name
