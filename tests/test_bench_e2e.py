@@ -9,7 +9,7 @@ import pytest
 
 from spind.bench.datasets import WorkloadFormatError, read_prompt_file, sample_workload
 from spind.bench.e2e import (E2ESettings, RefusedSystem, RequestRecord, arrivals, best_arms, drafter_shares,
-                             parse_system, spind_config)
+                             parse_system, spind_config, round_order, round_ratios)
 from spind.cli import main
 from spind.config import load_config
 from spind.coordinator.selection.protocol import Arm
@@ -155,3 +155,28 @@ def test_systems_taking_turns_keep_every_request_once_and_in_order(tmp_path):
         assert [r["index"] for r in recs] == [0, 1, 2, 3] and all(r["lossless"] for r in recs)
         assert all(r["latency_s"] > 0 and r["token_ids"] for r in recs)
     assert all(r["goodput"] > 0 for r in results["rows"])
+    for row in results["rows"]:  # paired per round: the same slice of requests, minutes apart at most
+        assert len(row["round_speedups_vs_none"]) == 2 and row["speedup_vs_none_round_median"] > 0
+        if row["system"] == "none":
+            assert row["round_speedups_vs_none"] == [1.0, 1.0]
+    for recs in results["requests"].values():
+        assert [r["round"] for r in recs] == [0, 0, 1, 1]
+
+
+def test_round_order_changes_each_systems_first_place_and_predecessor():
+    names = ["none", "fixed:ngram", "fixed:suffix", "spin"]
+    orders = [round_order(names, r) for r in range(4)]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    for n in names:
+        assert len({o.index(n) for o in orders}) >= 3
+        assert len({o[o.index(n) - 1] if o.index(n) else None for o in orders}) >= 3
+
+
+def test_round_ratios_pair_each_round_with_none():
+    def rec(round_, tokens):
+        return RequestRecord(0, "", 1, token_ids=[1] * tokens, round=round_)
+
+    results = {"none": [rec(0, 10), rec(1, 10)], "spin": [rec(0, 12), rec(1, 9)]}
+    ratios = round_ratios(results, {"none": [1.0, 1.0], "spin": [1.0, 1.5]})
+    assert ratios["none"] == [1.0, 1.0] and ratios["spin"] == pytest.approx([1.2, 0.6])
+    assert round_ratios(results, {}) == {}  # one after another: no pairs

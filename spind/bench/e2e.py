@@ -195,31 +195,51 @@ def run_spind(cfg: SpindConfig, spec: SystemSpec, prompts: list[list[int]], cate
 
 
 def run_spind_rounds(cfg: SpindConfig, specs: dict[str, SystemSpec], prompts: list[list[int]], categories: list[str],
-                     s: E2ESettings, progress: Progress) -> dict[str, tuple[list[RequestRecord], float]]:
+                     s: E2ESettings, progress: Progress) -> dict[str, tuple[list[RequestRecord], list[float]]]:
     """The systems loaded side by side, taking turns over `s.num_rounds()` contiguous slices of the requests (the
     order rotating each round), so that the machine's drift (other tenants, thermal state) falls on all of them
     alike instead of on whichever ran last. Each system's wall time is the sum of its slices'; its engine (and
-    selector) lives through all of its slices, as a server's would."""
+    selector) lives through all of its slices, as a server's would. Returns each system's records (`round` set) and
+    its slices' wall times, round by round."""
     names = list(specs)
     rounds = s.num_rounds()
     bounds = [len(prompts) * r // rounds for r in range(rounds + 1)]
     engines = {}
-    out: dict[str, tuple[list[RequestRecord], float]] = {n: ([], 0.0) for n in names}
+    out: dict[str, tuple[list[RequestRecord], list[float]]] = {n: ([], []) for n in names}
     try:
         for n in names:
             progress.note(f"system {n}: loading")
             engines[n] = _load(cfg, specs[n], prompts, s)
         for r in range(rounds):
             lo, hi = bounds[r], bounds[r + 1]
-            for n in names[r % len(names):] + names[:r % len(names)]:
+            for n in round_order(names, r):
                 e = engines[n]
                 recs, wall = e.loop.run_until_complete(_drive(e.coordinator, prompts[lo:hi], categories[lo:hi], s,
                                                               _drafter(specs[n]), progress, n, first=lo))
-                out[n] = (out[n][0] + recs, out[n][1] + wall)
+                for rec in recs:
+                    rec.round = r
+                out[n][0].extend(recs)
+                out[n][1].append(wall)
     finally:
         for e in engines.values():
             e.close()
     return out
+
+
+def round_order(names: list[str], r: int) -> list[str]:
+    """The order the systems run in round r: row r of a Williams square (0, 1, n-1, 2, n-2, ... shifted by r), so
+    that over n rounds each system runs in every place and, for an even n, after every other system once. A slice
+    run right after a costly engine's (one that leaves a suffix trie's inserts or a model drafter's caches behind)
+    meets other conditions; with a plain rotation a system kept its predecessor in every round but one."""
+    n = len(names)
+    base, lo, hi = [0], 1, n - 1
+    while len(base) < n:
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    return [names[(i + r) % n] for i in base]
 
 
 # ---- aggregation ----------------------------------------------------------------------------------
@@ -238,6 +258,24 @@ def summarize(system: str, records: list[RequestRecord], wall_s: float) -> dict:
             "latency_p50_s": percentile(lat, 0.5), "latency_p99_s": percentile(lat, 0.99),
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
             "lossless": all(compared) if compared else None, "speedup_vs_none": None}
+
+
+def round_ratios(results: dict[str, list[RequestRecord]], round_walls: dict[str, list[float]],
+                 base: str = "none") -> dict[str, list[float]]:
+    """Per system that took turns with `base`, its goodput over `base`'s in each round: the same requests, run
+    minutes apart at most. Their median is the bench's robust ratio: one slice that met a noisy neighbour moves the
+    pooled ratio, not the median."""
+    if base not in round_walls:
+        return {}
+
+    def goodputs(name: str) -> list[float]:
+        tokens = [0] * len(round_walls[name])
+        for rec in results[name]:
+            tokens[rec.round] += len(rec.token_ids)
+        return [t / w if w else 0.0 for t, w in zip(tokens, round_walls[name])]
+
+    ref = goodputs(base)
+    return {n: [g / b if b else float("nan") for g, b in zip(goodputs(n), ref)] for n in round_walls}
 
 
 def drafter_shares(records: list[RequestRecord]) -> dict[str, float]:
@@ -288,10 +326,11 @@ def run_e2e(cfg: SpindConfig, s: E2ESettings, prompts_text: list[Prompt]) -> dic
     progress = Progress(len(order) * len(prompts))
     results: dict[str, list[RequestRecord]] = {}
     walls: dict[str, float] = {}
+    round_walls: dict[str, list[float]] = {}
     together = {n: specs[n] for n in order if specs[n].kind == "spind" and specs[n].policy.name != "oracle"}
     if s.num_rounds() > 1 and len(together) > 1:  # taking turns; the oracle and transformers systems after them
-        for name, (records, wall) in run_spind_rounds(cfg, together, prompts, categories, s, progress).items():
-            results[name], walls[name] = records, wall
+        for name, (records, slices) in run_spind_rounds(cfg, together, prompts, categories, s, progress).items():
+            results[name], walls[name], round_walls[name] = records, sum(slices), slices
         order = [n for n in order if n not in together]
     for name in order:
         spec = specs[name]
@@ -314,8 +353,11 @@ def run_e2e(cfg: SpindConfig, s: E2ESettings, prompts_text: list[Prompt]) -> dic
                 r.lossless = r.token_ids == ref.token_ids
     rows = [summarize(n, results[n], walls[n]) for n in results]
     base = next((r["goodput"] for r in rows if r["system"] == "none"), None)
+    ratios = round_ratios(results, round_walls)
     for r in rows:
         r["speedup_vs_none"] = r["goodput"] / base if base else None
+        r["round_speedups_vs_none"] = ratios.get(r["system"])
+        r["speedup_vs_none_round_median"] = percentile(ratios[r["system"]], 0.5) if r["system"] in ratios else None
         r["drafter_shares"] = drafter_shares(results[r["system"]])
     cats = sorted({c for c in categories if c})
     per_category = {}
@@ -334,9 +376,10 @@ def render_table(results: dict) -> str:
     loop = f"open loop, {s['rate']} req/s" if s["rate"] else f"closed loop, batch {s['batch_size']}"
     title = (f"spind bench e2e: {s['workload']}, {s['num_requests']} requests, {s['max_tokens']} tokens max, "
              f"{loop}, temperature {s['temperature']}")
-    header = ["system", "goodput tok/s", "x none", "tok/s/req p50", "accept", "acc len", "lat p50 s", "lat p99 s",
+    header = ["system", "goodput tok/s", "x none", "x none, round median", "tok/s/req p50", "accept", "acc len", "lat p50 s", "lat p99 s",
               "TTFT p50 s", "TTFT p99 s", "lossless", "drafter shares"]
-    rows = [[r["system"], fmt(r["goodput"], 1), fmt(r["speedup_vs_none"]), fmt(r["request_tokens_per_s_p50"], 1),
+    rows = [[r["system"], fmt(r["goodput"], 1), fmt(r["speedup_vs_none"]), fmt(r.get("speedup_vs_none_round_median")),
+             fmt(r["request_tokens_per_s_p50"], 1),
              fmt(r["acceptance_rate"]), fmt(r["mean_accepted_length"]), fmt(r["latency_p50_s"]),
              fmt(r["latency_p99_s"]), fmt(r["ttft_p50_s"]), fmt(r["ttft_p99_s"]),
              "-" if r["lossless"] is None else "yes" if r["lossless"] else "NO",

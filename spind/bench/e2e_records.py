@@ -61,6 +61,7 @@ class RequestRecord:
     drafters: dict[str, dict[str, int]] = field(default_factory=dict)
     arms: list[str] = field(default_factory=list)  # the arm of each slot
     lossless: bool | None = None  # greedy output equal to `none`'s (None: not compared)
+    round: int = 0  # closed loop with rounds: the slice of the requests it ran in
 
     @property
     def goodput(self) -> float:
