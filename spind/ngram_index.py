@@ -27,9 +27,13 @@ class NgramIndex:
             seq.append(tok)
 
     def lookup(self, k: int) -> list[int]:
+        return self.lookup_matched(k)[0]
+
+    def lookup_matched(self, k: int) -> tuple[list[int], int]:
+        """lookup(k), and the length of the n-gram it matched (0: none)."""
         seq = self.tokens
         for n in range(min(self.ngram_max, len(seq) - 1), self.ngram_min - 1, -1):
             start = self._last[n].get(tuple(seq[len(seq) - n:]))
             if start is not None:
-                return seq[start + n:start + n + k]
-        return []
+                return seq[start + n:start + n + k], n
+        return [], 0

@@ -118,6 +118,7 @@ class VerifyItem(_Rec):
     max_draft: Count = 0  # a request with a grammar: the tokens it forces may lengthen the draft up to this (0: never)
     shadow: list[Name] = []  # model-free drafters hosted here that draft counterfactually for it (never verified)
     shadow_k: Count = 0  # tokens each shadow draft proposes
+    min_confidence: float = 0.0  # the inline draft is cut before its first token whose Draft.confidence is below this
 
 
 class Verify(_Msg, tag="verify"):
@@ -217,6 +218,7 @@ class VerifyResult(_Rec):
     logprobs: list[TokenLogprobs] | None = None  # one per token, for a request that asked (SamplingParams.logprobs)
     shadow: dict[Name, list[TokenId]] = {}  # what each VerifyItem.shadow drafter would have drafted (before the verify)
     switch_s: Seconds = 0.0  # of draft_s: the inline drafter's catch-up with tokens it had not seen (its first use)
+    shadow_confidence: dict[Name, list[float]] = {}  # per shadow draft, its Draft.confidence where its drafter has one
 
 
 class Verified(_Msg, tag="verified"):

@@ -12,7 +12,7 @@ from spind.coordinator.phases import VerifyOutcome
 from spind.coordinator.profile import SystemProfile
 from spind.coordinator.selection.arms import ArmSet
 from spind.coordinator.selection.cost import VerifyCost
-from spind.coordinator.selection.estimates import worth_drafting
+from spind.coordinator.selection.estimates import Calibration, worth_drafting
 from spind.coordinator.selection.lbss import LBSSSelector
 from spind.coordinator.selection.marginal import choose
 from spind import protocol as P
@@ -279,6 +279,67 @@ def test_each_slot_drafts_only_what_pays_now_and_follows_the_text():
     assert all(a == PLAIN_ARM for a in arms[46:80]), arms[40:80]
     assert all(a.drafter == "ngram" for a in arms[86:120]), arms[80:120]
     assert sel.describe()["requests"]["r"]["arm"].startswith("ngram")  # the stage's arm: the matching's choice
+
+
+def calibrated(cal: Calibration, j: int = 0, n: int = 100) -> None:
+    """Two-token drafts: the first rated 0.95 survives 9 times in 10, the second rated 0.35 once in 10 (with it)."""
+    for i in range(n):
+        cal.add(j, [0.95, 0.35], 0 if i % 10 == 0 else 2 if i % 10 == 1 else 1)
+
+
+def test_calibration_turns_a_drafters_confidence_into_the_floor_that_pays():
+    cal = Calibration(1, bins=10, min_tokens=50)
+    assert not cal.known(0) and cal.describe(0) is None
+    calibrated(cal)
+    assert cal.known(0)
+    curve = cal.curve(0)
+    assert curve[9] == pytest.approx((90 + 2 * 0.95) / 102) and curve[3] == pytest.approx((10 + 2 * 0.35) / 102)
+    assert curve[:3] == [curve[3]] * 3 and curve[4:9] == [curve[3]] * 5  # bins with no tokens: the one below
+    assert all(a <= b for a, b in zip(curve, curve[1:]))
+    assert 0.35 < cal.floor(0, 0.5) <= 0.9  # the 0.95 tokens pay half a token; the 0.35 ones do not
+    assert cal.floor(0, 0.05) <= 0.3  # a cheap token: both pay
+    assert cal.floor(0, 0.95) > 1.0  # dearer than any token's chance: none pays
+    # a bin that did worse than a less confident one is pooled with it: a surer token is never worth less
+    worse = Calibration(1, bins=10, min_tokens=1)
+    for i in range(100):
+        worse.add(0, [0.85], int(i % 10 < 8))
+        worse.add(0, [0.95], int(i % 10 < 6))
+    assert worse.curve(0)[8] == worse.curve(0)[9] == pytest.approx(0.7, abs=0.01)
+    # counts halve past the window: the curve follows the workload
+    small = Calibration(1, bins=10, window=100)
+    calibrated(small, n=200)
+    assert small.total[0] <= 100
+
+
+def test_lbss_cuts_a_calibrated_drafters_draft_at_its_confidence_floor():
+    """Once suffix's confidences are calibrated by shadow drafts, a request on it keeps its k and gets the floor its
+    worker cuts the draft at (the request's own recent survival no longer cuts it); where no token's chance pays
+    its price, the request decodes plainly."""
+    sel = LBSSSelector(SelectionConfig(seed=0, alpha=0), ["suffix"], 4, verify_points=profile_points(),
+                       draft_s_per_token={"suffix": 1e-5})
+    cap = Capacity({"suffix": 16})
+    for t in range(60):  # every real draft fails, the shadows say which tokens suffix was right about
+        arm = sel.select([info("r", t)], cap)[0]
+        drafted = arm.k if arm.drafter else 0
+        sel.observe([SlotFeedback(req_id="r", arm=arm, num_drafted=drafted, num_accepted=0, num_committed=1,
+                                  draft_s=0.0, verify_s=cpu_verify(1, drafted + 1), batch_size=1,
+                                  batch_tokens=drafted + 1, shadow=(("suffix", 2, 1 if t % 10 else 0),),
+                                  shadow_confidence=(("suffix", (0.95, 0.35), 1 if t % 10 else 0),))])
+    assert sel.calibration.known(0)
+    arm = sel.select([info("r", 60)], cap)[0]
+    assert arm.drafter == "suffix" and arm.k >= 2  # not cut by its history: the draft is, on the worker
+    assert 0.35 < sel.confidence_floor("r") <= 0.95
+    assert sel.confidence_floor("other") == 0.0
+    state = msgspec.json.decode(msgspec.json.encode(sel.describe()))  # what /v1/spind/state sends
+    assert state["floors"] == {"r": pytest.approx(sel.confidence_floor("r"), abs=1e-3)}
+    assert len(state["calibration"]["suffix"]) == sel.calibration.bins
+    # the same drafter where even its surest tokens fail: nothing pays, plain decoding
+    for t in range(61, 200):
+        arm = sel.select([info("r", t)], cap)[0]
+        sel.observe([SlotFeedback(req_id="r", arm=arm, num_drafted=0, num_accepted=0, num_committed=1, draft_s=0.0,
+                                  verify_s=cpu_verify(1, 1), batch_size=1, batch_tokens=1,
+                                  shadow=(("suffix", 2, 0),), shadow_confidence=(("suffix", (0.95, 0.35), 0),))])
+    assert sel.select([info("r", 200)], cap)[0] == PLAIN_ARM and sel.confidence_floor("r") == 0.0
 
 
 def test_where_no_draft_token_could_pay_the_batch_decodes_plainly_without_shadows():

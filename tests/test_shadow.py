@@ -11,7 +11,7 @@ import numpy as np
 from spind.config import SelectionConfig
 from spind.coordinator.selection.lbss import LBSSSelector
 from spind.coordinator.selection.protocol import PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
-from spind.coordinator.selection.shadow import SHADOW_K, ShadowDrafts
+from spind.coordinator.selection.shadow import SHADOW_K, Decided, ShadowDrafts
 from spind.ngram_index import NgramIndex
 
 
@@ -41,16 +41,18 @@ def test_incremental_index_equals_the_direct_search_at_every_length():
 def test_shadow_drafts_are_decided_by_the_committed_tokens():
     shadows = ShadowDrafts()
     prompt = [1, 2, 3, 4, 5, 9, 1, 2, 3]
-    shadows.add("r", len(prompt), {"ng": [4, 5, 9, 1], "sfx": [4, 5]})  # what the worker drafted after the prompt
+    shadows.add("r", len(prompt), {"ng": [4, 5, 9, 1], "sfx": [4, 5]},  # what the worker drafted after the prompt
+                {"sfx": [0.9, 0.6]})  # with suffix's confidence per token
     assert shadows.resolve("r", prompt + [4]) == []  # one token matched, the rest undecided
-    assert sorted(shadows.resolve("r", prompt + [4, 5, 7])) == [("ng", 4, 2), ("sfx", 2, 2)]  # a mismatch; all
+    assert sorted(shadows.resolve("r", prompt + [4, 5, 7])) == [Decided("ng", 4, 2),
+                                                                Decided("sfx", 2, 2, (0.9, 0.6))]  # a mismatch; all
     shadows.add("r", len(prompt) + 3, {"ng": []})  # nothing to propose: decided at once, as an empty proposal
-    assert shadows.resolve("r", prompt + [4, 5, 7]) == [("ng", 0, 0)]
+    assert shadows.resolve("r", prompt + [4, 5, 7]) == [Decided("ng", 0, 0)]
     shadows.add("r", len(prompt) + 3, {})  # the request ran n-gram itself: no shadow
     assert shadows.resolve("r", prompt + [4, 5, 7, 8]) == []
-    shadows.add("r", len(prompt) + 4, {"ng": [1, 2, 3]})
-    assert shadows.resolve("r", prompt + [4, 5, 7, 8, 1, 2], is_final=True) == [("ng", 2, 2)]  # cut short
-    shadows.add("r", 0, {"ng": [1]})
+    shadows.add("r", len(prompt) + 4, {"ng": [1, 2, 3]}, {"ng": [0.5, 0.4, 0.3]})
+    assert shadows.resolve("r", prompt + [4, 5, 7, 8, 1, 2], is_final=True) == [Decided("ng", 2, 2, (0.5, 0.4))]
+    shadows.add("r", 0, {"ng": [1]})  # ^ cut short: the decided tokens' confidences
     shadows.remove("r")
     assert shadows.resolve("r", prompt) == []
 
@@ -119,7 +121,7 @@ def test_the_targets_worker_drafts_shadow_drafts_from_the_tokens_the_verify_star
     tiny_dir = write_tiny_checkpoint(tmp_path / "tiny")
     cfg = from_dict({
         "model": {"target": str(tiny_dir), "max_model_len": 64, "cache_dir": str(tmp_path)},
-        "runtime": {"attention": "packed", "kv_block_size": 16, "kv_num_blocks": 0, "max_batch_size": 2,
+        "runtime": {"attention": "packed", "kv_block_size": 16, "kv_num_blocks": 0, "max_batch_size": 3,
                     "profile": "off"},
         "drafters": [{"name": "ngram", "kind": "ngram", "worker": "target"},
                      {"name": "suffix", "kind": "suffix", "worker": "target"}],
@@ -127,10 +129,10 @@ def test_the_targets_worker_drafts_shadow_drafts_from_the_tokens_the_verify_star
     w = Worker("target", cfg)
     w.ready(1)
     prompt = [3, 5, 7, 9, 3, 5, 7, 9, 3, 5, 7, 9, 3, 5]  # repeats: both drafters have something to propose
-    for req_id in ("a", "b"):
+    for req_id in ("a", "b", "c"):
         assert not isinstance(w.answer(P.AddRequest(1, req_id, prompt, P.SamplingParams(max_tokens=8), True)),
                               P.ErrorReply)
-    w.answer(P.Prefill(2, [P.PrefillItem("a", len(prompt) - 1), P.PrefillItem("b", len(prompt) - 1)]))
+    w.answer(P.Prefill(2, [P.PrefillItem(r, len(prompt) - 1) for r in ("a", "b", "c")]))
     reply = w.answer(P.Verify(3, 1, [P.VerifyItem("a", [], inline_drafter="suffix", k=2, shadow=["ngram"],
                                                   shadow_k=SHADOW_K),
                                      P.VerifyItem("b", [], shadow=["ngram", "suffix"], shadow_k=SHADOW_K)]))
@@ -144,6 +146,17 @@ def test_the_targets_worker_drafts_shadow_drafts_from_the_tokens_the_verify_star
     assert a.shadow == {"ngram": expect_ngram} and b.shadow == {"ngram": expect_ngram, "suffix": expect_suffix}
     assert a.num_drafted == 2 and 0 < a.switch_s <= a.draft_s  # suffix's first use caught the prompt up
     assert b.num_drafted == 0 and b.switch_s == 0.0
+    # each rates its tokens
+    sure = fresh.propose([DraftInput("y", prompt, SHADOW_K)])[0].confidence
+    copied = NgramDrafter("x").propose([DraftInput("x", prompt, SHADOW_K)])[0].confidence
+    assert copied == [0.75 ** t for t in range(1, len(expect_ngram) + 1)]  # a 3-gram matched
+    assert b.shadow_confidence == {"ngram": copied, "suffix": sure} and a.shadow_confidence == {"ngram": copied}
     # the second slot: the suffix trie of "a" grew by what it committed, within one slot's tokens: no catch-up
     reply = w.answer(P.Verify(4, 2, [P.VerifyItem("a", [], inline_drafter="suffix", k=2)]))
     assert reply.results[0].switch_s == 0.0 and reply.results[0].shadow == {}
+    # a confidence floor cuts the inline draft before its first token rated below it, on the worker
+    whole = fresh.propose([DraftInput("y", prompt, 4)])[0]
+    assert len(whole.tokens) == 4 and whole.confidence[0] > whole.confidence[-1]
+    floor = next(c for c in whole.confidence if c < whole.confidence[0])  # keeps the tokens rated above this one
+    reply = w.answer(P.Verify(5, 3, [P.VerifyItem("c", [], inline_drafter="suffix", k=4, min_confidence=floor)]))
+    assert reply.results[0].num_drafted == sum(c >= floor for c in whole.confidence) < 4

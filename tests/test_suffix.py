@@ -33,13 +33,17 @@ def test_the_most_frequent_continuation_is_drafted_while_it_is_likely():
     trie = SuffixTrie(8)
     trie.insert([5, 6, 7, 8] * 3 + [5, 6, 9])
     node = trie.match([5, 6])
-    tokens, score = trie.speculate(node, [5, 6], 8, factor=4.0, min_prob=0.1)
+    tokens, score, confidence = trie.speculate(node, [5, 6], 8, factor=4.0, min_prob=0.1)
     # after "5 6": 7 three times in four (p 0.75), then 8, 5, 6 every time (the running product stays 0.75), then
     # "5 6 7 8 5 6" went on with 7 twice in three (0.5), ...
     assert tokens[:5] == [7, 8, 5, 6, 7]
     assert score == pytest.approx(4 * 0.75 + 0.5 + sum(0.5 * p for p in (1.0, 1.0, 1.0)[: len(tokens) - 5]))
+    # the confidence counts one unseen continuation of weight 1 / depth: "5 6" (depth 2) went on 3 times in 4 + 0.5,
+    # then "5 6 7" (3) went on with 8 three times in 3 + 1/3, ...
+    assert confidence[:2] == pytest.approx([3 / 4.5, 3 / 4.5 * 3 / (3 + 1 / 3)]) and len(confidence) == len(tokens)
+    assert all(a >= b for a, b in zip(confidence, confidence[1:])) and confidence[0] < 0.75
     # an ambiguous continuation stops the draft
-    tokens, _ = trie.speculate(node, [5, 6], 8, factor=4.0, min_prob=0.8)
+    tokens, _, _ = trie.speculate(node, [5, 6], 8, factor=4.0, min_prob=0.8)
     assert tokens == []
 
 
@@ -57,7 +61,7 @@ def test_a_walk_past_max_depth_continues_from_a_shorter_suffix():
     trie = SuffixTrie(4)
     text = list(range(200, 230))
     trie.insert(text)
-    tokens, _ = trie.speculate(trie.match(text[:4]), text[:4], 12, factor=8.0, min_prob=0.0)
+    tokens, _, _ = trie.speculate(trie.match(text[:4]), text[:4], 12, factor=8.0, min_prob=0.0)
     assert tokens == text[4:16]
 
 

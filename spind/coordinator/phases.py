@@ -239,6 +239,7 @@ class SlotPhases:
                 if used[w] > self.worker_capacity[w]:
                     arm = PLAIN_ARM
             out.arms[st.req_id] = arm
+            st.min_confidence = self.selector.confidence_floor(st.req_id) if arm.drafter is not None else 0.0
             if self.selector.learns_from_shadows and st.seq.params.is_greedy and st.req.drafter == AUTO:
                 st.shadow = list(self.shadowed)  # its own drafter's too: all SHADOW_K positions, past a cut draft
             hint = self.selector.precompute_hint(st.req_id)
@@ -366,7 +367,7 @@ class SlotPhases:
             forced = st.seq.max_draft(arm.k + MAX_FORCED) if arm.drafter and st.seq.params.grammar else 0
             if arm.drafter is not None and self.drafter_worker[arm.drafter] == TARGET_WORKER:
                 item = P.VerifyItem(st.req_id, [], inline_drafter=arm.drafter, k=st.seq.max_draft(arm.k),
-                                    max_draft=forced)
+                                    max_draft=forced, min_confidence=st.min_confidence)
             elif d is not None:
                 item = P.VerifyItem(st.req_id, d.tokens, d.has_probs, d.slot, max_draft=forced)
             else:
@@ -431,7 +432,7 @@ class SlotPhases:
             self.metrics.record_verify(name, r.num_drafted, r.num_accepted)
         shadowed = arm.drafter is not None and arm.drafter in st.shadow
         st.shadow = []
-        self.shadows.add(st.req_id, len(seq.token_ids), r.shadow)
+        self.shadows.add(st.req_id, len(seq.token_ids), r.shadow, r.shadow_confidence)
         kept = seq.append(r.tokens)
         if seq.params.grammar is not None:
             self.times.grammar_tokens += len(kept)
@@ -446,12 +447,13 @@ class SlotPhases:
         feedback = None
         if st.req_id in arms:
             st.arm = arm
+            decided = self.shadows.resolve(st.req_id, seq.token_ids, seq.is_finished)
             feedback = SlotFeedback(
                 req_id=st.req_id, arm=arm, num_drafted=r.num_drafted, num_accepted=r.num_accepted,
                 num_committed=len(kept), draft_s=max(0.0, draft_s - switch_s), verify_s=outcome.verify_s,
                 switch_s=switch_s, batch_size=len(outcome.batch),
-                batch_tokens=outcome.num_tokens,
-                shadow=tuple(self.shadows.resolve(st.req_id, seq.token_ids, seq.is_finished)), shadowed=shadowed)
+                batch_tokens=outcome.num_tokens, shadow=tuple(d[:3] for d in decided), shadowed=shadowed,
+                shadow_confidence=tuple((d.drafter, d.confidence, d.accepted) for d in decided if d.confidence))
         self.metrics.generation_tokens.inc(len(kept))
         self.history.add_step(name, len(kept), r.num_drafted, r.num_accepted)
         if kept and st.first_token_at is None:

@@ -21,6 +21,23 @@ class Draft:
     tokens: list[int]
     probs: torch.Tensor | None = None  # [len(tokens), V] proposal distributions; None = point mass
     switch_s: float = 0.0  # time spent catching this request's KV up beyond the last slot's tokens
+    # per token t, the drafter's own estimate that its first t tokens are all accepted (non-increasing); None: it
+    # has none. Calibrated online against shadow drafts, it lets the worker cut a draft where it stops paying
+    # (VerifyItem.min_confidence)
+    confidence: list[float] | None = None
+
+
+def cut_at(draft: Draft, min_confidence: float) -> Draft:
+    """The draft before its first token whose confidence is below `min_confidence` (as it is if it has none)."""
+    if draft.confidence is None or min_confidence <= 0.0:
+        return draft
+    n = 0
+    while n < len(draft.tokens) and draft.confidence[n] >= min_confidence:
+        n += 1
+    if n == len(draft.tokens):
+        return draft
+    probs = None if draft.probs is None else draft.probs[:n]
+    return Draft(draft.tokens[:n], probs, draft.switch_s, draft.confidence[:n])
 
 
 @dataclass

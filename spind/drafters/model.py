@@ -16,7 +16,7 @@ from spind.drafters.base import Draft, DraftInput, Drafter
 from spind.models.llama import LlamaModel
 from spind.models.runner import ForwardItem, ModelRunner
 from spind.worker.device import DeviceClock
-from spind.worker.sampling import biased, make_generator, sample, to_probs
+from spind.worker.sampling import argmax_rows, biased, make_generator, sample, to_probs
 
 
 def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
@@ -114,8 +114,8 @@ class ModelDrafter(Drafter):
             next_items = []
             # every greedy request's next token in one device->host copy (not a sync per request)
             # (a biased row in the logits' own dtype: the unbiased ones are not copied)
-            picks = torch.stack([biased(row[-1], self.params[it.req_id]).to(row.dtype)
-                                 for it, row in zip(items, logits)]).argmax(-1).tolist() \
+            picks = argmax_rows(torch.stack([biased(row[-1], self.params[it.req_id]).to(row.dtype)
+                                             for it, row in zip(items, logits)])) \
                 if any(self.params[it.req_id].is_greedy for it in items) else []
             for i, (item, row) in enumerate(zip(items, logits)):
                 rid = item.req_id

@@ -1,7 +1,8 @@
 """N-gram prompt lookup: propose the tokens that followed the latest earlier occurrence of the suffix.
 
 Free to run and model-free; strong when the output repeats the context (summaries, code edits, quotes),
-useless on open chat. Deterministic, so its proposal is a point mass. Each request keeps an incremental
+useless on open chat. Deterministic, so its proposal is a point mass; each token carries a confidence from the
+matched n-gram's length and its place (`confidence`). Each request keeps an incremental
 index (`spind.ngram_index`), so a lookup costs O(n), not O(context).
 """
 
@@ -38,4 +39,16 @@ class NgramDrafter(Drafter):
         return index
 
     def _propose(self, inputs: list[DraftInput]) -> list[Draft]:
-        return [Draft(self._index(x).lookup(x.k) if x.k > 0 else []) for x in inputs]
+        out = []
+        for x in inputs:
+            tokens, n = self._index(x).lookup_matched(x.k) if x.k > 0 else ([], 0)
+            out.append(Draft(tokens, confidence=confidence(n, len(tokens))))
+        return out
+
+
+def confidence(matched: int, num_tokens: int) -> list[float]:
+    """Per copied token t = 1.., (n / (n + 1))^t for a matched n-gram of n tokens: a longer match copies more
+    surely, each token further on less so. An ordering, not a probability: selection calibrates it against what
+    greedy decoding accepted (`Calibration`)."""
+    q = matched / (matched + 1.0)
+    return [q ** (t + 1) for t in range(num_tokens)]

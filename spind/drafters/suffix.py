@@ -7,7 +7,8 @@ followed it. To draft, the deepest node that matches a suffix of the request's s
 is extended by its most frequent child, each step's probability estimated as count(child) / succ(node); drafting
 stops where the running product falls below `min_prob` or the draft reaches min(k, `factor` x the match length),
 so a long, frequent match drafts far and a short or ambiguous one little. The request's trie and the shared one
-each propose; the higher score (the sum of the step probabilities) wins.
+each propose; the higher score (the sum of the step probabilities) wins. Each draft token carries a confidence
+(`Draft.confidence`, see `SuffixTrie.speculate`), which selection calibrates against what greedy decoding accepts.
 
 A request's trie grows in O(max_depth) per token (the nodes of the suffixes ending at its newest token are kept
 and extended). Pure Python, no torch.
@@ -137,15 +138,18 @@ class SuffixTrie:
         return 0
 
     def speculate(self, node: int, context: list[int], k: int, factor: float,
-                  min_prob: float) -> tuple[list[int], float]:
-        """Extend `node` (a suffix of `context` that matched) by its most frequent children: (tokens, score). At
-        max_depth the walk continues from the suffix one token shorter."""
+                  min_prob: float) -> tuple[list[int], float, list[float]]:
+        """Extend `node` (a suffix of `context` that matched) by its most frequent children: (tokens, score, each
+        token's confidence: the running product of count / (succ + 1 / depth), the step probability with one
+        unseen continuation of weight 1 / (the matched suffix's length)). At max_depth the walk continues from the
+        suffix one token shorter."""
         depth = self.depth[node]
         if depth == 0:
-            return [], 0.0
+            return [], 0.0, []
         limit = min(k, max(1, int(factor * depth)))
         tokens: list[int] = []
-        score, prob = 0.0, 1.0
+        confidence: list[float] = []
+        score, prob, sure = 0.0, 1.0, 1.0
         while len(tokens) < limit:
             if self.succ[node] == 0 and self.depth[node] >= self.max_depth:
                 node = self.match((context + tokens)[-(self.max_depth - 1):])
@@ -155,10 +159,14 @@ class SuffixTrie:
             prob *= self.count[kid] / self.succ[node]
             if prob < min_prob:
                 break
+            # the confidence counts one unseen continuation, worth less the longer the matched suffix: a token
+            # that followed a 20-token match once is likelier next than one that followed one matching token once
+            sure *= self.count[kid] / (self.succ[node] + 1.0 / self.depth[node])
             tokens.append(token)
+            confidence.append(sure)
             score += prob
             node = kid
-        return tokens, score
+        return tokens, score, confidence
 
 
 class SuffixCache:
@@ -263,7 +271,7 @@ class SuffixDrafter(Drafter):
             local.sync(x.tokens)
             # beyond the k + 1 tokens a slot on it commits: a catch-up (its first use, or slots on other drafters)
             switch_s = (self.clock.now() - start) * max(0, new - x.k - 1) / new if new > x.k + 1 else 0.0
-            best: tuple[list[int], float] = ([], 0.0)
+            best: tuple[list[int], float, list[float]] = ([], 0.0, [])
             if x.k > 0:
                 node = local.deepest()
                 if node:
@@ -273,7 +281,7 @@ class SuffixDrafter(Drafter):
                     other = self.cache.trie.speculate(shared, x.tokens, x.k, self.factor, self.min_prob)
                     if other[1] > best[1]:
                         best = other
-            out.append(Draft(best[0], switch_s=switch_s))
+            out.append(Draft(best[0], switch_s=switch_s, confidence=best[2]))
         return out
 
     def describe(self) -> dict:

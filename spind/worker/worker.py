@@ -26,6 +26,7 @@ from spind import protocol as P
 from spind.config import TARGET_WORKER, DrafterConfig, SpindConfig, canonical_device, resolve_dtype
 from spind.drafters import Drafter, DraftInput, load_drafter_model, make_drafter, resolve_head_dir
 from spind.drafters.eagle import make_eagle_drafters
+from spind.drafters.base import cut_at
 from spind.grammar import Grammars
 from spind.models.llama import LlamaModel, layer_subset, load_llama
 from spind.models.loader import resolve_model_dir
@@ -295,13 +296,15 @@ class Worker:
                 self._attach(it.req_id, it.inline_drafter, m)
                 inline.setdefault(it.inline_drafter, []).append(DraftInput(it.req_id, m.tokens, it.k))
         switch_s = {}
+        floor = {it.req_id: it.min_confidence for it in items}
         for name, inputs in inline.items():
             out, elapsed = self._draft(name, inputs)
             for x, d in zip(inputs, out):
+                d = cut_at(d, floor[x.req_id])  # the tokens its drafter is not confident enough of do not pay
                 drafts[x.req_id] = (d.tokens, d.probs)
                 draft_s[x.req_id] = elapsed
                 switch_s[x.req_id] = d.switch_s
-        shadows = self._shadow_drafts(items)
+        shadows, shadow_confidence = self._shadow_drafts(items)
         wanted = [(slot if it.probs_slot < 0 else it.probs_slot, it.req_id) for it in items if it.has_probs]
         if wanted:
             if self.probs_in is None:
@@ -323,14 +326,17 @@ class Worker:
             self.mirrors[o.req_id].tokens.extend(o.tokens)
         return [P.VerifyResult(o.req_id, o.num_drafted, o.num_accepted, o.tokens, draft_s.get(o.req_id, 0.0),
                                None if o.logprobs is None else [P.TokenLogprobs(*t) for t in o.logprobs],
-                               shadows.get(o.req_id, {}), switch_s.get(o.req_id, 0.0))
+                               shadows.get(o.req_id, {}), switch_s.get(o.req_id, 0.0),
+                               shadow_confidence.get(o.req_id, {}))
                 for o in outs], verify_s
 
-    def _shadow_drafts(self, items: list[P.VerifyItem]) -> dict[str, dict[str, list[int]]]:
+    def _shadow_drafts(self, items: list[P.VerifyItem]) -> tuple[dict[str, dict[str, list[int]]],
+                                                                 dict[str, dict[str, list[float]]]]:
         """The counterfactual drafts the coordinator asked for: what each named model-free drafter would propose
         after the request's committed tokens (the coordinator checks them against what then commits, and the
         selector learns the request's acceptance at every draft position, on each free drafter: the one it ran
-        too, whose real draft may have been cut short). Grouped per drafter, one batch each."""
+        too, whose real draft may have been cut short), and their confidences where the drafter has them (what
+        selection calibrates them on). Grouped per drafter, one batch each."""
         groups: dict[str, list[DraftInput]] = {}
         for it in items:
             if it.shadow and it.shadow_k:
@@ -339,10 +345,13 @@ class Worker:
                     self._attach(it.req_id, name, m)
                     groups.setdefault(name, []).append(DraftInput(it.req_id, m.tokens, it.shadow_k))
         out: dict[str, dict[str, list[int]]] = {}
+        confidence: dict[str, dict[str, list[float]]] = {}
         for name, inputs in groups.items():  # microseconds a request: part of the verify op, not a busy interval
             for x, d in zip(inputs, self.drafters[name].propose(inputs)):
                 out.setdefault(x.req_id, {})[name] = list(d.tokens)
-        return out
+                if d.confidence is not None:
+                    confidence.setdefault(x.req_id, {})[name] = list(d.confidence)
+        return out, confidence
 
     def _target(self) -> TargetVerifier:
         if self.target is None:

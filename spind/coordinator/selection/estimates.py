@@ -122,6 +122,91 @@ class Positions:
                 x[:] = [v * scale for v in x]
 
 
+class Calibration:
+    """Per drafter that rates its own draft tokens (`Draft.confidence`: its estimate that the draft's first t tokens
+    all survive), how often they did, by that confidence: its draft tokens in `bins` equal bins of [0, 1], each
+    with the tokens that reached it in a decided draft and those whose whole prefix survived. A bin's rate is
+    shrunk towards the bin's middle (the drafter taken at its word) with `prior` pseudo-tokens, then made
+    non-decreasing in the confidence (pool adjacent violators): a token the drafter is surer of is never worth
+    less. A bin no token fell in reads the nearest one below it that had some: a confidence never seen is not
+    trusted beyond what was. `floor` turns a price into the confidence a token needs to pay it, which the drafter's
+    worker applies to the draft itself (`VerifyItem.min_confidence`): unlike a request's recent survival, the
+    confidence says which of this slot's tokens will survive. Counts halve when a drafter's pass `window` tokens, so
+    the curve follows the workload."""
+
+    def __init__(self, num_drafters: int, bins: int = 20, prior: float = 2.0, window: float = 4096.0,
+                 min_tokens: float = 64.0) -> None:
+        self.bins, self.prior, self.window, self.min_tokens = bins, prior, window, min_tokens
+        self.reached = [[0.0] * bins for _ in range(num_drafters)]
+        self.survived = [[0.0] * bins for _ in range(num_drafters)]
+        self.total = [0.0] * num_drafters
+        self._curves: dict[int, list[float]] = {}
+
+    def add(self, j: int, confidence: Sequence[float], num_accepted: int) -> None:
+        """A decided draft of drafter j: its tokens' confidences and how many of them were accepted."""
+        if not confidence:
+            return
+        reached, survived = self.reached[j], self.survived[j]
+        top = self.bins - 1
+        for t, c in enumerate(confidence):
+            b = min(top, max(0, int(c * self.bins)))
+            reached[b] += 1.0
+            if t < num_accepted:
+                survived[b] += 1.0
+        self.total[j] += len(confidence)
+        if self.total[j] > self.window:
+            for row in (reached, survived):
+                row[:] = [v * 0.5 for v in row]
+            self.total[j] *= 0.5
+        self._curves.pop(j, None)
+
+    def known(self, j: int) -> bool:
+        return self.total[j] >= self.min_tokens
+
+    def curve(self, j: int) -> list[float]:
+        """[bins] the chance that a token of that confidence survives with its prefix, non-decreasing."""
+        c = self._curves.get(j)
+        if c is None:
+            seen = [b for b, r in enumerate(self.reached[j]) if r > 0]
+            pooled = _non_decreasing([(self.survived[j][b] + self.prior * (b + 0.5) / self.bins,
+                                       self.reached[j][b] + self.prior) for b in seen])
+            c, i = [], 0  # a bin no token fell in reads the nearest one below that had some (above, at the bottom)
+            for b in range(self.bins):
+                while i + 1 < len(seen) and seen[i + 1] <= b:
+                    i += 1
+                c.append(pooled[i] if seen else (b + 0.5) / self.bins)
+            self._curves[j] = c
+        return c
+
+    def floor(self, j: int, price: float) -> float:
+        """The least confidence whose tokens pay `price` (tokens a draft token costs): the lower edge of the first
+        bin whose rate reaches it (every bin above does too); above 1 where none does: no token of j pays."""
+        for b, q in enumerate(self.curve(j)):
+            if q >= price:
+                return b / self.bins
+        return 2.0
+
+    def describe(self, j: int) -> list[float] | None:
+        return [round(q, 3) for q in self.curve(j)] if self.known(j) else None
+
+
+def _non_decreasing(rates: Sequence[tuple[float, float]]) -> list[float]:
+    """Weighted (numerator, weight) rates -> the closest non-decreasing sequence of ratios (pool adjacent
+    violators, weights the bins' tokens)."""
+    blocks: list[list[float]] = []  # [numerator, weight, bins pooled]
+    for num, w in rates:
+        blocks.append([num, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            num2, w2, n2 = blocks.pop()
+            blocks[-1][0] += num2
+            blocks[-1][1] += w2
+            blocks[-1][2] += n2
+    out: list[float] = []
+    for num, w, n in blocks:
+        out.extend([num / w] * int(n))
+    return out
+
+
 def worth_drafting(survival: Sequence[float], price_tokens: float, k: int) -> int:
     """Draft tokens worth verifying, given [K] the conditional survival per position (nan = unknown: 0). The t-th
     token adds the chance that the first t all survive (it commits only if every one before it did) and costs

@@ -84,8 +84,8 @@ from spind.config import SelectionConfig
 from spind.coordinator.selection.arms import (PLAIN_INDEX, ArmSet, free_capacity, random_drop, split_bypass, take,
                                     with_requested_k)
 from spind.coordinator.selection.cost import VerifyCost
-from spind.coordinator.selection.estimates import (Counts, PopulationStats, Positions, estimate, estimate_tokens,
-                                                   request_rates, survival_of, worth_drafting)
+from spind.coordinator.selection.estimates import (Calibration, Counts, PopulationStats, Positions, estimate,
+                                                   estimate_tokens, request_rates, survival_of, worth_drafting)
 from spind.coordinator.selection.features import context_name, context_of
 from spind.coordinator.selection.marginal import choose
 from spind.coordinator.selection.matching import max_weight_assignment
@@ -97,6 +97,7 @@ EVIDENCE_SLOTS = 16  # everyone's slots on a drafter before the estimates alone 
 # drafts should stop within a few slots of the copying), each draft's weight decaying by RECENT_DECAY at the next
 # one (~2.5 drafts in all), against POSITION_PRIOR pseudo-drafts of its context's curve
 RECENT_DECAY = 0.6
+RATED_DRAFTS = 6  # a request's latest rated drafts per drafter that value its arms under the confidence floor
 POSITION_PRIOR = 1.0
 TIE_BREAK = 1e-6  # tokens: between equal gains a drafter, not plain decoding: drafts cut to nothing cost nothing,
 #                   and on the drafter the request drafts in the stage's later slots where its text starts to pay
@@ -121,6 +122,8 @@ class _Request:
     marginal: np.ndarray | None = None  # [A] its marginal gains (tokens) at the last matching that priced it
     expected: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
     #         _expected() of this slot (the key says which): cleared at each observe
+    rated: dict[int, deque[tuple[tuple[float, ...], int]]] = dataclasses.field(default_factory=dict)
+    #      per drafter that rates its tokens, its latest decided shadow drafts: (confidences, accepted), newest last
 
 
 class LBSSSelector:
@@ -161,6 +164,8 @@ class LBSSSelector:
         self.cut_slots = {"shorter": 0, "plain": 0}  # request slots whose draft the cut shortened, or removed
         self.nothing_pays = False  # at the last slot's batch size no draft token could pay, even one sure to survive
         self._shadowed: set[int] = set()  # drafters whose acceptance shadow drafts have taught
+        self.calibration = Calibration(num_drafters)  # drafters' own confidence per token, against what survived
+        self._floors: dict[str, float] = {}  # this slot's confidence floors of requests cut by their drafts' own
 
     @property
     def learns_from_shadows(self) -> bool:
@@ -207,8 +212,14 @@ class LBSSSelector:
         # each slot's drafts cut to what pays now; the stage's arm stays the request's. Exploration runs the arm it
         # drew, to learn it, but for drafters whose acceptance shadow drafts teach (there it learns nothing more)
         exploring = self.stage == EXPLORE
-        cut = [self._cut(self._reqs[r.req_id], arm, exploring) if b is None and r.requested_k is None else arm
-               for r, b, arm in zip(reqs, bypass, arms)]
+        self._floors.clear()
+        cut = []
+        for r, b, arm in zip(reqs, bypass, arms):
+            if b is None and r.requested_k is None:
+                arm, floor = self._cut(self._reqs[r.req_id], arm, exploring)
+                if floor > 0.0:
+                    self._floors[r.req_id] = floor
+            cut.append(arm)
         for before, after in zip(arms, cut):
             if after != before:
                 self.cut_slots["plain" if after.drafter is None else "shorter"] += 1
@@ -271,6 +282,12 @@ class LBSSSelector:
             if not st.is_bypass:
                 st.counts.add_acceptance((), j, drafted, accepted)
                 st.positions.add(j, drafted, accepted)
+        for name, confidence, accepted in fb.shadow_confidence:
+            j = self.arm_set.drafter_index.get(name)
+            if j is not None:
+                self.calibration.add(j, confidence, accepted)
+                if not st.is_bypass:
+                    st.rated.setdefault(j, deque(maxlen=RATED_DRAFTS)).append((confidence, accepted))
 
     def remove(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)
@@ -306,8 +323,10 @@ class LBSSSelector:
         (request slots whose draft the cut shortened, or removed: `_cut`); nothing_pays (at the last slot's batch
         size no draft token could pay: everyone decoded plainly); verify_cost (the fitted
         verify seconds per forward, per request and per token, `cost.py`); verify_fit ([predicted, measured] ms
-        of the last verify forwards); config (the SelectionConfig). A request priced in a matching also has
-        marginal {arm: its marginal gain in tokens per slot}."""
+        of the last verify forwards); calibration {drafter: [chance a token survives, by confidence bin], null
+        until calibrated}; floors {req_id: the confidence its draft was cut at in the last slot}; config (the
+        SelectionConfig). A request priced in a matching also has marginal {arm: its marginal gain in tokens per
+        slot}."""
         names = self.arm_set.names
         counts: dict[str, int] = {}
         requests = {}
@@ -339,6 +358,8 @@ class LBSSSelector:
             "nothing_pays": self.nothing_pays,
             "verify_cost": self.cost.describe(),
             "verify_fit": [[round(p * 1e3, 3), round(m * 1e3, 3)] for p, m in self._fit],
+            "calibration": {d: self.calibration.describe(j) for j, d in enumerate(self.arm_set.drafters)},
+            "floors": {r: round(f, 3) for r, f in self._floors.items()},
             "config": dataclasses.asdict(self.cfg),
         }
 
@@ -401,9 +422,13 @@ class LBSSSelector:
         """committed, drafted ([A], in place): each arm's expected tokens as the slots will run it, its drafts cut
         at the batch's price (`_cut`) and read from the request's survival per position, where that is known:
         E[committed] = 1 + h * sum over kept positions t of P(the first t survive), h its proposal rate. An arm
-        whose drafts are all cut is worth plain decoding's one token, never less."""
+        whose drafts are all cut is worth plain decoding's one token, never less. A drafter whose confidence is
+        calibrated is valued at its floor, on the request's latest rated drafts (`_under_floor`)."""
         _, h = request_rates(st.counts, st.context, self.population, self.cfg.prior_strength)
         for j in range(len(self.arm_set.drafters)):
+            if self.calibration.known(j) and st.rated.get(j):
+                self._under_floor(st, j, committed, drafted)
+                continue
             if np.isnan(h[j]):
                 continue
             survival, tau = self._survival_and_price(st, j)
@@ -418,6 +443,30 @@ class LBSSSelector:
                 committed[a] = 1.0 + h[j] * total[kept]
                 drafted[a] = h[j] * kept
 
+    def _under_floor(self, st: _Request, j: int, committed: np.ndarray, drafted: np.ndarray) -> None:
+        """committed, drafted ([A], in place) for drafter j's arms as its worker will cut them at this slot's
+        confidence floor: the request's latest drafts on j (its shadow drafts, all rated), the newest weighing most
+        (RECENT_DECAY), cut at the floor and at k, each kept token worth its confidence's calibrated chance. The
+        request's text says how often j proposes and how surely; the calibration, what that sureness is worth. Every
+        kept token pays its price, so an arm is never worth less than plain decoding."""
+        curve, bins = self.calibration.curve(j), self.calibration.bins
+        floor = self.calibration.floor(j, self._price_of_token(j))
+        recent = st.rated[j]
+        for a in np.flatnonzero(self.arm_set.drafter_of == j):
+            k = self.arm_set.arms[a].k
+            weight = kept = tokens = 0.0
+            w = 1.0
+            for confidence, _ in reversed(recent):
+                n = 0
+                while n < k and n < len(confidence) and confidence[n] >= floor:
+                    tokens += w * curve[min(bins - 1, int(confidence[n] * bins))]
+                    n += 1
+                weight += w
+                kept += w * n
+                w *= RECENT_DECAY
+            committed[a] = 1.0 + tokens / weight
+            drafted[a] = kept / weight
+
     def _draft_s_per_token(self) -> np.ndarray:
         """[D] each drafter's seconds per draft token: measured, else the profile's; nan where neither is known.
         Read many times a slot; solved once after each observe."""
@@ -426,21 +475,32 @@ class LBSSSelector:
             self._delta = np.where(np.isnan(delta), self._draft_prior, delta)
         return self._delta
 
-    def _cut(self, st: _Request, arm: Arm, exploring: bool = False) -> Arm:
-        """The arm with its draft cut to the tokens worth verifying this slot: draft token t adds the chance that
-        the request's first t drafts survive (its recent drafts on that drafter, real and shadow, shrunk towards
-        its context's: `survival_of`) and costs the seconds it adds to the slot (`_survival_and_price`). A request
-        whose drafter's next token does not pay decodes plainly this slot: the matching picked its arm for the
-        stage, the cut follows the text (copying comes in runs). Not where nothing is known of the drafter's
-        survival yet, nor an exploring arm of a drafter without shadow drafts: exploration is how those are learned."""
+    def _cut(self, st: _Request, arm: Arm, exploring: bool = False) -> tuple[Arm, float]:
+        """The arm with its draft cut to the tokens worth verifying this slot, and the confidence floor its drafter's
+        worker cuts the draft at (0: none). Draft token t adds the chance that the request's first t drafts survive
+        and costs the seconds it adds to the slot (`_survival_and_price`). Where the drafter rates its own tokens
+        and that rating is calibrated (`Calibration`), the chance is read from each token's confidence, on the
+        draft itself: the arm keeps its k and the worker drops the tokens below the floor (none clears it: a plain
+        slot). Else it is read from the request's recent drafts on that drafter, real and shadow, shrunk towards its
+        context's (`survival_of`), which cuts k. A request whose drafter's next token does not pay decodes plainly
+        this slot: the matching picked its arm for the stage, the cut follows the text (copying comes in runs). Not
+        where nothing is known of the drafter's survival yet, nor an exploring arm of a drafter without shadow
+        drafts: exploration is how those are learned."""
         j = self.arm_set.drafter_index.get(arm.drafter)
         if j is None or self._plain_price <= 0 or exploring and j not in self._shadowed:
-            return arm
+            return arm, 0.0
+        if self.calibration.known(j):
+            floor = self.calibration.floor(j, self._price_of_token(j))
+            return (PLAIN_ARM, 0.0) if floor > 1.0 else (arm, floor)
         survival, tau = self._survival_and_price(st, j)
         if survival[0] != survival[0]:
-            return arm
+            return arm, 0.0
         k = worth_drafting(survival, tau, arm.k)
-        return arm if k == arm.k else PLAIN_ARM if k == 0 else Arm(arm.drafter, k)
+        return (arm if k == arm.k else PLAIN_ARM if k == 0 else Arm(arm.drafter, k)), 0.0
+
+    def confidence_floor(self, req_id: str) -> float:
+        """The confidence its drafter's tokens need this slot (`_cut`); 0: no floor."""
+        return self._floors.get(req_id, 0.0)
 
     def _survival_and_price(self, st: _Request, j: int) -> tuple[list[float], float]:
         """The request's survival per draft position on drafter j, and what one draft token costs the batch in
@@ -448,11 +508,16 @@ class LBSSSelector:
         batch. Each token kept then adds more tokens than plain decoding would make in the time it takes, so the
         slot's expected goodput is never below plain decoding's (the matching's price, the optimum's goodput, is
         higher; it was set at the stage's start, for the batch of then)."""
-        delta = float(self._draft_s_per_token()[j])
-        per_token_s = self.cost.seconds_per_token_at(self._batch_size) + (0.0 if delta != delta else delta)
         survival = survival_of(st.positions, st.counts, st.context, self.population, self.cfg.prior_strength, j,
                                POSITION_PRIOR)
-        return survival, self._plain_price * per_token_s
+        return survival, self._price_of_token(j)
+
+    def _price_of_token(self, j: int) -> float:
+        """What one of drafter j's tokens costs the batch, in tokens: the seconds it adds (verify at this batch
+        size, and drafting) at plain decoding's rate for this batch."""
+        delta = float(self._draft_s_per_token()[j])
+        per_token_s = self.cost.seconds_per_token_at(self._batch_size) + (0.0 if delta != delta else delta)
+        return self._plain_price * per_token_s
 
     def _marginal(self, st: _Request, price: float, cut: bool = True) -> np.ndarray:
         """[A] the request's marginal gain per arm at a price (tokens per second of slot): expected tokens less

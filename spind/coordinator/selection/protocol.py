@@ -87,6 +87,9 @@ class SlotFeedback:
     shadow: tuple[tuple[str, int, int], ...] = ()
     shadowed: bool = False  # its own draft's drafter drafted a shadow draft for it this slot too (all of SHADOW_K
     #                         positions, where a draft cut short has only its own): acceptance is counted from that
+    # of those shadow drafts, the ones whose drafter gave a confidence per token: (drafter, the decided tokens'
+    # confidences, accepted) each, what selection calibrates the drafter's confidence on
+    shadow_confidence: tuple[tuple[str, tuple[float, ...], int], ...] = ()
 
 
 class Selector(Protocol):
@@ -107,6 +110,10 @@ class Selector(Protocol):
     def precompute_hint(self, req_id: str) -> str | None:
         """The drafter this request most likely switches to next (other than its current one), whose KV is
         worth precomputing now; None for no precompute."""
+
+    def confidence_floor(self, req_id: str) -> float:
+        """After select: the confidence (`Draft.confidence`) its drafter's tokens need this slot; its worker cuts
+        the draft before the first token below it. 0: no floor."""
 
     def describe(self) -> dict:
         """JSON-able state for /v1/spind/state and the dashboard."""
@@ -166,6 +173,9 @@ class StaticSelector:
     def precompute_hint(self, req_id: str) -> str | None:
         """The default drafter: every AUTO request drafts with it."""
         return self.default_drafter
+
+    def confidence_floor(self, req_id: str) -> float:
+        return 0.0
 
     def describe(self) -> dict:
         counts: dict[str, int] = {}

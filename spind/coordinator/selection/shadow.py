@@ -5,7 +5,8 @@ Under greedy decoding a deterministic draft is accepted exactly up to its first 
 committed sequence, so its acceptance is known without verifying it. The worker that hosts a model-free drafter
 (beside the target) drafts one shadow draft per request and slot for the coordinator when it verifies the
 request (`VerifyItem.shadow`: a lookup, microseconds), from the same committed tokens as the real draft, and
-returns it with the result (`VerifyResult.shadow`). This resolver keeps each until enough tokens are committed
+returns it with the result (`VerifyResult.shadow`, and the drafter's confidence per token where it has one:
+`VerifyResult.shadow_confidence`). This resolver keeps each until enough tokens are committed
 to decide it (a mismatch, or all of it matched) and reports it in the selector feedback: the selector learns
 each request's acceptance on every free drafter on every slot without spending slots exploring them. (Sampled
 requests get no shadows: their acceptance depends on the target's probabilities.)
@@ -14,6 +15,7 @@ requests get no shadows: their acceptance depends on the target's probabilities.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 SHADOW_K = 8  # tokens per shadow draft: acceptance is per position, so one length serves every k up to it
 FREE_KINDS = ("ngram", "suffix")  # drafters with no KV: a shadow draft costs a lookup
@@ -24,21 +26,32 @@ class _Pending:
     drafter: str
     position: int  # sequence length when it was drafted
     draft: list[int]
+    confidence: tuple[float, ...]  # the drafter's per token (Draft.confidence); () where it has none
+
+
+class Decided(NamedTuple):
+    drafter: str
+    drafted: int  # its tokens that were decided (all of them, but at a request's end)
+    accepted: int
+    confidence: tuple[float, ...] = ()  # of the decided tokens, where the drafter gives one
 
 
 class ShadowDrafts:
     def __init__(self) -> None:
         self._pending: dict[str, list[_Pending]] = {}
 
-    def add(self, req_id: str, position: int, drafts: dict[str, list[int]]) -> None:
-        """Shadow drafts a worker returned for the request, drafted after its first `position` tokens."""
+    def add(self, req_id: str, position: int, drafts: dict[str, list[int]],
+            confidence: dict[str, list[float]] | None = None) -> None:
+        """Shadow drafts a worker returned for the request, drafted after its first `position` tokens, with their
+        confidences where the drafter has them."""
         if drafts:
-            self._pending.setdefault(req_id, []).extend(_Pending(n, position, list(d)) for n, d in drafts.items())
+            conf = confidence or {}
+            self._pending.setdefault(req_id, []).extend(_Pending(n, position, list(d), tuple(conf.get(n, ())))
+                                                        for n, d in drafts.items())
 
-    def resolve(self, req_id: str, tokens: list[int], is_final: bool = False) -> list[tuple[str, int, int]]:
-        """(drafter, drafted, accepted) of every shadow draft the committed `tokens` now decide (an empty draft at
-        once: the drafter had nothing to propose); is_final: the request ended, decide what is left on the tokens
-        there are."""
+    def resolve(self, req_id: str, tokens: list[int], is_final: bool = False) -> list[Decided]:
+        """Every shadow draft the committed `tokens` now decide (an empty draft at once: the drafter had nothing
+        to propose); is_final: the request ended, decide what is left on the tokens there are."""
         pending = self._pending.get(req_id)
         if not pending:
             return []
@@ -49,9 +62,9 @@ class ShadowDrafts:
             while n < len(committed) and committed[n] == p.draft[n]:
                 n += 1
             if n < len(committed) or len(committed) == len(p.draft):  # a mismatch, or all of it matched
-                out.append((p.drafter, len(p.draft), n))
+                out.append(Decided(p.drafter, len(p.draft), n, p.confidence))
             elif is_final and committed:
-                out.append((p.drafter, len(committed), n))
+                out.append(Decided(p.drafter, len(committed), n, p.confidence[:len(committed)]))
             elif not is_final:
                 keep.append(p)
         self._pending[req_id] = keep
