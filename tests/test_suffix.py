@@ -65,6 +65,17 @@ def test_a_walk_past_max_depth_continues_from_a_shorter_suffix():
     assert tokens == text[4:16]
 
 
+def paths(t: SuffixTrie) -> dict:
+    """Every node as its token path -> (count, succ): two tries with equal paths hold the same counts."""
+    out, stack = {}, [(0, ())]
+    while stack:
+        node, path = stack.pop()
+        out[path] = (t.count[node], t.succ[node])
+        for tok, kid in (t.children[node] or {}).items():
+            stack.append((kid, path + (tok,)))
+    return out
+
+
 def test_remove_undoes_insert_exactly():
     rng = random.Random(0)
     a = [rng.randrange(6) for _ in range(300)]
@@ -75,15 +86,6 @@ def test_remove_undoes_insert_exactly():
     trie.insert(a)
     trie.insert(b)
     trie.remove(b)
-
-    def paths(t: SuffixTrie) -> dict:
-        out, stack = {}, [(0, ())]
-        while stack:
-            node, path = stack.pop()
-            out[path] = (t.count[node], t.succ[node])
-            for tok, kid in (t.children[node] or {}).items():
-                stack.append((kid, path + (tok,)))
-        return out
 
     assert paths(trie) == paths(ref) and trie.num_nodes == ref.num_nodes
     with pytest.raises(ValueError, match="not inserted"):
@@ -103,6 +105,28 @@ def test_the_shared_cache_evicts_the_oldest_past_its_budget():
     assert list(cache.entries) == ["r3", "r4", "r5"] and cache.approx_bytes <= cache.max_bytes
 
 
+def test_the_shared_cache_takes_a_sequence_in_parts_as_it_would_whole():
+    text = [5, 1, 2, 3, 1, 2, 4, 1, 2, 3] * 7
+    whole, parts = SuffixCache(6, max_bytes=10 ** 9), SuffixCache(6, max_bytes=10 ** 9)
+    whole.add("a", text)
+    steps = []
+    while True:
+        inserted, done = parts.add_part("a", text, 16)
+        steps.append(inserted)
+        if done:
+            break
+    assert steps == [16, 16, 16, 16, 6] and list(parts.entries) == ["a"]
+    assert paths(parts.trie) == paths(whole.trie)
+    # a sequence left half inserted is taken back when another one begins: the trie holds whole ones only
+    other = [9, 8, 7, 9, 8]
+    half = SuffixCache(6, max_bytes=10 ** 9)
+    assert half.add_part("a", text, 20) == (20, False)
+    half.add("b", other)
+    ref = SuffixCache(6, max_bytes=10 ** 9)
+    ref.add("b", other)
+    assert paths(half.trie) == paths(ref.trie) and list(half.entries) == ["b"]
+
+
 def test_a_request_drafts_from_its_own_text_and_from_finished_requests():
     d = SuffixDrafter("suffix", max_depth=16, cache_mb=8)
     answer = list(range(1000, 1030))
@@ -113,8 +137,11 @@ def test_a_request_drafts_from_its_own_text_and_from_finished_requests():
     d.observe_finished("a", [7, *answer, 8, *answer])
     d.free_request("a")
     assert d.has_background_work and propose(d, "c0", [3, 4, *answer[:8]], 6) == []  # queued: not yet in the cache
-    d.background_work(10)  # a whole sequence, even past the chunk's budget
-    assert not d.has_background_work
+    d.background_work(10)  # 10 of its 62 tokens: a chunk, not the whole sequence
+    assert d.has_background_work and not d.cache.entries
+    while d.has_background_work:
+        d.background_work(10)
+    assert list(d.cache.entries) == ["a"]
     # ... but a later request that starts the same answer gets it from the shared cache
     assert propose(d, "c", [3, 4, *answer[:8]], 6) == answer[8:14]
 

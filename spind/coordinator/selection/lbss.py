@@ -296,7 +296,7 @@ class LBSSSelector:
 
     def precompute_hint(self, req_id: str) -> str | None:
         st = self._reqs.get(req_id)
-        if st is None or st.is_bypass:
+        if st is None or st.is_bypass or self.nothing_pays:  # no draft pays at this load: no KV worth precomputing
             return None
         current = st.current.drafter if st.current is not None else None
         if self.stage == EXPLORE and st.next_arm is not None:
