@@ -264,6 +264,33 @@ def verify_cost_summary(state: SpindState) -> str | None:
     return " · ".join(parts)
 
 
+def calibration_frame(state: SpindState) -> pd.DataFrame:
+    """Per drafter that rates its draft tokens and is calibrated: the chance a token of each confidence bin
+    survived with its prefix (x: the bin's middle). A drafter not yet calibrated (null) or a malformed curve is
+    left out."""
+    curves = (state.selector or {}).get("calibration")
+    rows = []
+    for drafter, curve in (curves.items() if isinstance(curves, dict) else ()):
+        values = [_number(q) for q in curve] if isinstance(curve, list) else []
+        if not values or any(q is None for q in values):
+            continue
+        rows += [{"drafter": drafter_label(drafter), "confidence": (b + 0.5) / len(values), "survival": q}
+                 for b, q in enumerate(values)]
+    return pd.DataFrame(rows, columns=["drafter", "confidence", "survival"])
+
+
+def calibration_chart(state: SpindState) -> alt.Chart:
+    """Each drafter's own confidence against the chance its token survived: above the diagonal it undersells its
+    drafts, below it oversells them; the floor a slot's drafts are cut at is where the line crosses the price."""
+    df = calibration_frame(state)
+    return alt.Chart(df).mark_line(point=True, interpolate="step-after").encode(
+        x=alt.X("confidence:Q", title="the drafter's confidence in a token (share)", axis=axis("share")),
+        y=alt.Y("survival:Q", title="tokens that survived (share)", axis=axis("share")),
+        color=alt.Color("drafter:N", scale=drafter_colours(state)),
+        tooltip=["drafter:N", alt.Tooltip("confidence:Q", format=".0%"),
+                 alt.Tooltip("survival:Q", format=".0%")]).properties(height=HEIGHT)
+
+
 # ---- pipeline occupancy ---------------------------------------------------------------------------------------
 def activity(kind: str, drafter: str) -> str:
     return f"{kind} {drafter_label(drafter)}" if drafter and kind in ("draft", "precompute") else kind

@@ -201,6 +201,10 @@ def verify_cost(state: SpindState, rates: Rates) -> None:
     with right:
         section("Verify time, predicted vs measured", charts.verify_fit_frame(state).empty,
                 "No verify forward has been timed yet.", lambda: show(charts.verify_fit_chart(state), "verify-fit"))
+    section("Draft confidence, calibrated (each slot's drafts are cut where a token's chance no longer pays)",
+            charts.calibration_frame(state).empty,
+            "No drafter's confidence is calibrated yet (it needs greedy requests' shadow drafts).",
+            lambda: show(charts.calibration_chart(state), "calibration"))
 
 
 def occupancy(state: SpindState, rates: Rates) -> None:

@@ -294,7 +294,8 @@ def test_calibration_turns_a_drafters_confidence_into_the_floor_that_pays():
     assert cal.known(0)
     curve = cal.curve(0)
     assert curve[9] == pytest.approx((90 + 2 * 0.95) / 102) and curve[3] == pytest.approx((10 + 2 * 0.35) / 102)
-    assert curve[:3] == [curve[3]] * 3 and curve[4:9] == [curve[3]] * 5  # bins with no tokens: the one below
+    assert curve[4:9] == [curve[3]] * 5  # bins with no tokens: the one below
+    assert curve[:3] == [0.05, curve[3], curve[3]]  # below every bin seen: the bin's middle, at most the lowest seen
     assert all(a <= b for a, b in zip(curve, curve[1:]))
     assert 0.35 < cal.floor(0, 0.5) <= 0.9  # the 0.95 tokens pay half a token; the 0.35 ones do not
     assert cal.floor(0, 0.05) <= 0.3  # a cheap token: both pay
@@ -340,6 +341,39 @@ def test_lbss_cuts_a_calibrated_drafters_draft_at_its_confidence_floor():
                                   verify_s=cpu_verify(1, 1), batch_size=1, batch_tokens=1,
                                   shadow=(("suffix", 2, 0),), shadow_confidence=(("suffix", (0.95, 0.35), 0),))])
     assert sel.select([info("r", 200)], cap)[0] == PLAIN_ARM and sel.confidence_floor("r") == 0.0
+
+
+def test_between_calibrated_drafters_the_one_right_lately_is_chosen_and_misses_keep_a_drafter():
+    """Both drafters rate their tokens alike and are calibrated alike over the population; this request's latest
+    suffix drafts were accepted and its n-gram ones were not: the matching puts it on suffix. A request whose drafts
+    on both all missed lately is valued as plain decoding on them, and stays on a drafter: the worker's floor
+    decides each slot (no stage-long plain decoding on a run of misses)."""
+    sel = LBSSSelector(SelectionConfig(seed=0, alpha=0), ["ngram", "suffix"], 4, verify_points=profile_points(),
+                       draft_s_per_token={"ngram": 1e-5, "suffix": 1e-5})
+    cap = Capacity({"ngram": 16, "suffix": 16})
+    rated = (0.95, 0.9, 0.85, 0.8)
+    for t in range(40):  # the population: both drafters right 3 times in 4, on other requests
+        for r in ("p1", "p2"):
+            sel.select([info(r, t)], cap)
+            ok = 4 if t % 4 else 0
+            sel.observe([SlotFeedback(req_id=r, arm=PLAIN_ARM, num_drafted=0, num_accepted=0, num_committed=1,
+                                      draft_s=0.0, verify_s=cpu_verify(1, 1), batch_size=1, batch_tokens=1,
+                                      shadow=(("ngram", 4, ok), ("suffix", 4, ok)),
+                                      shadow_confidence=(("ngram", rated, ok), ("suffix", rated, ok)))])
+    for r in ("p1", "p2"):
+        sel.remove(r)
+    assert sel.calibration.known(0) and sel.calibration.known(1)
+    for t in range(8):  # "r": suffix right, n-gram wrong; "m": both wrong
+        arms = sel.select([info("r", t), info("m", t)], cap)
+        sel.observe([SlotFeedback(req_id=n, arm=arm, num_drafted=0, num_accepted=0, num_committed=1, draft_s=0.0,
+                                  verify_s=cpu_verify(2, 2), batch_size=2, batch_tokens=2,
+                                  shadow=(("ngram", 4, 0), ("suffix", 4, 4 if n == "r" else 0)),
+                                  shadow_confidence=(("ngram", rated, 0), ("suffix", rated, 4 if n == "r" else 0)))
+                     for n, arm in zip(("r", "m"), arms)])
+    sel.stage_slots = sel.slot_in_stage  # a new stage: a fresh matching
+    r, m = sel.select([info("r", 9), info("m", 9)], cap)
+    assert r.drafter == "suffix" and sel.confidence_floor("r") > 0
+    assert m.drafter is not None  # on a drafter, valued as plain: the floor decides each slot
 
 
 def test_where_no_draft_token_could_pay_the_batch_decodes_plainly_without_shadows():

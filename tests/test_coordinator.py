@@ -411,11 +411,10 @@ def test_the_pipeline_drafts_in_micro_batches_and_merges_them_in_verify(tmp_path
     assert sum(any(it.req_id == "n" for it in m.items) for m in verifies) >= 23  # plain rides every pass
 
 
-def test_the_pipeline_sends_the_next_verify_before_it_streams_the_last_ones_tokens(tmp_path, mode):
-    """A verify pass's tokens reach the client after the next pass was sent (`Coordinator.hold_deltas`), so the
-    target computes while the front ends write; no token is held back at the end."""
-    if not mode:
-        pytest.skip("the lockstep loop streams between slots")
+def test_the_next_verify_is_sent_before_the_last_ones_tokens_stream(tmp_path, mode):
+    """A verify pass's tokens reach the client after the next pass was sent (`SlotPhases.hold_deltas`), so the
+    target computes while the front ends write, in lockstep slots as in the pipeline; no token is held back at
+    the end."""
     env = Env(tmp_path, make_cfg())
     events: list[str] = []
     cast = env.pool.cast

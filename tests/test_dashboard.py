@@ -189,6 +189,7 @@ def all_charts(state: SpindState) -> dict:
     return {"estimates": charts.estimate_heatmap(state.selection), "assignment": charts.assignment_chart(state),
             "accepted_at": charts.accepted_at_chart(state), "verify_cost": charts.verify_cost_chart(state),
             "verify_fit": charts.verify_fit_chart(state), "occupancy": charts.occupancy_timeline(state),
+            "calibration": charts.calibration_chart(state),
             "utilisation": charts.utilisation_chart(state), "goodput": charts.goodput_chart(state),
             "acceptance": charts.per_drafter_line(state, "acceptance", "accepted / drafted (%)", "share"),
             "length": charts.per_drafter_line(state, "accepted_length", "tokens per verification step",
@@ -218,7 +219,7 @@ def test_every_quantitative_axis_has_a_unit_and_a_format():
                 checked += 1
             elif channel == "color":
                 assert enc["legend"]["format"] in formats and enc["title"], (name, channel, enc)
-    assert checked == 19  # x and y of 7 charts, one axis of 5 (the other a category), none of the heat map's
+    assert checked == 21  # x and y of 8 charts, one axis of 5 (the other a category), none of the heat map's
 
 
 def test_axis_titles_say_their_unit():
@@ -228,6 +229,7 @@ def test_axis_titles_say_their_unit():
     assert titles["goodput"]["y"] == "committed tok/s" and titles["goodput"]["x"] == "time (s before now)"
     assert titles["verify_cost"]["y"] == "predicted verify time (ms)"
     assert titles["verify_fit"]["y"] == "verify time (ms)"
+    assert titles["calibration"]["y"] == "tokens that survived (share)"
     assert titles["latency"]["x"] == "milliseconds (ms)" and titles["tokens"]["y"] == "tok/s"
     assert titles["acceptance"]["y"].endswith("(%)") and "(%)" in titles["utilisation"]["x"]
     assert charts.AXIS_FORMATS["ms"] == ",.3~r"  # 3 significant digits, trailing zeros trimmed: never 0.000000
@@ -247,11 +249,13 @@ def test_tables_show_numbers_with_their_unit_and_few_digits():
 
 VERIFY_COST = {"c0_ms": 10.0, "per_request_ms": 0.5, "per_token_ms": 0.25, "prior_points": 6, "observations": 42.0}
 VERIFY_FIT = [[11.0, 12.5], [13.25, 12.0], [14.0, 15.5]]
+CALIBRATION = {"ngram": [0.1, 0.1, 0.4, 0.9], "int8": None}  # int8: not calibrated yet
 
 
 def with_pricing(raw: dict, **keys) -> dict:
     """A recorded snapshot whose lbss selector also reports batch pricing (the keys of a newer daemon)."""
-    priced = {"batch_pricing": True, "price": 812.345, "verify_cost": VERIFY_COST, "verify_fit": VERIFY_FIT} | keys
+    priced = {"batch_pricing": True, "price": 812.345, "verify_cost": VERIFY_COST, "verify_fit": VERIFY_FIT,
+              "calibration": CALIBRATION} | keys
     return raw | {"selector": raw["selector"] | priced}
 
 
@@ -473,10 +477,20 @@ def test_priced_selector_shows_the_verify_cost_line_and_its_fit(stand_in):
     subheaders = [s.value for s in at.subheader]
     assert "Verify cost model (ms vs tokens)" in subheaders and "Verify time, predicted vs measured" in subheaders
     assert any(c.value.startswith("batch pricing **on** · price 812.3 tok/s") for c in at.caption)
-    assert num_charts(at) == 2
-    at = render("verify-cost", stand_in(with_pricing(snapshot("busy"), verify_cost=None, verify_fit=[])).url)
+    assert num_charts(at) == 3
+    at = render("verify-cost", stand_in(with_pricing(snapshot("busy"), verify_cost=None, verify_fit=[],
+                                                     calibration={"ngram": None})).url)
     assert num_charts(at) == 0
-    assert {"The verify cost is not fitted yet.", "No verify forward has been timed yet."} <= infos(at)
+    assert {"The verify cost is not fitted yet.", "No verify forward has been timed yet.",
+            "No drafter's confidence is calibrated yet (it needs greedy requests' shadow drafts)."} <= infos(at)
+
+
+def test_calibration_frame_is_each_calibrated_drafters_curve_by_bin():
+    df = charts.calibration_frame(decode_state(with_pricing(snapshot("busy"))))
+    assert list(df["confidence"]) == pytest.approx([0.125, 0.375, 0.625, 0.875])  # bin middles
+    assert list(df["survival"]) == [0.1, 0.1, 0.4, 0.9] and set(df["drafter"]) == {"ngram"}  # int8: not yet
+    bad = with_pricing(snapshot("busy"), calibration={"ngram": [0.1, "x"], "int8": "y"})
+    assert charts.calibration_frame(decode_state(bad)).empty  # malformed curves are left out
 
 
 def app(url: str, api_key: str = "") -> AppTest:

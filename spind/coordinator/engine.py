@@ -146,6 +146,7 @@ class Coordinator:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         await self.loop.cancel()
+        self.phases.flush_deltas()  # what a lockstep slot held for its next verify
         self.phases.finish_all("the server is shutting down")
         self._is_shut_down = True
         await self.pool.stop()
@@ -370,6 +371,7 @@ class Coordinator:
         while True:
             await asyncio.sleep(0)  # a slot that never awaited a worker must still let front ends run
             if not ph.running and not ph.waiting and not self.loop.is_busy:
+                ph.flush_deltas()  # e.g. the last running request was aborted between slots
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -377,5 +379,6 @@ class Coordinator:
                 await self.loop.tick()
             except Exception:  # a bug, not a request's fault: nothing can be trusted about this slot
                 log.exception("time slot failed; aborting the running requests")
+                ph.flush_deltas()
                 ph.finish_all("internal error", running_only=True)
                 await self.loop.cancel()

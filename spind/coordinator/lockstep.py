@@ -26,10 +26,22 @@ class Lockstep:
         return False  # nothing is in flight between ticks
 
     async def tick(self) -> None:
-        """One time slot for everything waiting and running."""
+        """One time slot for everything waiting and running. The slot's tokens stream, and the selector learns from
+        them, once the next slot's verify is on its way (`SlotPhases.hold_deltas`): the target computes while the
+        front ends write, instead of idling between slots (~0.3-1 ms a slot on a 2-core CPU). With nothing left to
+        run they go at once."""
+        ph = self.phases
+        try:
+            await self._slot()
+        finally:
+            if not ph.running and not ph.waiting:
+                ph.flush_deltas()
+
+    async def _slot(self) -> None:
         ph = self.phases
         start, ph.wait_s = time.perf_counter(), 0.0
         if not ph.workers_alive():
+            ph.flush_deltas()
             await ph.recover()  # a worker died between slots
             return
         chunks = ph.schedule()
@@ -44,12 +56,16 @@ class Lockstep:
             drafts = await ph.prefill_and_speculate(chunks, ready, arms, threads)
             outcome = await ph.verify_isolating(ready + completing, arms, drafts, threads)
         except WorkerDied as e:
+            ph.flush_deltas()
             log.warning("%s; restarting and re-prefilling", e)
             await ph.recover()
             return
         except WorkerError as e:
+            ph.flush_deltas()
             ph.fail_requests(e)
             return
+        ph.flush_deltas()  # what a slot without a verify (prefill only) did not release
+        ph.hold_deltas()
         ph.update(outcome, arms, drafts)
         slot_s = time.perf_counter() - start
         ph.record_slot(slot_s, slot_s - ph.wait_s)

@@ -377,12 +377,22 @@ class SlotPhases:
             items.append(item)
         if not items:
             return VerifyOutcome()
-        reply = await self.await_workers(
-            self.pool.call(TARGET_WORKER, P.Verify(0, self.slot_id, items, threads), self.call_timeout_s))
+        reply = await self.await_workers(self._call_target(P.Verify(0, self.slot_id, items, threads)))
         if [r.req_id for r in reply.results] != [st.req_id for st in batch]:
             raise WorkerError(TARGET_WORKER, "verify results do not match the batch")
         self.times.grammar_s += reply.grammar_s
         return VerifyOutcome(list(batch), reply.results, reply.verify_s)
+
+    async def _call_target(self, msg: object) -> object:
+        """pool.call to the target; deltas and feedback held back (`hold_deltas`) are released once the op is on its
+        way, so the front ends write and the selector learns while the target computes."""
+        if self._held is None:
+            return await self.pool.call(TARGET_WORKER, msg, self.call_timeout_s)
+        call = asyncio.ensure_future(self.pool.call(TARGET_WORKER, msg, self.call_timeout_s))
+        await asyncio.sleep(0)  # the call casts the op (a worker process has it now) ...
+        await asyncio.sleep(0)  # ... and an in-process worker's loop hands it to the worker's thread
+        self.flush_deltas()
+        return await call
 
     async def verify_isolating(self, batch: list[RequestState], arms: dict[str, Arm],
                                drafts: dict[str, P.DraftRecord], threads: int = 0) -> VerifyOutcome:

@@ -128,10 +128,11 @@ class Calibration:
     with the tokens that reached it in a decided draft and those whose whole prefix survived. A bin's rate is
     shrunk towards the bin's middle (the drafter taken at its word) with `prior` pseudo-tokens, then made
     non-decreasing in the confidence (pool adjacent violators): a token the drafter is surer of is never worth
-    less. A bin no token fell in reads the nearest one below it that had some: a confidence never seen is not
-    trusted beyond what was. `floor` turns a price into the confidence a token needs to pay it, which the drafter's
-    worker applies to the draft itself (`VerifyItem.min_confidence`): unlike a request's recent survival, the
-    confidence says which of this slot's tokens will survive. Counts halve when a drafter's pass `window` tokens, so
+    less. A bin no token fell in reads the nearest one below it that had some (below them all, its middle, capped
+    at the lowest one seen): a confidence never seen is not trusted beyond what was. `floor` turns a price into the
+    confidence a token needs to pay it, which the drafter's worker applies to the draft itself
+    (`VerifyItem.min_confidence`): unlike a request's recent survival, the confidence says which of this slot's
+    tokens will survive. Counts halve when a drafter's pass `window` tokens, so
     the curve follows the workload."""
 
     def __init__(self, num_drafters: int, bins: int = 20, prior: float = 2.0, window: float = 4096.0,
@@ -170,11 +171,12 @@ class Calibration:
             seen = [b for b, r in enumerate(self.reached[j]) if r > 0]
             pooled = _non_decreasing([(self.survived[j][b] + self.prior * (b + 0.5) / self.bins,
                                        self.reached[j][b] + self.prior) for b in seen])
-            c, i = [], 0  # a bin no token fell in reads the nearest one below that had some (above, at the bottom)
-            for b in range(self.bins):
+            c, i = [], 0  # a bin no token fell in reads the nearest one below that had some; below them all, the
+            for b in range(self.bins):  # drafter at its word, never above the lowest one seen
                 while i + 1 < len(seen) and seen[i + 1] <= b:
                     i += 1
-                c.append(pooled[i] if seen else (b + 0.5) / self.bins)
+                word = (b + 0.5) / self.bins
+                c.append(word if not seen else min(word, pooled[0]) if b < seen[0] else pooled[i])
             self._curves[j] = c
         return c
 

@@ -445,27 +445,35 @@ class LBSSSelector:
 
     def _under_floor(self, st: _Request, j: int, committed: np.ndarray, drafted: np.ndarray) -> None:
         """committed, drafted ([A], in place) for drafter j's arms as its worker will cut them at this slot's
-        confidence floor: the request's latest drafts on j (its shadow drafts, all rated), the newest weighing most
-        (RECENT_DECAY), cut at the floor and at k, each kept token worth its confidence's calibrated chance. The
-        request's text says how often j proposes and how surely; the calibration, what that sureness is worth. Every
-        kept token pays its price, so an arm is never worth less than plain decoding."""
+        confidence floor, from the request's latest drafts on j (its shadow drafts: rated and decided), the newest
+        weighing most (RECENT_DECAY), each cut at the floor and at k: the tokens they keep, and as committed the mean
+        of what those tokens were worth by their confidence (the calibration) and what of them was accepted (the
+        request's own text: between two drafters that both rate their tokens well, the one that was right lately).
+        Every kept token pays its price in expectation, so where that reads below plain decoding (a run of misses)
+        the arm is valued as plain decoding: the matching keeps the request on the drafter (TIE_BREAK), and the
+        floor decides slot by slot."""
         curve, bins = self.calibration.curve(j), self.calibration.bins
-        floor = self.calibration.floor(j, self._price_of_token(j))
+        price = self._price_of_token(j)
+        floor = self.calibration.floor(j, price)
         recent = st.rated[j]
         for a in np.flatnonzero(self.arm_set.drafter_of == j):
             k = self.arm_set.arms[a].k
-            weight = kept = tokens = 0.0
+            weight = kept = rated = accepted = 0.0
             w = 1.0
-            for confidence, _ in reversed(recent):
+            for confidence, acc in reversed(recent):
                 n = 0
                 while n < k and n < len(confidence) and confidence[n] >= floor:
-                    tokens += w * curve[min(bins - 1, int(confidence[n] * bins))]
+                    rated += w * curve[min(bins - 1, int(confidence[n] * bins))]
                     n += 1
                 weight += w
                 kept += w * n
+                accepted += w * min(acc, n)
                 w *= RECENT_DECAY
-            committed[a] = 1.0 + tokens / weight
-            drafted[a] = kept / weight
+            tokens = (rated + accepted) / (2.0 * weight)
+            if tokens < price * kept / weight:
+                committed[a], drafted[a] = 1.0, 0.0
+            else:
+                committed[a], drafted[a] = 1.0 + tokens, kept / weight
 
     def _draft_s_per_token(self) -> np.ndarray:
         """[D] each drafter's seconds per draft token: measured, else the profile's; nan where neither is known.
