@@ -414,8 +414,9 @@ def test_the_pipeline_drafts_in_micro_batches_and_merges_them_in_verify(tmp_path
 def test_the_next_verify_is_sent_before_the_last_ones_tokens_stream(tmp_path, mode):
     """A verify pass's tokens reach the client after the next pass was sent (`SlotPhases.hold_deltas`), so the
     target computes while the front ends write, in lockstep slots as in the pipeline; no token is held back at
-    the end."""
+    the end. (Lockstep slots hold them only with worker processes: threads share the coordinator's GIL.)"""
     env = Env(tmp_path, make_cfg())
+    env.pool.shares_interpreter = False  # as a ProcessPool's workers
     events: list[str] = []
     cast = env.pool.cast
 

@@ -84,6 +84,9 @@ BusyHook = Callable[[str, P.BusyInterval], None]
 
 class WorkerPool(Protocol):
     on_busy: BusyHook | None
+    # the workers are threads of the coordinator's interpreter: Python the coordinator runs while a worker works
+    # contends with it for the GIL, so nothing is gained by overlapping the two (SlotPhases.hold_deltas)
+    shares_interpreter: bool
 
     @property
     def names(self) -> list[str]: ...
@@ -150,6 +153,8 @@ class _Local:
 class InProcessPool:
     """Workers in this process. `make_worker(name)` builds one (models load in its own thread);
     `threads_of(name)` is the torch intra-op thread count set on that thread."""
+
+    shares_interpreter = True
 
     def __init__(self, names: list[str], make_worker: Callable[[str], object],
                  threads_of: Callable[[str], int] = lambda name: 1) -> None:

@@ -280,6 +280,8 @@ def worker_env(device: str, environ: dict[str, str] | None = None) -> tuple[dict
 class ProcessPool:
     """All worker processes of one coordinator."""
 
+    shares_interpreter = False
+
     def __init__(self, cfg: SpindConfig, run_dir: Path, load_timeout_s: float = 600.0,
                  command: tuple[str, ...] = WORKER_COMMAND) -> None:
         self.cfg = cfg
