@@ -397,6 +397,23 @@ def test_draft_ahead_is_used_when_the_guess_holds_and_dropped_when_not(tmp_path,
     assert metric(env.coordinator, 'spind_draft_ahead_total{outcome="dropped"}') >= 3
 
 
+def test_shadow_drafts_go_to_one_request_a_slot_in_turn(tmp_path, mode):
+    """A batch's shadow drafts cost one request's lookups a select, not the batch's: a lockstep verify asks them for
+    at most one request, every request's turn comes, and the outputs are plain decoding's."""
+    env = Env(tmp_path, make_cfg(policy="lbss"), draft_ms={"inl": 0.001})  # a lookup: drafts may pay
+    reqs = [EngineRequest(f"r{i}", [i + 2, i + 3, i + 2, i + 3], SamplingParams(max_tokens=24, temperature=0.0),
+                          "auto", None) for i in range(4)]  # greedy: only greedy requests get shadow drafts
+    out = run(env, reqs)
+    assert [tokens_of(d) for d in out] == [continuation(r.prompt_ids, 24) for r in reqs]
+    verifies = [m for m in env.ops("target", P.Verify) if len(m.items) >= 2]
+    shadowed = [[it.req_id for it in m.items if it.shadow] for m in verifies]
+    assert verifies and {r for s in shadowed for r in s} == {r.req_id for r in reqs}  # every request's turn came
+    if not mode:  # lockstep: one select a slot, one request shadowed in it
+        assert all(len(s) <= 1 for s in shadowed), shadowed
+    else:  # the pipeline selects the requests back from their verify: one of each select's
+        assert sum(map(len, shadowed)) <= sum(len(m.items) for m in verifies) / 2, shadowed
+
+
 def test_the_pipeline_drafts_in_micro_batches_and_merges_them_in_verify(tmp_path, mode):
     if not mode:
         pytest.skip("micro-batches are part of the pipeline")

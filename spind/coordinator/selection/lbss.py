@@ -60,6 +60,14 @@ never below plain decoding's; a draft cut to nothing is a plain slot. The matchi
 values under the cut (`_under_cut`): an arm whose drafts would all be cut is worth exactly plain decoding, and
 between equal gains the request stays on the drafter (TIE_BREAK), where it drafts as soon as its text pays.
 
+Where a drafter rates its own tokens (`Draft.confidence`: n-gram lookup by its match's length, suffix decoding by
+its counts), the cut reads this slot's draft instead of the request's history: the shadow drafts bring the
+ratings back with their outcomes, `Calibration` turns a rating into the chance the token survives, and the
+request's verify carries the least confidence that pays (`confidence_floor` -> `VerifyItem.min_confidence`); the
+target's worker cuts the draft there. A copy run is then drafted from its first slot and dropped at its first
+doubtful token, which a decaying history can only follow a few slots late. Such a drafter's arms are valued at
+that floor on the request's latest rated drafts (`_under_floor`).
+
 Config: the `[selection]` section of config.toml (`spind.config.SelectionConfig`, defaults documented there).
 
 Beyond the paper, free drafters teach without being explored: under greedy decoding the target's worker drafts,

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 SHADOW_K = 8  # tokens per shadow draft: acceptance is per position, so one length serves every k up to it
 FREE_KINDS = ("ngram", "suffix")  # drafters with no KV: a shadow draft costs a lookup
+SHADOWED_PER_SLOT = 1  # requests a slot drafts shadow drafts for, in turn (`SlotPhases.select`)
 
 
 @dataclass
