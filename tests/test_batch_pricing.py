@@ -334,6 +334,14 @@ def test_lbss_cuts_a_calibrated_drafters_draft_at_its_confidence_floor():
     state = msgspec.json.decode(msgspec.json.encode(sel.describe()))  # what /v1/spind/state sends
     assert state["floors"] == {"r": pytest.approx(sel.confidence_floor("r"), abs=1e-3)}
     assert len(state["calibration"]["suffix"]) == sel.calibration.bins
+    # its text stops giving suffix anything sure: once its latest two drafts had no token above the floor, the next
+    # slot is plain without a draft drawn up to be cut to nothing
+    for t in (61, 62):
+        sel.observe([SlotFeedback(req_id="r", arm=arm, num_drafted=0, num_accepted=0, num_committed=1, draft_s=0.0,
+                                  verify_s=cpu_verify(1, 1), batch_size=1, batch_tokens=1,
+                                  shadow=(("suffix", 2, 0),), shadow_confidence=(("suffix", (0.15, 0.05), 0),))])
+        arm = sel.select([info("r", t)], cap)[0]
+    assert arm == PLAIN_ARM
     # the same drafter where even its surest tokens fail: nothing pays, plain decoding
     for t in range(61, 200):
         arm = sel.select([info("r", t)], cap)[0]
