@@ -132,8 +132,8 @@ class Calibration:
     at the lowest one seen): a confidence never seen is not trusted beyond what was. `floor` turns a price into the
     confidence a token needs to pay it, which the drafter's worker applies to the draft itself
     (`VerifyItem.min_confidence`): unlike a request's recent survival, the confidence says which of this slot's
-    tokens will survive. Counts halve when a drafter's pass `window` tokens, so
-    the curve follows the workload."""
+    tokens will survive. A drafter's counts halve when they pass `window` tokens, so the curve follows the
+    workload."""
 
     def __init__(self, num_drafters: int, bins: int = 20, prior: float = 2.0, window: float = 4096.0,
                  min_tokens: float = 64.0) -> None:

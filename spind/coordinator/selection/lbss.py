@@ -500,11 +500,11 @@ class LBSSSelector:
         and that rating is calibrated (`Calibration`), the chance is read from each token's confidence, on the
         draft itself: the arm keeps its k and the worker drops the tokens below the floor (none clears it: a plain
         slot); where the request's latest QUIET_DRAFTS shadow drafts on it had no token above the floor, the slot is
-        plain without drafting. Else it is read from the request's recent drafts on that drafter, real and shadow, shrunk towards its
-        context's (`survival_of`), which cuts k. A request whose drafter's next token does not pay decodes plainly
-        this slot: the matching picked its arm for the stage, the cut follows the text (copying comes in runs). Not
-        where nothing is known of the drafter's survival yet, nor an exploring arm of a drafter without shadow
-        drafts: exploration is how those are learned."""
+        plain without drafting. Else it is read from the request's recent drafts on that drafter, real and shadow,
+        shrunk towards its context's (`survival_of`), which cuts k. A request whose drafter's next token does not pay
+        decodes plainly this slot: the matching picked its arm for the stage, the cut follows the text (copying comes
+        in runs). Not where nothing is known of the drafter's survival yet, nor an exploring arm of a drafter without
+        shadow drafts: exploration is how those are learned."""
         j = self.arm_set.drafter_index.get(arm.drafter)
         if j is None or self._plain_price <= 0 or exploring and j not in self._shadowed:
             return arm, 0.0
