@@ -147,9 +147,22 @@ class SelectionConfig:
 @dataclass(frozen=True)
 class WorkerConfig:
     name: str
-    device: str = "cpu"
+    device: str = "cpu"  # with `devices`: the first of them
     threads: int = 0
     max_batch_size: int = 0  # requests this worker drafts for per slot (the paper's B_j); 0 = [runtime]
+    # the target only: its model split over this many processes (spind/worker/tensor_parallel.py), rank r on
+    # devices[r] (on CPU every rank is on "cpu"; on GPUs one GPU per rank)
+    tensor_parallel: int = 1
+    devices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.devices and self.device == "cpu" and self.devices[0] != "cpu":
+            object.__setattr__(self, "device", self.devices[0])
+
+    @property
+    def group_devices(self) -> tuple[str, ...]:
+        """Each rank's device, rank 0's first (one entry for a worker that is not split)."""
+        return self.devices or (self.device,) * self.tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -223,7 +236,11 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     kwargs = {}
     for key, value in raw.items():
         kind = names[key].type  # the annotation as a string: "str", "int", "float", "bool" or "tuple[int, ...]"
-        if kind.startswith("tuple"):
+        if kind == "tuple[str, ...]":
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"[{where}] {key} must be a list of strings, got {value!r}")
+            value = tuple(value)
+        elif kind.startswith("tuple"):
             if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
                 raise ConfigError(f"[{where}] {key} must be a list of integers, got {value!r}")
             value = tuple(value)
@@ -306,6 +323,50 @@ def validate(cfg: SpindConfig) -> SpindConfig:
     return cfg
 
 
+def _validate_group(cfg: SpindConfig, w: WorkerConfig) -> None:
+    """A tensor-parallel [[workers]] entry: the target's, with one device per rank, all CPU or each its own GPU."""
+    if w.tensor_parallel < 1:
+        raise ConfigError(f"[[workers]] {w.name}: tensor_parallel must be >= 1, got {w.tensor_parallel}")
+    if w.tensor_parallel > 1 and w.name != TARGET_WORKER:
+        raise ConfigError(f"[[workers]] {w.name}: only the target worker ({TARGET_WORKER!r}) is split by "
+                          f"tensor_parallel; drafters run one per worker")
+    if w.devices:
+        if len(w.devices) != w.tensor_parallel:
+            raise ConfigError(f"[[workers]] {w.name}: devices names {len(w.devices)} device(s) for tensor_parallel = "
+                              f"{w.tensor_parallel}: one per rank")
+        bad = [d for d in w.devices if not DEVICE_PATTERN.match(d)]
+        if bad:
+            raise ConfigError(f"[[workers]] {w.name}: devices must be \"cpu\" or \"cuda:N\", got {bad[0]!r}")
+        if w.device != w.devices[0]:
+            raise ConfigError(f"[[workers]] {w.name}: device {w.device!r} is not devices[0] ({w.devices[0]!r})")
+    devices = w.group_devices
+    if w.tensor_parallel > 1:
+        cuda = [canonical_device(d) for d in devices if is_cuda(d)]
+        if cuda and len(cuda) != len(devices):
+            raise ConfigError(f"[[workers]] {w.name}: devices {list(devices)} mix CPU and GPU ranks")
+        if cuda and len(set(cuda)) != len(cuda):
+            raise ConfigError(f"[[workers]] {w.name}: devices {list(devices)}: each rank needs a GPU of its own "
+                              f"(NCCL cannot join two ranks on one GPU); list one device per rank")
+        eagles = [d.name for d in cfg.drafters if d.kind == "eagle"]
+        if eagles:
+            raise ConfigError(f"[[workers]] {w.name}: eagle drafters ({', '.join(eagles)}) read the target's whole "
+                              f"embedding and hidden states in its process, which a tensor-parallel target splits; "
+                              f"serve them with tensor_parallel = 1")
+
+
+def with_tensor_parallel(cfg: SpindConfig, ranks: int | None) -> SpindConfig:
+    """`cfg` with the target split over `ranks` (the CLI's --tensor-parallel); None or the configured count: as is.
+    GPU ranks take cuda:0..ranks-1 unless [[workers]] lists the target's devices for that many ranks."""
+    target = cfg.worker(TARGET_WORKER)
+    if ranks is None or ranks == target.tensor_parallel:
+        return cfg
+    devices = () if not is_cuda(target.device) else tuple(f"cuda:{i}" for i in range(ranks))
+    new = dataclasses.replace(target, tensor_parallel=ranks, devices=devices,
+                              device=devices[0] if devices else target.device)
+    workers = tuple(w for w in cfg.workers if w.name != TARGET_WORKER)
+    return validate(dataclasses.replace(cfg, workers=(new, *workers)))
+
+
 def is_cuda(device: str) -> bool:
     return device == "cuda" or device.startswith("cuda:")
 
@@ -321,6 +382,7 @@ def _validate_devices(cfg: SpindConfig) -> None:
     for w in cfg.workers:
         if not DEVICE_PATTERN.match(w.device):
             raise ConfigError(f"[[workers]] {w.name}: device must be \"cpu\", \"cuda\" or \"cuda:N\", got {w.device!r}")
+        _validate_group(cfg, w)
     m, r = cfg.model, cfg.runtime
     target = cfg.worker(TARGET_WORKER).device
     if is_cuda(target):

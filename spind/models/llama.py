@@ -21,6 +21,7 @@ from spind.models.kv_cache import KVCache
 from spind.models.layers import Block, LlamaArgs, RMSNorm, rope_tables
 from spind.models.loader import read_tensors, weight_files
 from spind.models.quant import QUANTIZED_DTYPES, quantize_target
+from spind.models.tensor_parallel import Shard
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.fused_stack = None  # all layers in one kernel call (quantized targets: spind/models/fused.py)
         self.quantized: str | None = None  # the dtype of quantized weights (quant.quantize_target); None: float
+        self.shard: Shard | None = None  # this rank's part of a tensor-parallel model (tensor_parallel.parallelize)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -105,7 +107,7 @@ class LlamaModel(nn.Module):
 
 
 def load_llama(model_dir: Path, dtype: str = "float32", device: str = "cpu",
-               layers: tuple[int, ...] | None = None) -> LlamaModel:
+               layers: tuple[int, ...] | None = None, shard: Shard | None = None) -> LlamaModel:
     """Build our module from an HF-style directory (config.json + safetensors or torch .bin weights, sharded or not).
 
     The module is created on the meta device and materialised in `dtype` on `device`; weights then stream in one
@@ -125,6 +127,8 @@ def load_llama(model_dir: Path, dtype: str = "float32", device: str = "cpu",
     if any(not 0 <= i < args.num_layers for i in keep):
         raise ValueError(f"layer subset {keep} out of range 0..{args.num_layers - 1}")
     args = dataclasses.replace(args, num_layers=len(keep))
+    if shard is not None:
+        args = shard.local_args(args)
     files = weight_files(model_dir)
     if not files:
         raise ValueError(f"{model_dir} has no safetensors or pytorch_model*.bin weights")
@@ -141,7 +145,8 @@ def load_llama(model_dir: Path, dtype: str = "float32", device: str = "cpu",
 
     todo = _destinations(model, keep, tied)
     with torch.no_grad():
-        for name, w in read_tensors(files, todo.keys(), device):
+        slices = {} if shard is None else {n: shard.slice_of(n) for n in todo}
+        for name, w in read_tensors(files, todo.keys(), device, slices):
             for dst in todo.pop(name):
                 if w.shape != dst.shape:
                     raise ValueError(f"{model_dir}: {name} has shape {tuple(w.shape)}, config.json implies "
@@ -153,7 +158,7 @@ def load_llama(model_dir: Path, dtype: str = "float32", device: str = "cpu",
     if todo:
         raise ValueError(f"{model_dir}: weight {next(iter(todo))} missing ({len(todo)} in all)")
     if dtype in QUANTIZED_DTYPES:
-        quantize_target(model, model_dir, dtype, keep)
+        quantize_target(model, model_dir, dtype, keep, shard)
     return model.eval().requires_grad_(False)
 
 

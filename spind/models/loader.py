@@ -20,7 +20,7 @@ import mmap
 import os
 import subprocess
 import sys
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,10 +88,11 @@ def weight_files(model_dir: Path) -> list[Path]:
     return sorted(f for f in model_dir.glob("*.safetensors") if f.name != BLOCKS_FILE)
 
 
-def read_tensors(files: list[Path], names: Collection[str],
-                 device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def read_tensors(files: list[Path], names: Collection[str], device: str = "cpu",
+                 slices: dict[str, tuple[int, int, int] | None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for each of `names` found in `files`, one at a time, in the checkpoint's dtype; each on `device`
-    (safetensors) or on the CPU (torch .bin). A name stored twice comes once, from the first file.
+    (safetensors) or on the CPU (torch .bin). A name stored twice comes once, from the first file. `slices`: name ->
+    (dim, start, stop), the part of that tensor to read (a tensor-parallel rank's), read alone from the file.
 
     The caller copies each tensor before asking for the next: only then is its memory released. Both formats are read
     through a memory map, and a page of it, once read, stays resident (and counted in RSS) for as long as the map
@@ -108,15 +109,24 @@ def read_tensors(files: list[Path], names: Collection[str],
             for name in found:
                 todo.discard(name)
                 with safe_open(str(f), framework="pt", device=str(device)) as handle:  # one map per tensor
-                    yield name, handle.get_tensor(name)
+                    part = (slices or {}).get(name)
+                    yield name, handle.get_tensor(name) if part is None else _read_slice(handle, name, part)
         else:
             state = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
             for name in [n for n in state if n in todo]:
                 todo.discard(name)
                 tensor = state.pop(name)
-                yield name, tensor
+                part = (slices or {}).get(name)
+                yield name, tensor if part is None else tensor.narrow(part[0], part[1], part[2] - part[1])
                 _drop_pages(tensor)
             del state
+
+
+def _read_slice(handle, name: str, part: tuple[int, int, int]) -> torch.Tensor:
+    """Rows or columns [start, stop) of one safetensors tensor, reading only those bytes."""
+    dim, start, stop = part
+    view = handle.get_slice(name)
+    return view[start:stop] if dim == 0 else view[:, start:stop]
 
 
 def _drop_pages(t: torch.Tensor) -> None:
@@ -339,8 +349,11 @@ def gguf_source(model_dir: Path) -> Path | None:
     return path if path.suffix == ".gguf" else None
 
 
-def load_gguf_blocks(model_dir: Path) -> dict[str, GGUFBlocks]:
-    """HF name -> raw blocks, for every tensor of a type in BLOCK_BYTES of the GGUF behind `model_dir`.
+def load_gguf_blocks(model_dir: Path, slices: Callable[[str], tuple[int, int, int] | None] | None = None
+                     ) -> dict[str, GGUFBlocks]:
+    """HF name -> raw blocks, for every tensor of a type in BLOCK_BYTES of the GGUF behind `model_dir`. `slices`: name
+    -> (dim, start, stop) in weights (a tensor-parallel rank's part, see tensor_parallel.Shard.slice_of), read alone;
+    a column slice must fall on block boundaries.
 
     Written with the fp32 copy (`_convert`); a cache converted before that gains it here, once.
     """
@@ -356,7 +369,21 @@ def load_gguf_blocks(model_dir: Path) -> dict[str, GGUFBlocks]:
         _save_gguf_blocks(source, path)
     with safe_open(str(path), "pt") as f:
         qtypes = f.metadata()
-        return {name: GGUFBlocks(qtypes[name], f.get_tensor(name)) for name in f.keys()}
+        if slices is None:
+            return {name: GGUFBlocks(qtypes[name], f.get_tensor(name)) for name in f.keys()}
+        out = {}
+        for name in f.keys():
+            part = slices(name)
+            if part is None:
+                out[name] = GGUFBlocks(qtypes[name], f.get_tensor(name))
+                continue
+            dim, start, stop = part
+            if dim == 1:  # weights -> bytes of whole blocks
+                if start % 32 or stop % 32:
+                    raise ValueError(f"{name}: columns {start}-{stop} split GGUF blocks of 32 weights")
+                start, stop = (start // 32 * BLOCK_BYTES[qtypes[name]], stop // 32 * BLOCK_BYTES[qtypes[name]])
+            out[name] = GGUFBlocks(qtypes[name], _read_slice(f, name, (dim, start, stop)).contiguous())
+        return out
 
 
 def _save_gguf_blocks(gguf_path: Path, out: Path, opened=None) -> None:

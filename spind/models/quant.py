@@ -119,11 +119,12 @@ _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
           "mlp.down_proj": ("mlp.down_proj",)}
 
 
-def quantize_target(model: nn.Module, model_dir: Path, dtype: str, layers: list[int]) -> nn.Module:
+def quantize_target(model: nn.Module, model_dir: Path, dtype: str, layers: list[int], shard=None) -> nn.Module:
     """Swap the fp32 model's linear layers for `dtype`'s (see the module docstring), in place.
 
     `layers[i]` is the checkpoint layer that model layer i was loaded from. A tensor whose GGUF type has no
-    kernel for `dtype` keeps its fp32 linear (logged).
+    kernel for `dtype` keeps its fp32 linear (logged). `shard`: a tensor-parallel rank's (tensor_parallel.Shard),
+    whose slices of the GGUF's blocks are read.
     """
     if next(model.parameters()).device.type != "cpu":
         raise ValueError(f"dtype {dtype!r} is a CPU target; use float32 or bfloat16 on other devices")
@@ -132,7 +133,7 @@ def quantize_target(model: nn.Module, model_dir: Path, dtype: str, layers: list[
     model.quantized = dtype
     if dtype == "int8":
         return quantize_linears(model, "int8-weight-only")
-    blocks = load_gguf_blocks(model_dir)
+    blocks = load_gguf_blocks(model_dir, None if shard is None else shard.slice_of)
     kept = []
     for i, old in enumerate(layers):
         for path, parts in _FUSED.items():

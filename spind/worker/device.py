@@ -27,9 +27,14 @@ _FATAL_MESSAGES = ("CUDA error", "CUDA driver error", "device-side assert", "ill
 
 def is_fatal_device_error(e: BaseException) -> bool:
     """True when `e` means this process's device is lost (replying and carrying on would fail every later op the
-    same way): torch's AcceleratorError, or a RuntimeError in the words of a CUDA-side failure."""
+    same way): torch's AcceleratorError, a RuntimeError in the words of a CUDA-side failure, or a tensor-parallel
+    group that lost a rank (spind/worker/tensor_parallel.py: the group is restarted whole)."""
     import torch
 
+    from spind.models.tensor_parallel import TensorParallelError
+
+    if isinstance(e, TensorParallelError):
+        return True
     if isinstance(e, torch.OutOfMemoryError):
         return False
     accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8

@@ -38,6 +38,7 @@ from spind.worker.memory import memory_baseline, num_kv_blocks
 from spind.worker.probs import ProbsReceiver, ProbsSender
 from spind.worker.profile import probe_prompt, time_draft_tokens, time_verify
 from spind.worker.target import RequestFailed, TargetVerifier, VerifyItem
+from spind.worker.tensor_parallel import LeaderRunner, TargetGroup, start_group
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ PROBS_TIMEOUT_S = 30.0
 def shared_self_draft(dc: DrafterConfig, target: LlamaModel | None) -> LlamaModel | None:
     """A `layers` self-draft hosted beside its (float) target: a view of the target's own modules, no second copy
     of the weights; None where it must be loaded apart (another worker, a quantized target, another variant)."""
-    if target is None or dc.kind != "self" or dc.variant != "layers" or target.quantized is not None:
+    if (target is None or dc.kind != "self" or dc.variant != "layers" or target.quantized is not None
+            or target.shard is not None):  # a tensor-parallel target's layers hold one rank's heads
         return None
     return layer_subset(target, dc.layers)
 
@@ -64,9 +66,11 @@ class Worker:
 
     def __init__(self, name: str, cfg: SpindConfig, probs_out: ProbsSender | None = None,
                  probs_in: ProbsReceiver | None = None, device: str | None = None,
-                 clock: DeviceClock | None = None) -> None:
+                 clock: DeviceClock | None = None, group_devices: list[str] | None = None) -> None:
         """`device`: the worker's device as this process names it (a process worker sees its GPU as cuda:0, see
-        spind/coordinator/transport/process_pool.py); by default the config's. `clock`: tests count its reads."""
+        spind/coordinator/transport/process_pool.py); by default the config's. `clock`: tests count its reads.
+        `group_devices`: a tensor-parallel target's devices, rank by rank, as this process names them (by default
+        the config's)."""
         self.name = name
         self.config_device = cfg.worker(name).device  # what the coordinator and the operator call it
         self.device = canonical_device(device or self.config_device)
@@ -76,9 +80,34 @@ class Worker:
         model_dir = resolve_model_dir(cfg.model.target, cfg.cache_path)
         self.dtype = resolve_dtype(cfg, model_dir, self.device, bf16_supported(self.device))
         tokenizer = Tokenizer(model_dir)
-        r = cfg.runtime
+        self.probs_out, self.probs_in = probs_out, probs_in
         # every model first, then their KV pools: "auto" sizes the pools from what the models leave of the device
-        target = load_llama(model_dir, self.dtype, self.device) if name == TARGET_WORKER else None
+        wc = cfg.worker(name)
+        self.group: TargetGroup | None = None  # a tensor-parallel target's other ranks
+        self.ranks: list[str] = []  # its devices, as configured
+        target = None
+        if name == TARGET_WORKER and wc.tensor_parallel > 1:
+            self.ranks = list(wc.group_devices)
+            devices = [canonical_device(d) for d in (group_devices or self.ranks)]
+            self.group = start_group(cfg, model_dir, self.dtype, [self.device, *devices[1:]])
+            target = self.group.model
+        elif name == TARGET_WORKER:
+            target = load_llama(model_dir, self.dtype, self.device)
+        try:
+            self._host(cfg, model_dir, tokenizer, target, baseline)
+        except BaseException:
+            self.close()
+            raise
+        self.threads = self._threads_now = 0  # set by ready(): the worker's own torch thread count
+
+    def close(self) -> None:
+        """Stop what this worker started outside its process's memory: a tensor-parallel target's other ranks."""
+        if self.group is not None:
+            self.group.close()
+
+    def _host(self, cfg: SpindConfig, model_dir, tokenizer: Tokenizer, target: LlamaModel | None, baseline) -> None:
+        """The drafters' models, every KV pool, the target's verifier and the drafters."""
+        name, r = self.name, cfg.runtime
         hosted = [d for d in cfg.drafters if d.worker == name]
         drafter_models = {d.name: shared_self_draft(d, target) or
                           load_drafter_model(d, cfg, model_dir, tokenizer, self.device, self.dtype) for d in hosted}
@@ -90,11 +119,15 @@ class Worker:
         self.target: TargetVerifier | None = None
         if target is not None:
             ks = sorted({cfg.speculation.k, *cfg.selection.k_set})
-            self.target = TargetVerifier(ModelRunner(target, num_blocks, r.kv_block_size, r.attention,
-                                                     cfg.model.max_model_len, r.max_batch_size,
-                                                     cuda_graphs=r.cuda_graphs,
-                                                     graph_query_lens=tuple(sorted({1, *(k + 1 for k in ks)})),
-                                                     kv_cache_dtype=r.kv_cache_dtype),
+            if self.group is not None:
+                runner = LeaderRunner(self.group, target, num_blocks, r.kv_block_size, r.attention,
+                                      cfg.model.max_model_len, r.max_batch_size, kv_cache_dtype=r.kv_cache_dtype)
+            else:
+                runner = ModelRunner(target, num_blocks, r.kv_block_size, r.attention, cfg.model.max_model_len,
+                                     r.max_batch_size, cuda_graphs=r.cuda_graphs,
+                                     graph_query_lens=tuple(sorted({1, *(k + 1 for k in ks)})),
+                                     kv_cache_dtype=r.kv_cache_dtype)
+            self.target = TargetVerifier(runner,
                                          Grammars(model_dir / "tokenizer.json", target.args.vocab_size,
                                                   sorted(tokenizer.eos_token_ids)))
         eagles = [d for d in hosted if d.kind == "eagle"]
@@ -111,9 +144,7 @@ class Worker:
         self.mirrors: dict[str, Mirror] = {}
         self.precompute_queue: deque[tuple[str, str]] = deque()  # (req_id, drafter)
         self.busy: list[P.BusyInterval] = []  # since the last reply
-        self.probs_out, self.probs_in = probs_out, probs_in
         self.max_model_len = self.target.max_model_len if self.target else cfg.model.max_model_len
-        self.threads = self._threads_now = 0  # set by ready(): the worker's own torch thread count
 
     def _runners(self) -> dict[str, ModelRunner]:
         runners = {TARGET_WORKER: self.target.runner} if self.target else {}

@@ -1,0 +1,204 @@
+"""Tensor parallelism: one LLaMA-family model split over the ranks of a process group (Megatron-LM's layout, as
+vLLM and SGLang serve it).
+
+- Attention: each rank holds whole KV-head groups (column-parallel q/k/v: its q heads and the KV heads they read)
+  and the matching input columns of o_proj (row-parallel); its paged KV cache holds only its KV heads.
+- MLP: gate/up column-parallel, down row-parallel, over a slice of the intermediate size.
+- One all-reduce after each row-parallel linear (o_proj, down_proj) sums the ranks' partial outputs.
+- Embeddings and lm_head split by vocabulary: a rank embeds the tokens in its slice (zeros elsewhere, then an
+  all-reduce, exact: every sum has one non-zero term) and computes its slice of the logits, which an all-gather
+  joins, so every rank ends a forward with the same hidden states and the same full logits.
+- Norms, RoPE tables and everything else are replicated.
+
+Heads split on KV-group boundaries, as evenly as they go: the default model's 3 KV heads over 2 ranks are 2 + 1
+(6 + 3 q heads). Fewer KV heads than ranks replicate each KV head over world / num_kv_heads ranks, each taking its
+share of the group's q heads (vLLM's rule). The loader reads each rank's slices only (`Shard.slice_of`), from
+safetensors and from the GGUF's own blocks alike.
+
+Every op here is row-wise and every collective is elementwise in a fixed rank order, so a row's logits do not depend
+on the other rows of the forward: speculative verification stays exact. Against one rank the partial sums of the
+row-parallel layers are added in another order: logits agree to fp32 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from spind.models.layers import LlamaArgs
+
+GGUF_BLOCK = 32  # inputs per GGUF block: a row-parallel GGUF weight splits its columns on block boundaries
+
+
+class TensorParallelError(RuntimeError):
+    """A rank of the group is gone or its collective failed: the group as a whole cannot go on (the worker exits to
+    be restarted with a fresh group; see spind/worker/device.py's is_fatal_device_error)."""
+
+
+def split_range(n: int, world: int, rank: int, unit: int = 1) -> tuple[int, int]:
+    """[lo, hi) of rank's share of n items, in whole units of `unit`, as even as they go (the first ranks take one
+    more). ValueError when a rank would get nothing."""
+    units, rest = divmod(n, unit)
+    if rest or units < world:
+        raise ValueError(f"{n} cannot be split over {world} ranks in units of {unit}")
+    base, extra = divmod(units, world)
+    lo = rank * base + min(rank, extra)
+    return lo * unit, (lo + base + (rank < extra)) * unit
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What one rank of `world` holds of a model: q heads, KV heads, intermediate columns and vocabulary rows, each a
+    [lo, hi) range of the full model's."""
+
+    rank: int
+    world: int
+    head_dim: int
+    heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    inter: tuple[int, int]
+    vocab: tuple[int, int]
+
+    @classmethod
+    def plan(cls, args: LlamaArgs, rank: int, world: int) -> "Shard":
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} of a group of {world}")
+        h, kv = args.num_heads, args.num_kv_heads
+        group = h // kv  # q heads per KV head
+        if kv >= world:
+            lo, hi = split_range(kv, world, rank)
+            kv_heads, heads = (lo, hi), (lo * group, hi * group)
+        elif world % kv == 0 and group % (world // kv) == 0:
+            share = world // kv  # ranks per KV head, each with group / share of its q heads
+            kv_head, part = divmod(rank, share)
+            per = group // share
+            kv_heads, heads = (kv_head, kv_head + 1), (kv_head * group + part * per, kv_head * group + (part + 1) * per)
+        else:
+            raise ValueError(f"{h} attention heads over {kv} KV heads cannot be split over {world} ranks (needs "
+                             f"num_key_value_heads >= ranks, or ranks a multiple of it that divides each KV group)")
+        unit = GGUF_BLOCK if args.intermediate_size % GGUF_BLOCK == 0 else 1
+        try:
+            inter = split_range(args.intermediate_size, world, rank, unit)
+        except ValueError:
+            inter = split_range(args.intermediate_size, world, rank)
+        return cls(rank, world, args.head_dim, heads, kv_heads, inter, split_range(args.vocab_size, world, rank))
+
+    def local_args(self, args: LlamaArgs) -> LlamaArgs:
+        """The shapes of this rank's modules: its heads, KV heads, intermediate size and vocabulary slice."""
+        return dataclasses.replace(args, num_heads=self.heads[1] - self.heads[0],
+                                   num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
+                                   intermediate_size=self.inter[1] - self.inter[0],
+                                   vocab_size=self.vocab[1] - self.vocab[0])
+
+    def slice_of(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, stop) of checkpoint tensor `name` (HF naming) that this rank holds; None: all of it."""
+        d = self.head_dim
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            return 0, self.heads[0] * d, self.heads[1] * d
+        if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
+                          "self_attn.v_proj.bias")):
+            return 0, self.kv_heads[0] * d, self.kv_heads[1] * d
+        if name.endswith("self_attn.o_proj.weight"):
+            return 1, self.heads[0] * d, self.heads[1] * d
+        if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+            return 0, *self.inter
+        if name.endswith("mlp.down_proj.weight"):
+            return 1, *self.inter
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return 0, *self.vocab
+        if name.endswith(("o_proj.bias", "down_proj.bias")):
+            raise ValueError(f"{name}: a row-parallel layer with a bias is not served split (each rank would add it)")
+        return None
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world}: q heads {self.heads[0]}-{self.heads[1] - 1}, KV heads "
+                f"{self.kv_heads[0]}-{self.kv_heads[1] - 1}, intermediate {self.inter[0]}-{self.inter[1] - 1}, "
+                f"vocab {self.vocab[0]}-{self.vocab[1] - 1}")
+
+
+class Collectives:
+    """The collectives of one group (a torch.distributed ProcessGroup made for it, never the global default one: a
+    process may hold several groups over its life, e.g. tests, or a target restarted in-process)."""
+
+    def __init__(self, pg, rank: int, world: int, vocab_sizes: list[int]) -> None:
+        self.pg, self.rank, self.world = pg, rank, world
+        self.vocab_sizes = vocab_sizes  # each rank's vocabulary slice, in rank order
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait()
+        except RuntimeError as e:  # gloo: a peer closed its connection; NCCL: a failed communicator
+            raise TensorParallelError(f"tensor-parallel {what} failed on rank {self.rank} of {self.world}: "
+                                      f"{e}") from e
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        self._wait(self.pg.allreduce([t]), "all-reduce")
+        return t
+
+    def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
+        """[rows, local vocab] on every rank -> [rows, full vocab] on every rank (slices padded to one width)."""
+        width = max(self.vocab_sizes)
+        rows = local.shape[0]
+        if local.shape[1] < width:
+            local = torch.cat([local, local.new_zeros(rows, width - local.shape[1])], 1)
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        self._wait(self.pg.allgather([parts], [local.contiguous()]), "all-gather")
+        return torch.cat([p[:, :n] for p, n in zip(parts, self.vocab_sizes)], 1)
+
+
+class RowParallel(nn.Module):
+    """A linear layer over this rank's slice of the input features; the ranks' partial outputs are summed."""
+
+    def __init__(self, inner: nn.Module, comm: Collectives) -> None:
+        super().__init__()
+        self.inner, self.comm = inner, comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(self.inner(x))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [lo, hi) of the embedding: tokens outside embed to zeros, then the ranks' rows are summed (exact)."""
+
+    def __init__(self, inner: nn.Embedding, lo: int, hi: int, comm: Collectives) -> None:
+        super().__init__()
+        self.inner, self.lo, self.hi, self.comm = inner, lo, hi, comm
+
+    @property
+    def weight(self) -> torch.Tensor:  # the model's dtype and device are read off it
+        return self.inner.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mine = (tokens >= self.lo) & (tokens < self.hi)
+        h = self.inner((tokens - self.lo).clamp(0, self.hi - self.lo - 1))
+        return self.comm.all_reduce(h * mine.unsqueeze(-1).to(h.dtype))
+
+
+class VocabParallelHead(nn.Module):
+    """lm_head over this rank's vocabulary rows; the ranks' logits are gathered into the full vocabulary."""
+
+    def __init__(self, inner: nn.Module, comm: Collectives) -> None:
+        super().__init__()
+        self.inner, self.comm = inner, comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.gather_vocab(self.inner(x))
+
+
+def parallelize(model: nn.Module, shard: Shard, comm: Collectives, vocab_size: int) -> nn.Module:
+    """Wrap a model loaded with `shard`'s slices (load_llama(shard=...)) for its group, in place: all-reduces after
+    o_proj and down_proj, the vocabulary-parallel embedding and head. The fused all-layer kernel cannot all-reduce
+    mid-layer, so the layers run as modules (the same fused kernels per module, see spind/models/fused.py)."""
+    for layer in model.layers:
+        layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, comm)
+        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, comm)
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, *shard.vocab, comm)
+    model.lm_head = VocabParallelHead(model.lm_head, comm)
+    model.fused_stack = None
+    model.args = dataclasses.replace(model.args, vocab_size=vocab_size)  # what callers see: the whole vocabulary
+    model.shard = shard
+    return model
