@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from spind.config import SpindConfig, load_config
+from spind.config import SpindConfig, load_config, with_tensor_parallel
 from spind.progress import PREFIX as PROGRESS_PREFIX
 from spind.state import SpindState, StateVersionError, decode_state
 
@@ -36,6 +36,7 @@ def load_daemon_config(args: argparse.Namespace) -> SpindConfig:
     cfg = load_config(args.config, {"model": {"target": getattr(args, "model", None),
                                               "dtype": getattr(args, "dtype", None)},
                                     "runtime": {"threads": getattr(args, "threads", None)}, "server": server})
+    cfg = with_tensor_parallel(cfg, getattr(args, "tensor_parallel", None))
     from spind.coordinator.transport.process_pool import default_run_dir
 
     run_dir = Path(cfg.server.run_dir).expanduser() if cfg.server.run_dir else default_run_dir()
@@ -66,7 +67,7 @@ def _start_detached(args: argparse.Namespace, cfg: SpindConfig) -> int:
             "--run-dir", cfg.server.run_dir, "--host", cfg.server.host, "--port", str(cfg.server.port),
             "--zmq-port", str(cfg.server.zmq_port)]
     for flag, value in (("--config", args.config), ("--model", args.model), ("--dtype", args.dtype),
-                        ("--threads", args.threads)):
+                        ("--threads", args.threads), ("--tensor-parallel", args.tensor_parallel)):
         if value is not None:
             argv += [flag, str(value)]
     log_path = run_dir / LOG_FILE

@@ -67,6 +67,8 @@ class Shard:
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} of a group of {world}")
         h, kv = args.num_heads, args.num_kv_heads
+        if h % kv:
+            raise ValueError(f"{h} attention heads are not whole groups over {kv} KV heads")
         group = h // kv  # q heads per KV head
         if kv >= world:
             lo, hi = split_range(kv, world, rank)

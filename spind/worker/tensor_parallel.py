@@ -187,19 +187,34 @@ class TargetGroup:
         self.ctx.term()
 
 
+def cpu_threads(threads: int, world: int) -> int:
+    """Each CPU rank's torch threads when the group is given `threads` cores."""
+    return max(1, threads // world)
+
+
 def start_group(cfg: SpindConfig, model_dir, dtype: str, devices: list[str]) -> TargetGroup:
     """The target's group over `devices` (each rank's, as this process names them): the other ranks started, each
-    seeing only its own GPU, and rank 0's shard loaded and joined. Every rank takes this process's torch threads."""
+    seeing only its own GPU, and rank 0's shard loaded and joined. CPU ranks share this process's torch threads
+    (`cpu_threads`), so that the group never oversubscribes the cores it was given."""
     import torch
 
     from spind.coordinator.transport.process_pool import worker_env
+    from spind.models.layers import LlamaArgs
+    from spind.models.tensor_parallel import Shard
 
+    args = LlamaArgs.from_hf(json.loads((model_dir / "config.json").read_text()))
+    for rank in range(len(devices)):  # a model that does not split is refused before any rank starts
+        Shard.plan(args, rank, len(devices))
     envs, names = [], [devices[0]]
     for device in devices[1:]:
         env, name = worker_env(device)
         envs.append(env)
         names.append(name)
-    group = TargetGroup(cfg, model_dir, dtype, names, torch.get_num_threads(), envs, backend=backend_for(devices))
+    threads = torch.get_num_threads()
+    if not is_cuda(devices[0]):
+        threads = cpu_threads(threads, len(devices))
+        torch.set_num_threads(threads)
+    group = TargetGroup(cfg, model_dir, dtype, names, threads, envs, backend=backend_for(devices))
     print(f"spind: target split over {group.world} ranks ({group.backend}): " +
           "; ".join(f"{d} {s}" for d, s in zip(devices, group.shards)), file=sys.stderr, flush=True)
     return group
@@ -326,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         sock.close()
         ctx.term()
-    return 0
+    logging.shutdown()
+    os._exit(0)  # not through interpreter teardown: gloo's threads abort the process when destroyed there
 
 
 if __name__ == "__main__":

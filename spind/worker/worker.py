@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from spind import protocol as P
-from spind.config import TARGET_WORKER, DrafterConfig, SpindConfig, canonical_device, resolve_dtype
+from spind.config import TARGET_WORKER, DrafterConfig, SpindConfig, canonical_device, is_cuda, resolve_dtype
 from spind.drafters import Drafter, DraftInput, load_drafter_model, make_drafter, resolve_head_dir
 from spind.drafters.eagle import make_eagle_drafters
 from spind.drafters.base import cut_at
@@ -38,7 +38,7 @@ from spind.worker.memory import memory_baseline, num_kv_blocks
 from spind.worker.probs import ProbsReceiver, ProbsSender
 from spind.worker.profile import probe_prompt, time_draft_tokens, time_verify
 from spind.worker.target import RequestFailed, TargetVerifier, VerifyItem
-from spind.worker.tensor_parallel import LeaderRunner, TargetGroup, start_group
+from spind.worker.tensor_parallel import LeaderRunner, TargetGroup, cpu_threads, start_group
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +205,8 @@ class Worker:
         """Run this op with `threads` torch threads (0: the worker's own count). The coordinator asks for all
         cores when nothing drafts meanwhile, so plain decoding is never held to a share of the machine."""
         want = threads or self.threads
+        if self.group is not None and not is_cuda(self.device):  # every rank runs at once: a share each
+            want = cpu_threads(want, self.group.world)
         if want != self._threads_now:
             import torch
 

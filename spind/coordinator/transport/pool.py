@@ -225,6 +225,9 @@ class InProcessPool:
             local.task.cancel()
             await asyncio.gather(local.task, return_exceptions=True)
         local.executor.shutdown(wait=not local.is_hung)  # a hung op's thread cannot be stopped: leave it behind
+        close = getattr(local.worker, "close", None)  # a tensor-parallel target's other ranks are processes
+        if close is not None and not local.is_hung:
+            close()
         while not local.ops.empty():
             _, fut = local.ops.get_nowait()
             if not fut.done():
