@@ -179,6 +179,7 @@ class Ready(_Msg, tag="ready", kw_only=True):
     device_name: str = ""  # the GPU's or the CPU's model name: cost profiles are kept per device
     kv_num_blocks: Count = 0  # blocks free to requests in each of its KV pools (0: it hosts none)
     vocab_size: Count = 0  # rows of the target's logits (0: it hosts no target): the token ids it can take
+    ranks: list[str] = []  # a tensor-parallel target: each rank's device, as configured ([]: one process)
 
 
 class Ack(_Msg, tag="ack"):

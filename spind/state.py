@@ -42,7 +42,7 @@ class WorkerState(_State):
     is_target: bool
     model: str  # the target model, or the drafters it hosts
     drafters: list[str]
-    device: str
+    device: str  # a tensor-parallel target: every rank's, "cpu + cpu (tensor parallel)"
     dtype: str
     threads: int
     pid: int | None
@@ -53,6 +53,7 @@ class WorkerState(_State):
     busy: list[BusySpan] = []  # the last `window_s` seconds, oldest first
     busy_s: dict[str, float] = {}  # kind -> seconds busy since start
     utilisation: float = 0.0  # busy share of the last `window_s` seconds
+    ranks: list[str] = []  # a tensor-parallel target: each rank's device, rank 0's first ([]: one process)
 
 
 class RequestSummary(_State):

@@ -1,7 +1,9 @@
 """End to end through the real daemon: `spind start` as a subprocess with its real worker processes and the
 default model; HTTP through aiohttp and the unmodified `openai` client, and the ZeroMQ client API.
 
-The daemon is started once for the module. Tests run in file order; the last one drains it with SIGTERM.
+The daemon is started once for each target layout: one process, then split over 2 ranks (`--tensor-parallel 2`,
+gloo), whose outputs must equal the same one-process references. Tests run in file order; the last one drains it
+with SIGTERM.
 Greedy references come from the offline `LocalEngine` in this process (plain target decoding, one at a time).
 """
 
@@ -69,10 +71,20 @@ name = "draft"
 """
 
 
-@pytest.fixture(scope="module")
-def daemon() -> Daemon:
-    with start_daemon(CONFIG) as d:
+@pytest.fixture(scope="module", params=[1, 2], ids=["target", "target-tp2"])
+def daemon(request: pytest.FixtureRequest) -> Daemon:
+    with start_daemon(CONFIG, "--tensor-parallel", str(request.param)) as d:
         yield d
+
+
+def target_ranks(daemon: Daemon) -> list[str]:
+    (target,) = [w for w in daemon.state()["workers"] if w["name"] == "target"]
+    return target["ranks"]
+
+
+def child_pids(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
 
 
 @dataclass(frozen=True)
@@ -493,6 +505,44 @@ def test_worker_sigkill_mid_generation_changes_nothing(daemon: Daemon, refs: dic
     assert all(w["alive"] and w["restarts"] >= 1 and w["pid"] != before[w["name"]] for w in after), after
 
 
+def test_a_killed_tensor_parallel_rank_restarts_the_group_and_changes_nothing(daemon: Daemon,
+                                                                              refs: dict[str, Reference]):
+    if not target_ranks(daemon):
+        pytest.skip("the target is one process in this layout")
+    assert target_ranks(daemon) == ["cpu", "cpu"]
+    target_pid = daemon.worker_pids()["target"]
+    (rank1,) = child_pids(target_pid)
+    restarts = next(w["restarts"] for w in daemon.state()["workers"] if w["name"] == "target")
+
+    async def check():
+        async with aiohttp.ClientSession(daemon.url) as s:
+            async def one(i: int, started: asyncio.Event) -> str:
+                body = {"prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+                        "spind": {"drafter": "none" if i % 2 else "ngram"}}
+                async with s.post("/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    text = []
+                    async for raw in resp.content:
+                        if raw.startswith(b"data: {"):
+                            chunk = json.loads(raw[len("data: "):])
+                            text.append(chunk["choices"][0]["text"])
+                            if text[-1]:
+                                started.set()
+                    return "".join(text)
+
+            flags = [asyncio.Event() for _ in PROMPTS]
+            tasks = [asyncio.create_task(one(i, f)) for i, f in enumerate(flags)]
+            await asyncio.wait_for(flags[1].wait(), 120)
+            os.kill(rank1, signal.SIGKILL)  # rank 1 only: rank 0, the worker the coordinator talks to, lives on
+            return await asyncio.wait_for(asyncio.gather(*tasks), 600)
+    texts = run(check())
+    assert texts == [refs[p].text for p in PROMPTS]
+    (target,) = [w for w in daemon.state()["workers"] if w["name"] == "target"]
+    assert target["alive"] and target["restarts"] == restarts + 1 and target["pid"] != target_pid
+    (new_rank1,) = child_pids(target["pid"])
+    assert new_rank1 != rank1 and not os.path.exists(f"/proc/{target_pid}")
+
+
 def test_fuzzed_http_bodies_get_errors_and_the_daemon_keeps_serving(daemon: Daemon, refs: dict[str, Reference]):
     cases = malformed_http_bodies(random.Random(0))
     assert len(cases) >= 200
@@ -656,6 +706,8 @@ def test_status_cli_reports_the_running_daemon(daemon: Daemon):
     assert out.returncode == 0, out.stderr
     assert f"pid {daemon.proc.pid}" in out.stdout and "worker target: alive" in out.stdout
     assert "selection: fixed:int8" in out.stdout
+    if target_ranks(daemon):
+        assert "cpu + cpu (tensor parallel)" in out.stdout
 
 
 def _detach(*args: str) -> subprocess.CompletedProcess:

@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probs-endpoint", required=True, help="ipc:// endpoint of the target's draft-probs channel")
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--device", default=None, help="the device as this process sees it (default: the config's)")
+    ap.add_argument("--group-devices", default=None,
+                    help="a tensor-parallel target's devices, comma-separated, as this process sees them")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker[{args.name}] %(levelname)s %(message)s")
     import torch  # after argparse: a bad invocation fails fast
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     sock.connect(args.endpoint)
     if args.name == TARGET_WORKER:
         channel = ZmqProbsReceiver(ctx, args.probs_endpoint)
-        worker = Worker(args.name, cfg, probs_in=channel, device=args.device)
+        group = args.group_devices.split(",") if args.group_devices else None
+        worker = Worker(args.name, cfg, probs_in=channel, device=args.device, group_devices=group)
     else:
         channel = ZmqProbsSender(ctx, args.probs_endpoint)
         worker = Worker(args.name, cfg, probs_out=channel, device=args.device)
@@ -99,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.shutdown()
         os._exit(EXIT_DEVICE_ERROR)
     finally:
+        worker.close()
         channel.close()
         sock.close()
         ctx.term()

@@ -158,7 +158,8 @@ class Worker:
                        drafters=sorted(self.drafters), max_model_len=self.max_model_len, num_threads=num_threads,
                        device=self.config_device, dtype=self.dtype, device_name=device_name(self.device),
                        kv_num_blocks=min(free, default=0),
-                       vocab_size=self.target.runner.model.args.vocab_size if self.target is not None else 0)
+                       vocab_size=self.target.runner.model.args.vocab_size if self.target is not None else 0,
+                       ranks=self.ranks)
 
     # ---- dispatch -------------------------------------------------------------------------------
     def answer(self, msg: object) -> object:

@@ -23,7 +23,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from spind import protocol as P
@@ -61,6 +61,7 @@ class WorkerInfo:
     device_name: str = ""
     kv_num_blocks: int = 0  # blocks of each of its KV pools (0: none reported)
     vocab_size: int = 0  # rows of the target's logits (0: not the target, or not reported)
+    ranks: list[str] = field(default_factory=list)  # a tensor-parallel target's devices, rank by rank
     pid: int | None = None
     restarts: int = 0
     hangs: int = 0  # times the watchdog killed it (no heartbeat, no CPU)
@@ -71,12 +72,13 @@ class WorkerInfo:
         self.device, self.dtype, self.device_name = ready.device, ready.dtype, ready.device_name
         self.kv_num_blocks = ready.kv_num_blocks
         self.vocab_size = ready.vocab_size
+        self.ranks = list(ready.ranks)
 
     def describe(self, is_alive: bool) -> dict:
         return {"name": self.name, "device": self.device, "dtype": self.dtype, "device_name": self.device_name,
                 "pid": self.pid, "alive": is_alive, "restarts": self.restarts, "hangs": self.hangs,
                 "threads": self.threads, "is_target": self.is_target, "drafters": self.drafters,
-                "kv_num_blocks": self.kv_num_blocks}
+                "kv_num_blocks": self.kv_num_blocks, "ranks": self.ranks}
 
 
 BusyHook = Callable[[str, P.BusyInterval], None]

@@ -112,10 +112,11 @@ class WorkerProcess:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
         self._ready_fut = asyncio.get_running_loop().create_future()
-        env, device = worker_env(self.cfg.worker(self.name).device)
+        env, device, group = group_env(self.cfg.worker(self.name).group_devices)
         self.proc = subprocess.Popen(
             [*self.command, "--name", self.name, "--config", "-", "--endpoint", endpoint,
-             "--probs-endpoint", self.probs_endpoint, "--threads", str(self.info.threads), "--device", device],
+             "--probs-endpoint", self.probs_endpoint, "--threads", str(self.info.threads), "--device", device,
+             *(["--group-devices", ",".join(group)] if len(group) > 1 else [])],
             stdin=subprocess.PIPE, env=env)
         self.proc.stdin.write(json.dumps(asdict(self.cfg)).encode())
         self.proc.stdin.close()
@@ -275,6 +276,19 @@ def worker_env(device: str, environ: dict[str, str] | None = None) -> tuple[dict
     else:
         env["CUDA_VISIBLE_DEVICES"] = str(index)
     return env, "cuda:0"
+
+
+def group_env(devices: tuple[str, ...] | list[str], environ: dict[str, str] | None = None
+              ) -> tuple[dict[str, str], str, list[str]]:
+    """`worker_env` for a worker whose ranks are on `devices` (one for a worker that is not split): every GPU of the
+    group visible to rank 0, which starts the other ranks each with its own (spind/worker/tensor_parallel.py).
+    Returns the environment, rank 0's device and every rank's, as the worker process names them."""
+    env, device = worker_env(devices[0], environ)
+    if len(devices) == 1 or not is_cuda(devices[0]):
+        return env, device, [device] * len(devices)
+    ids = [worker_env(d, environ)[0]["CUDA_VISIBLE_DEVICES"] for d in devices]
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+    return env, "cuda:0", [f"cuda:{i}" for i in range(len(devices))]
 
 
 class ProcessPool:
