@@ -81,6 +81,55 @@ def test_cpu_ranks_share_the_threads_and_gpus_of_their_own_use_nccl():
     assert backend_for(["cuda:0", "cuda:0"]) == "gloo"
 
 
+# ---- shared-memory collectives (two ranks as threads of this process: they share only the mapped file) -----------
+def shm_ranks(tmp_path: Path, slot_bytes: int, vocab: list[int], timeout_s: float = 30.0, alive=lambda: None):
+    from spind.models.tensor_parallel import ShmArea, ShmCollectives
+
+    path = str(tmp_path / "shm")
+    areas = [ShmArea(path, 2, slot_bytes, create=True), ShmArea(path, 2, slot_bytes, create=False)]
+    return [ShmCollectives(None, r, 2, vocab, areas[r], alive, timeout_s) for r in range(2)]
+
+
+def run_ranks(fns) -> list:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(fns)) as ex:
+        return [f.result(timeout=60) for f in [ex.submit(fn) for fn in fns]]
+
+
+def test_shm_all_reduce_gives_every_rank_the_same_rank_ordered_sum_in_pieces(tmp_path: Path):
+    ranks = shm_ranks(tmp_path, 4096, [3, 2])  # 1024 fp32 a slot: the 5 x 576 tensors go in 3 pieces
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(5, 576, generator=g) * 10 ** r for r in range(2)]
+    want = xs[0].clone().add_(xs[1])
+    for _ in range(3):  # both buffers, reused
+        out = run_ranks([lambda r=r, c=c: c.all_reduce(xs[r].clone()) for r, c in enumerate(ranks)])
+        assert torch.equal(out[0], want) and torch.equal(out[1], want)
+
+
+def test_shm_gather_joins_uneven_vocabulary_slices(tmp_path: Path):
+    ranks = shm_ranks(tmp_path, 4096, [3, 2])
+    parts = [torch.arange(12.).view(4, 3), -torch.arange(8.).view(4, 2)]
+    out = run_ranks([lambda r=r, c=c: c.gather_vocab(parts[r]) for r, c in enumerate(ranks)])
+    assert torch.equal(out[0], torch.cat(parts, 1)) and torch.equal(out[1], out[0])
+    big = [torch.randn(700, 3), torch.randn(700, 2)]  # more rows than a slot holds: in pieces of rows
+    out = run_ranks([lambda r=r, c=c: c.gather_vocab(big[r]) for r, c in enumerate(ranks)])
+    assert torch.equal(out[0], torch.cat(big, 1))
+
+
+def test_a_shm_collective_gives_up_on_a_gone_or_silent_peer(tmp_path: Path):
+    def gone():
+        raise TensorParallelError("rank 1 exited")
+
+    (rank0, _) = shm_ranks(tmp_path, 4096, [1, 1], alive=gone)
+    with pytest.raises(TensorParallelError, match="rank 1 exited"):
+        rank0.all_reduce(torch.ones(4))
+    (tmp_path / "b").mkdir()
+    (rank0, _) = shm_ranks(tmp_path / "b", 4096, [1, 1], timeout_s=0.2)
+    with pytest.raises(TensorParallelError, match="no peer reached collective 1 within 0 s"):
+        rank0.all_reduce(torch.ones(4))
+
+
 # ---- config --------------------------------------------------------------------------------------------------------
 def test_tensor_parallel_config_and_its_cli_override():
     cfg = with_tensor_parallel(load_config(), 2)

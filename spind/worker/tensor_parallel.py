@@ -40,6 +40,8 @@ from spind.models.runner import ForwardItem, ModelRunner
 log = logging.getLogger(__name__)
 
 POLL_MS = 500  # a follower's idle poll; between polls it checks that rank 0 is alive
+SHM_SLOT_BYTES = 4 << 20  # one rank's part of one shared-memory collective (larger tensors go in pieces)
+COLLECTIVE_TIMEOUT_S = 120.0  # a CPU rank waiting this long in a collective for a peer gives the group up
 FOLLOWER_COMMAND = (sys.executable, "-m", "spind.worker.tensor_parallel")
 
 
@@ -62,19 +64,23 @@ def make_process_group(store, rank: int, world: int, backend: str, timeout_s: fl
     return dist.ProcessGroupGloo(store, rank, world, timeout)
 
 
-def load_rank(model_dir, dtype: str, device: str, rank: int, world: int, pg, backend: str):
+def load_rank(model_dir, dtype: str, device: str, rank: int, world: int, pg, shm: str, alive, timeout_s: float):
     """This rank's shard of the target, wrapped for its group, and every rank's Shard (all ranks call it with the
-    same arguments); `pg()` joins the group once the shard is loaded."""
-    import json as _json
-
+    same arguments); `pg()` joins the group once the shard is loaded. `shm`: the shared-memory file of CPU ranks'
+    collectives ("": the process group's), mapped before joining; `alive()` raises where a peer is gone."""
     from spind.models.layers import LlamaArgs
     from spind.models.llama import load_llama
-    from spind.models.tensor_parallel import Collectives, Shard, parallelize
+    from spind.models.tensor_parallel import Collectives, Shard, ShmArea, ShmCollectives, parallelize
 
-    args = LlamaArgs.from_hf(_json.loads((model_dir / "config.json").read_text()))
+    args = LlamaArgs.from_hf(json.loads((model_dir / "config.json").read_text()))
     shards = [Shard.plan(args, r, world) for r in range(world)]
     model = load_llama(model_dir, dtype, device, shard=shards[rank])
-    comm = Collectives(pg(), rank, world, [s.vocab[1] - s.vocab[0] for s in shards])
+    vocab = [s.vocab[1] - s.vocab[0] for s in shards]
+    if shm:
+        area = ShmArea(shm, world, SHM_SLOT_BYTES, create=False)
+        comm = ShmCollectives(pg(), rank, world, vocab, area, alive, timeout_s)
+    else:
+        comm = Collectives(pg(), rank, world, vocab)
     return parallelize(model, shards[rank], comm, args.vocab_size), shards
 
 
@@ -100,6 +106,12 @@ class TargetGroup:
         self._queued: list[list] = []
         self.closed = False
         cfg_json = json.dumps(asdict(cfg)).encode()
+        self.shm = None
+        if all(not is_cuda(d) for d in devices):  # CPU ranks: collectives through shared memory
+            from spind.models.tensor_parallel import ShmArea
+
+            path = f"/dev/shm/spind-tp-{os.getpid()}-{id(self):x}"
+            self.shm = ShmArea(path, self.world, SHM_SLOT_BYTES, create=True)
         for rank in range(1, self.world):
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
@@ -109,16 +121,22 @@ class TargetGroup:
             proc = subprocess.Popen(
                 [*command, "--rank", str(rank), "--world", str(self.world), "--store-port", str(self.store.port),
                  "--ops", f"tcp://127.0.0.1:{port}", "--device", devices[rank], "--dtype", dtype,
-                 "--threads", str(threads), "--backend", self.backend, "--timeout", str(timeout_s)],
+                 "--threads", str(threads), "--backend", self.backend, "--timeout", str(timeout_s),
+                 "--shm", self.shm.path if self.shm else ""],
                 stdin=subprocess.PIPE, env=env)
             proc.stdin.write(cfg_json)
             proc.stdin.close()
             self.procs.append(proc)
         try:
-            self.model, shards = load_rank(model_dir, dtype, devices[0], 0, self.world, self._join, self.backend)
+            self.model, shards = load_rank(model_dir, dtype, devices[0], 0, self.world, self._join,
+                                           self.shm.path if self.shm else "", self.check,
+                                           min(timeout_s, COLLECTIVE_TIMEOUT_S))
         except BaseException:
             self.close()
             raise
+        finally:
+            if self.shm is not None:
+                self.shm.unlink()  # every rank has it mapped (they map it before joining)
         self.shards = [s.describe() for s in shards]
 
     def _join(self):
@@ -311,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--backend", required=True, choices=("gloo", "nccl"))
     ap.add_argument("--timeout", type=float, required=True)
+    ap.add_argument("--shm", default="", help="the shared-memory file of CPU ranks' collectives")
     args = ap.parse_args(argv)
     parent = os.getppid()
     _die_with_parent()
@@ -328,9 +347,14 @@ def main(argv: list[str] | None = None) -> int:
     store = dist.TCPStore("127.0.0.1", args.store_port, args.world, is_master=False,
                           timeout=datetime.timedelta(seconds=args.timeout))
     model_dir = resolve_model_dir(cfg.model.target, cfg.cache_path)
+    def alive() -> None:
+        if os.getppid() != parent:
+            from spind.models.tensor_parallel import TensorParallelError
+            raise TensorParallelError(f"tensor-parallel rank {args.rank}: rank 0 (pid {parent}) is gone")
+
     model, _ = load_rank(model_dir, args.dtype, args.device, args.rank, args.world,
                          lambda: make_process_group(store, args.rank, args.world, args.backend, args.timeout),
-                         args.backend)
+                         args.shm, alive, min(args.timeout, COLLECTIVE_TIMEOUT_S))
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
