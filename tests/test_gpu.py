@@ -156,3 +156,62 @@ def test_profile_verify_timings_are_synchronised(target: Path) -> None:
             runner.truncate(rid, 600)
     gpu_ms = sorted(samples)[len(samples) // 2]
     assert profiled >= 0.8 * gpu_ms, f"profile says {profiled:.3f} ms, the GPU took {gpu_ms:.3f} ms"
+
+
+@pytest.mark.parametrize("attention", ["packed", "triton-packed"])
+def test_a_target_split_over_two_ranks_gives_one_ranks_logits_on_cuda(target: Path, attention: str) -> None:
+    """Tensor parallelism on CUDA tensors: 2 ranks on one GPU join through gloo (NCCL needs a GPU per rank: with
+    two GPUs, the next test), each holding its heads, MLP columns and vocabulary rows."""
+    from spind.config import from_dict
+    from spind.models.llama import load_llama
+    from spind.models.runner import ForwardItem, ModelRunner
+    from spind.worker.tensor_parallel import LeaderRunner, start_group
+
+    cfg = from_dict({"model": {"target": str(target), "dtype": "float32"}, "runtime": {"attention": attention}})
+    one = ModelRunner(load_llama(target, "float32", "cuda"), 64, 16, attention, 1024, 4)
+    group = start_group(cfg, target, "float32", ["cuda:0", "cuda:0"])
+    try:
+        assert group.backend == "gloo" and group.model.device.type == "cuda"
+        split = LeaderRunner(group, group.model, 64, 16, attention, 1024, 4)
+        gen = torch.Generator().manual_seed(4)
+        rounds = [[("a", torch.randint(3, VOCAB, (61,), generator=gen).tolist(), 3), ("b", [5, 6, 7], 1)],
+                  [("a", [8, 9, 10, 11, 12], 5), ("b", [13], 1)]]
+        for items in rounds:
+            for r in (one, split):
+                for req_id, _, _ in items:
+                    if not r.has_request(req_id):
+                        r.add_request(req_id)
+            want = one.forward([ForwardItem(*it) for it in items])
+            got = split.forward([ForwardItem(*it) for it in items])
+            for w, g in zip(want, got, strict=True):
+                torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
+    finally:
+        group.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank")
+def test_a_target_split_over_two_gpus_with_nccl_generates_plain_decoding(target: Path) -> None:
+    from spind.config import from_dict
+    from spind.coordinator.transport.local import GenRequest, LocalEngine
+    from spind.params import SamplingParams
+
+    def config(ranks: int):
+        return from_dict({
+            "model": {"target": str(target), "dtype": "float32", "max_model_len": 1024},
+            "runtime": {"attention": "triton-packed", "kv_num_blocks": 256, "max_batch_size": 4, "profile": "off"},
+            "drafters": [{"name": "ngram", "kind": "ngram", "worker": "target"}],
+            "workers": [{"name": "target", "tensor_parallel": ranks,
+                         "devices": [f"cuda:{i}" for i in range(ranks)]}]})
+
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (5, 40, 130)]
+    outs = []
+    for ranks in (1, 2):
+        engine = LocalEngine.load(config(ranks))
+        try:
+            outs.append([r.token_ids for r in engine.generate(
+                [GenRequest(f"n{i}", p, SamplingParams(max_tokens=32, ignore_eos=True), "ngram", 4)
+                 for i, p in enumerate(prompts)])])
+        finally:
+            engine.close()
+    assert outs[0] == outs[1]
