@@ -347,11 +347,6 @@ def _validate_group(cfg: SpindConfig, w: WorkerConfig) -> None:
         if cuda and len(set(cuda)) != len(cuda):
             raise ConfigError(f"[[workers]] {w.name}: devices {list(devices)}: each rank needs a GPU of its own "
                               f"(NCCL cannot join two ranks on one GPU); list one device per rank")
-        eagles = [d.name for d in cfg.drafters if d.kind == "eagle"]
-        if eagles:
-            raise ConfigError(f"[[workers]] {w.name}: eagle drafters ({', '.join(eagles)}) read the target's whole "
-                              f"embedding and hidden states in its process, which a tensor-parallel target splits; "
-                              f"serve them with tensor_parallel = 1")
 
 
 def with_tensor_parallel(cfg: SpindConfig, ranks: int | None) -> SpindConfig:

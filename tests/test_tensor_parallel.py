@@ -81,6 +81,17 @@ def test_cpu_ranks_share_the_threads_and_gpus_of_their_own_use_nccl():
     assert backend_for(["cuda:0", "cuda:0"]) == "gloo"
 
 
+def test_the_placement_line_names_each_ranks_device():
+    from spind.coordinator.placement import describe_placement
+
+    line = describe_placement([
+        {"name": "target", "device": "cuda:0", "is_target": True, "drafters": ["ngram"],
+         "ranks": ["cuda:0", "cuda:1"]},
+        {"name": "ssm1", "device": "cuda:2", "is_target": False, "drafters": ["llama-68m"], "ranks": []}])
+    assert line == ("target on cuda:0 + cuda:1 (tensor parallel): the target, ngram; "
+                    "ssm1 on cuda:2: llama-68m")
+
+
 # ---- shared-memory collectives (two ranks as threads of this process: they share only the mapped file) -----------
 def shm_ranks(tmp_path: Path, slot_bytes: int, vocab: list[int], timeout_s: float = 30.0, alive=lambda: None):
     from spind.models.tensor_parallel import ShmArea, ShmCollectives
@@ -152,12 +163,6 @@ def test_tensor_parallel_config_and_its_cli_override():
 def test_a_group_that_cannot_run_is_refused_at_load(worker: dict, why: str):
     with pytest.raises(ConfigError, match=why):
         from_dict({"model": {"dtype": "auto"}, "runtime": {"attention": "packed"}, "workers": [worker]})
-
-
-def test_eagle_heads_are_refused_beside_a_split_target():
-    with pytest.raises(ConfigError, match="eagle drafters \\(eagle\\).*tensor_parallel = 1"):
-        from_dict({"drafters": [{"name": "eagle", "kind": "eagle", "path": "/x", "worker": "target"}],
-                   "workers": [{"name": "target", "tensor_parallel": 2}]})
 
 
 # ---- real groups on CPU (gloo) -------------------------------------------------------------------------------------
@@ -300,3 +305,20 @@ def test_the_split_default_model_generates_one_ranks_greedy_tokens_with_every_dr
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert drafter is None or sum(r.num_drafted for r in got) > 0
 
+
+
+def test_an_eagle3_head_beside_the_split_default_model_drafts_as_beside_one_rank(cfg, prompt_ids: list[list[int]]):
+    from spind.config import DrafterConfig
+
+    eagle = DrafterConfig(name="eagle", kind="eagle", path="default", worker="target")
+    base = dataclasses.replace(cfg, drafters=(*cfg.drafters, eagle))
+    prompts, params = prompt_ids[:2], [SamplingParams(max_tokens=24)] * 2
+    outs = []
+    for ranks in (1, 2):
+        e = LocalEngine.load(with_tensor_parallel(base, ranks), drafters=["eagle"])
+        try:
+            outs.append(generate(e, prompts, "eagle", 4, params))
+        finally:
+            e.close()
+    assert [r.token_ids for r in outs[1]] == [r.token_ids for r in outs[0]]
+    assert sum(r.num_accepted for r in outs[1]) > 0  # the head read the split target's features and drafted

@@ -40,7 +40,7 @@ from spind.bench.datasets import Prompt, encode_prompt
 from spind.bench.e2e_records import E2ESettings, RefusedSystem, RequestRecord, SystemSpec
 from spind.bench.report import Progress, fmt, format_table
 from spind.bench.serve import percentile
-from spind.config import SpindConfig
+from spind.config import TARGET_WORKER, SpindConfig
 from spind.coordinator.interface import EngineRequest
 from spind.coordinator.selection.protocol import Arm
 from spind.params import SamplingParams
@@ -366,7 +366,9 @@ def run_e2e(cfg: SpindConfig, s: E2ESettings, prompts_text: list[Prompt]) -> dic
         for n in results:
             recs = [r for r in results[n] if r.category == c]
             per_category[c].append({**summarize(n, recs, walls[n]), "drafter_shares": drafter_shares(recs)})
+    target = cfg.worker(TARGET_WORKER)
     return {"settings": asdict(s), "model": cfg.model.target, "rows": rows, "refused": refused,
+            "target_ranks": list(target.group_devices) if target.tensor_parallel > 1 else [],
             "per_category": per_category,
             "requests": {n: [asdict(r) for r in recs] for n, recs in results.items()}}
 
@@ -376,6 +378,8 @@ def render_table(results: dict) -> str:
     loop = f"open loop, {s['rate']} req/s" if s["rate"] else f"closed loop, batch {s['batch_size']}"
     title = (f"spind bench e2e: {s['workload']}, {s['num_requests']} requests, {s['max_tokens']} tokens max, "
              f"{loop}, temperature {s['temperature']}")
+    if results.get("target_ranks"):
+        title += f", target split over {len(results['target_ranks'])} ranks ({', '.join(results['target_ranks'])})"
     header = ["system", "goodput tok/s", "x none", "x none, round median", "tok/s/req p50", "accept", "acc len", "lat p50 s", "lat p99 s",
               "TTFT p50 s", "TTFT p99 s", "lossless", "drafter shares"]
     rows = [[r["system"], fmt(r["goodput"], 1), fmt(r["speedup_vs_none"]), fmt(r.get("speedup_vs_none_round_median")),

@@ -41,6 +41,7 @@ from spind.coordinator.lockstep import Lockstep
 from spind.coordinator.phases import SlotPhases
 from spind.coordinator.pipeline import Pipeline
 from spind.coordinator.profile import load_or_measure
+from spind.coordinator.placement import describe_placement
 from spind.coordinator.recovery import RestartPolicy
 from spind.coordinator.request import RequestState, Sequence, choice_id, choice_params, prompt_repetition
 from spind.coordinator.selection.baselines import build_selector
@@ -115,6 +116,7 @@ class Coordinator:
         say(f"loading {m.target} ({m.dtype}) with {', '.join(d.name for d in self.cfg.drafters) or 'no drafter'} on "
             f"{len(self.pool.names)} worker(s){expected} ...")
         await self.pool.start()
+        say(f"placement: {describe_placement(self.pool.describe())}")
         ph = self.phases
         try:
             self.max_model_len = self.pool.info(TARGET_WORKER).max_model_len or self.max_model_len

@@ -39,7 +39,8 @@ def _workers(ph: SlotPhases, now: float) -> list[WorkerState]:
         ranks = list(w.get("ranks") or [])
         out.append(WorkerState(
             name=name, is_target=w["is_target"], model=", ".join(models), drafters=list(w["drafters"]),
-            device=f"{' + '.join(ranks)} (tensor parallel)" if ranks else w["device"], ranks=ranks, dtype=w["dtype"], threads=w["threads"], pid=w["pid"], alive=w["alive"],
+            device=f"{' + '.join(ranks)} (tensor parallel)" if ranks else w["device"], ranks=ranks,
+            dtype=w["dtype"], threads=w["threads"], pid=w["pid"], alive=w["alive"],
             restarts=w["restarts"], hangs=w.get("hangs", 0), rss_bytes=_rss_bytes(w["pid"]), busy=spans,
             busy_s={k: round(v, 3) for k, v in ph.history.busy_s.get(name, {}).items()},
             utilisation=ph.history.utilisation(spans, now)))

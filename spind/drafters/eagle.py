@@ -79,12 +79,14 @@ def prime_features(store: FeatureStore, runner, req_id: str, tokens: list[int]) 
     store.append(req_id, rows[0])
 
 
-def make_eagle_drafters(configs: list, target, resolve_path) -> dict[str, "EagleDrafter"]:
+def make_eagle_drafters(configs: list, target, resolve_path, embedding=None) -> dict[str, "EagleDrafter"]:
     """The eagle drafters of `configs` beside `target` (a TargetVerifier), which from now on records the
-    features they read; `resolve_path(path)` is a head's directory."""
+    features they read; `resolve_path(path)` is a head's directory. `embedding()`: the target's whole token embedding
+    where the target's own is split over tensor-parallel ranks (whose lookup is a collective of every rank)."""
     from spind.models.eagle import load_eagle_head
 
     model = target.runner.model
+    split = model.shard is not None
     heads = {}
     for dc in configs:
         try:
@@ -101,7 +103,13 @@ def make_eagle_drafters(configs: list, target, resolve_path) -> dict[str, "Eagle
             # a quantized CPU target: the head's weights as Q8_0 blocks too (4.4 -> 0.9 ms a draft step for the
             # default model's head at 1 thread), at the target's activation precision where it has one
             head.quantize_linears({"gguf": "fp32", "gguf-q8": "q8"}.get(model.quantized, "q16"))
-        head.bind_target(model.embed_tokens, model.lm_head, target.max_model_len + 1)
+        if split and not head.eagle3:
+            raise ValueError(f"drafter {name!r}: an EAGLE-1 head scores with the target's lm_head, which a "
+                             f"tensor-parallel target splits over its ranks; serve it with tensor_parallel = 1")
+        if split and embedding is None:
+            raise ValueError(f"drafter {name!r}: a tensor-parallel target's head needs its whole embedding")
+        head.bind_target(embedding() if split else model.embed_tokens, None if split else model.lm_head,
+                         target.max_model_len + 1)
         out[name] = EagleDrafter(name, head, store, target.max_model_len, DeviceClock(model.device), target.runner)
     return out
 

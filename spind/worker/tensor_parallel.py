@@ -112,22 +112,10 @@ class TargetGroup:
 
             path = f"/dev/shm/spind-tp-{os.getpid()}-{id(self):x}"
             self.shm = ShmArea(path, self.world, SHM_SLOT_BYTES, create=True)
-        for rank in range(1, self.world):
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            port = sock.bind_to_random_port("tcp://127.0.0.1")
-            self.socks.append(sock)
-            env = None if follower_envs is None else follower_envs[rank - 1]
-            proc = subprocess.Popen(
-                [*command, "--rank", str(rank), "--world", str(self.world), "--store-port", str(self.store.port),
-                 "--ops", f"tcp://127.0.0.1:{port}", "--device", devices[rank], "--dtype", dtype,
-                 "--threads", str(threads), "--backend", self.backend, "--timeout", str(timeout_s),
-                 "--shm", self.shm.path if self.shm else ""],
-                stdin=subprocess.PIPE, env=env)
-            proc.stdin.write(cfg_json)
-            proc.stdin.close()
-            self.procs.append(proc)
         try:
+            for rank in range(1, self.world):
+                self._spawn(rank, cfg_json, devices[rank], dtype, threads, command,
+                            None if follower_envs is None else follower_envs[rank - 1])
             self.model, shards = load_rank(model_dir, dtype, devices[0], 0, self.world, self._join,
                                            self.shm.path if self.shm else "", self.check,
                                            min(timeout_s, COLLECTIVE_TIMEOUT_S))
@@ -138,6 +126,22 @@ class TargetGroup:
             if self.shm is not None:
                 self.shm.unlink()  # every rank has it mapped (they map it before joining)
         self.shards = [s.describe() for s in shards]
+
+    def _spawn(self, rank: int, cfg_json: bytes, device: str, dtype: str, threads: int, command: tuple[str, ...],
+               env: dict[str, str] | None) -> None:
+        """Start rank `rank` (its config on stdin) and the PUSH socket its verbs go through."""
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        self.socks.append(sock)
+        proc = subprocess.Popen(
+            [*command, "--rank", str(rank), "--world", str(self.world), "--store-port", str(self.store.port),
+             "--ops", f"tcp://127.0.0.1:{port}", "--device", device, "--dtype", dtype, "--threads", str(threads),
+             "--backend", self.backend, "--timeout", str(self.timeout_s), "--shm", self.shm.path if self.shm else ""],
+            stdin=subprocess.PIPE, env=env)
+        self.procs.append(proc)
+        proc.stdin.write(cfg_json)
+        proc.stdin.close()
 
     def _join(self):
         """Rank 0's process group, made while the other ranks are watched: one that exits (a bad model, no memory)
@@ -233,8 +237,10 @@ def start_group(cfg: SpindConfig, model_dir, dtype: str, devices: list[str]) -> 
         threads = cpu_threads(threads, len(devices))
         torch.set_num_threads(threads)
     group = TargetGroup(cfg, model_dir, dtype, names, threads, envs, backend=backend_for(devices))
-    print(f"spind: target split over {group.world} ranks ({group.backend}): " +
-          "; ".join(f"{d} {s}" for d, s in zip(devices, group.shards)), file=sys.stderr, flush=True)
+    graphs = (" (its forwards run eagerly: [runtime] cuda_graphs applies to the drafters)" if cfg.runtime.cuda_graphs
+              else "")
+    print(f"spind: target split over {group.world} ranks ({group.backend}{', shared memory' if group.shm else ''})"
+          f"{graphs}: " + "; ".join(f"{d} {s}" for d, s in zip(devices, group.shards)), file=sys.stderr, flush=True)
     return group
 
 

@@ -55,6 +55,17 @@ def shared_self_draft(dc: DrafterConfig, target: LlamaModel | None) -> LlamaMode
     return layer_subset(target, dc.layers)
 
 
+def whole_embedding(model_dir, target: LlamaModel):
+    """The token embedding of a tensor-parallel target, whole, on rank 0 (a feature-level draft head embeds its own
+    tokens; the target's embedding lookup is split over the ranks): read from the checkpoint, in the target's dtype."""
+    import torch
+
+    from spind.models.loader import read_tensors, weight_files
+
+    (_, weight), = read_tensors(weight_files(model_dir), ["model.embed_tokens.weight"], str(target.device))
+    return torch.nn.Embedding.from_pretrained(weight.to(target.dtype), freeze=True)
+
+
 @dataclass
 class Mirror:
     params: SamplingParams
@@ -134,7 +145,8 @@ class Worker:
         if eagles and self.target is None:
             raise ValueError(f"worker {name!r}: eagle drafters ({', '.join(d.name for d in eagles)}) run on the "
                              f"target's worker")
-        heads = make_eagle_drafters(eagles, self.target, resolve_head_dir) if eagles else {}
+        heads = make_eagle_drafters(eagles, self.target, resolve_head_dir,
+                                    lambda: whole_embedding(model_dir, target)) if eagles else {}
         self.drafters: dict[str, Drafter] = {
             d.name: heads[d.name] if d.kind == "eagle" else make_drafter(d, cfg, drafter_models[d.name], num_blocks)
             for d in hosted}
