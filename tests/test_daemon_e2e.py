@@ -17,7 +17,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -471,14 +470,14 @@ def test_16_concurrent_streaming_clients(daemon: Daemon, refs: dict[str, Referen
     daemon.wait_no_requests()
 
 
-def test_worker_sigkill_mid_generation_changes_nothing(daemon: Daemon, refs: dict[str, Reference]):
-    before = daemon.worker_pids()
-
+def stream_and_kill(daemon: Daemon, drafter: str, pids: list[int]) -> list[str]:
+    """PROMPTS streamed at once (odd ones decoding plainly, the others with `drafter`); `pids` SIGKILLed as soon as
+    a plain-decoding request has streamed text. Returns each completion's text, with the stream's [DONE] checked."""
     async def check():
         async with aiohttp.ClientSession(daemon.url) as s:
             async def one(i: int, started: asyncio.Event) -> str:
                 body = {"prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
-                        "spind": {"drafter": "none" if i % 2 else "int8"}}
+                        "spind": {"drafter": "none" if i % 2 else drafter}}
                 async with s.post("/v1/completions", json=body) as resp:
                     assert resp.status == 200
                     events = []
@@ -491,14 +490,20 @@ def test_worker_sigkill_mid_generation_changes_nothing(daemon: Daemon, refs: dic
             flags = [asyncio.Event() for _ in PROMPTS]
             tasks = [asyncio.create_task(one(i, f)) for i, f in enumerate(flags)]
             await asyncio.wait_for(flags[1].wait(), 120)  # a plain-decoding request is under way
-            for pid in before.values():
+            for pid in pids:
                 os.kill(pid, signal.SIGKILL)
             return await asyncio.wait_for(asyncio.gather(*tasks), 600)
-    raw_streams = run(check())
-    for prompt, raw in zip(PROMPTS, raw_streams):
+    texts = []
+    for raw in run(check()):
         events = [line[len("data: "):] for line in raw.splitlines() if line.startswith("data: ")]
-        chunks = [json.loads(e) for e in events[:-1]]
-        assert events[-1] == "[DONE]" and "".join(c["choices"][0]["text"] for c in chunks) == refs[prompt].text
+        assert events[-1] == "[DONE]"
+        texts.append("".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]))
+    return texts
+
+
+def test_worker_sigkill_mid_generation_changes_nothing(daemon: Daemon, refs: dict[str, Reference]):
+    before = daemon.worker_pids()
+    assert stream_and_kill(daemon, "int8", list(before.values())) == [refs[p].text for p in PROMPTS]
     with SpindClient(daemon.zmq_address, timeout_s=300) as c:  # uses (and so restarts) every worker
         assert c.generate(PROMPTS[0], max_tokens=MAX_TOKENS, drafter="int8") == refs[PROMPTS[0]].text
     after = daemon.state()["workers"]
@@ -513,30 +518,8 @@ def test_a_killed_tensor_parallel_rank_restarts_the_group_and_changes_nothing(da
     target_pid = daemon.worker_pids()["target"]
     (rank1,) = child_pids(target_pid)
     restarts = next(w["restarts"] for w in daemon.state()["workers"] if w["name"] == "target")
-
-    async def check():
-        async with aiohttp.ClientSession(daemon.url) as s:
-            async def one(i: int, started: asyncio.Event) -> str:
-                body = {"prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
-                        "spind": {"drafter": "none" if i % 2 else "ngram"}}
-                async with s.post("/v1/completions", json=body) as resp:
-                    assert resp.status == 200
-                    text = []
-                    async for raw in resp.content:
-                        if raw.startswith(b"data: {"):
-                            chunk = json.loads(raw[len("data: "):])
-                            text.append(chunk["choices"][0]["text"])
-                            if text[-1]:
-                                started.set()
-                    return "".join(text)
-
-            flags = [asyncio.Event() for _ in PROMPTS]
-            tasks = [asyncio.create_task(one(i, f)) for i, f in enumerate(flags)]
-            await asyncio.wait_for(flags[1].wait(), 120)
-            os.kill(rank1, signal.SIGKILL)  # rank 1 only: rank 0, the worker the coordinator talks to, lives on
-            return await asyncio.wait_for(asyncio.gather(*tasks), 600)
-    texts = run(check())
-    assert texts == [refs[p].text for p in PROMPTS]
+    # rank 1 only: rank 0, the worker the coordinator talks to, lives on until its next collective finds it gone
+    assert stream_and_kill(daemon, "ngram", [rank1]) == [refs[p].text for p in PROMPTS]
     (target,) = [w for w in daemon.state()["workers"] if w["name"] == "target"]
     assert target["alive"] and target["restarts"] == restarts + 1 and target["pid"] != target_pid
     (new_rank1,) = child_pids(target["pid"])
