@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  spind generate --chat --prompt 'Tell me a story.' --temperature 0.8 --seed 1 --json\n"
                "threads: each worker gets cores / workers torch threads; --threads N (or [runtime].threads)\n"
                "sets it. Progress goes to stderr, so --json output on stdout stays clean.")
-    add_config_args(g)
+    add_config_args(g, tensor_parallel=True)
     g.add_argument("--prompt", required=True, help="the prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")

@@ -11,16 +11,18 @@ import argparse
 from spind.config import DTYPES, KV_CACHE_DTYPES, SpindConfig, load_config, with_tensor_parallel
 
 
-def add_config_args(p: argparse.ArgumentParser, thread_counts: bool = False) -> None:
+def add_config_args(p: argparse.ArgumentParser, thread_counts: bool = False, tensor_parallel: bool = False) -> None:
     """--config, --model, --dtype and --threads; `thread_counts`: --threads is a comma-separated list of counts (a
-    bench pass at each), not a config override."""
+    bench pass at each), not a config override; `tensor_parallel`: --tensor-parallel too, for the commands that
+    serve through the engine (the benches that time the model's runner directly do not take a split target)."""
     p.add_argument("--config", default=None, help="config.toml (default: the embedded one)")
     p.add_argument("--model", default=None, help="override [model].target: 'default', an HF dir or a .gguf")
     p.add_argument("--dtype", default=None, choices=DTYPES, help="override [model].dtype")
     p.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES, help="override [runtime].kv_cache_dtype")
-    p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
-                   help="split the target over N processes (override the target's [[workers]] tensor_parallel; on "
-                        "GPUs rank r takes cuda:r unless the config lists its devices)")
+    if tensor_parallel:
+        p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                       help="split the target over N processes (override the target's [[workers]] tensor_parallel; "
+                            "on GPUs rank r takes cuda:r unless the config lists its devices)")
     if thread_counts:
         p.add_argument("--threads", default=None, help="comma-separated torch thread counts, a pass at each "
                                                        "(default: every core)")

@@ -153,6 +153,20 @@ def test_tensor_parallel_config_and_its_cli_override():
     assert with_tensor_parallel(gpu, 4).worker("target").group_devices == ("cuda:0", "cuda:1", "cuda:2", "cuda:3")
 
 
+def test_the_commands_that_serve_through_the_engine_take_tensor_parallel_and_the_runner_benches_do_not():
+    from spind.cli import build_parser
+    from spind.cli_args import config_from_args
+
+    parser = build_parser()
+    for argv in (["generate", "--prompt", "x"], ["start"], ["bench", "e2e"], ["bench", "pipeline"]):
+        args = parser.parse_args([*argv, "--tensor-parallel", "2"])
+        if argv[0] != "start":  # start resolves its run dir too (daemon_cli.load_daemon_config)
+            assert config_from_args(args).worker("target").tensor_parallel == 2
+    for argv in (["bench", "decode"], ["bench", "batch"], ["bench", "drafters"]):  # they time the runner directly
+        with pytest.raises(SystemExit):
+            parser.parse_args([*argv, "--tensor-parallel", "2"])
+
+
 @pytest.mark.parametrize("worker, why", [
     ({"name": "draft", "tensor_parallel": 2}, "only the target worker"),
     ({"name": "target", "tensor_parallel": 2, "devices": ["cpu"]}, "one per rank"),

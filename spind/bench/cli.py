@@ -48,7 +48,7 @@ def add_parsers(sub: argparse._SubParsersAction,
     d.set_defaults(func=cmd_bench_drafters)
 
     e = bench_sub.add_parser("e2e", help="the paper's evaluation: every system side by side on a workload")
-    add_config_args(e)
+    add_config_args(e, tensor_parallel=True)
     e.add_argument("--workload", default="mix",
                    help="alpaca, cp, mtbench, humaneval, gsm8k, passage, extract or mix (the shared datasets), or "
                         "your own prompts: FILE.jsonl, one JSON value per line, each a prompt string, "
@@ -72,7 +72,7 @@ def add_parsers(sub: argparse._SubParsersAction,
     e.set_defaults(func=cmd_bench_e2e)
 
     pp = bench_sub.add_parser("pipeline", help="goodput vs micro-batches per SSM, pipeline on vs off, occupancy")
-    add_config_args(pp)
+    add_config_args(pp, tensor_parallel=True)
     pp.add_argument("--workload", default="alpaca", help="prompts (a workload name or a prompt file)")
     pp.add_argument("--batch-sizes", default="1,8", help="comma-separated closed-loop client counts")
     pp.add_argument("--drafter", default="int8", help="the model drafter the pipeline overlaps with verification")

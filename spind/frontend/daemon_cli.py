@@ -67,7 +67,7 @@ def _start_detached(args: argparse.Namespace, cfg: SpindConfig) -> int:
             "--run-dir", cfg.server.run_dir, "--host", cfg.server.host, "--port", str(cfg.server.port),
             "--zmq-port", str(cfg.server.zmq_port)]
     for flag, value in (("--config", args.config), ("--model", args.model), ("--dtype", args.dtype),
-                        ("--threads", args.threads), ("--tensor-parallel", args.tensor_parallel)):
+                        ("--threads", args.threads), ("--tensor-parallel", getattr(args, "tensor_parallel", None))):
         if value is not None:
             argv += [flag, str(value)]
     log_path = run_dir / LOG_FILE
@@ -214,7 +214,7 @@ def _add_where(p: argparse.ArgumentParser) -> None:
 def add_parsers(sub, add_config_args) -> None:
     """Register the daemon subcommands."""
     s = sub.add_parser("start", help="run the serving daemon (foreground unless --detach)")
-    add_config_args(s)
+    add_config_args(s, tensor_parallel=True)
     _add_where(s)
     s.add_argument("--host", default=None, help="bind address (default: [server].host, 127.0.0.1)")
     s.add_argument("--port", type=int, default=None, help="HTTP port (default: [server].port, 8000)")
