@@ -304,3 +304,5 @@ def test_a_cost_profile_is_cached_per_device_name_and_resolved_dtype(tiny_dir, t
     assert profile_key(cfg, [dict(worker)], 2048) == key
     assert profile_key(cfg, [{**worker, "device_name": "NVIDIA A10G"}], 2048) != key  # same index, another GPU
     assert profile_key(cfg, [{**worker, "dtype": "float16"}], 2048) != key  # "auto", resolved otherwise
+    assert profile_key(cfg, [{**worker, "ranks": []}], 2048) == key  # one process: the key it always had
+    assert profile_key(cfg, [{**worker, "ranks": ["cuda:0", "cuda:1"]}], 2048) != key  # a split target

@@ -128,9 +128,10 @@ def _config_fields(cfg: SpindConfig) -> dict:
 
 def profile_fields(cfg: SpindConfig, workers: list[dict], max_model_len: int) -> dict:
     """Everything that changes a profile's numbers: the config's part, the probe context, and the workers as they
-    reported themselves (devices by name, dtype, threads)."""
+    reported themselves (devices by name, dtype, threads, and a tensor-parallel target's ranks: a split target's
+    forwards cost what one process's do not)."""
     workers_ = sorted([w["name"], w["device"], w.get("device_name", ""), w.get("dtype", ""), w["threads"]]
-                      for w in workers)
+                      + ([f"ranks {' + '.join(w['ranks'])}"] if w.get("ranks") else []) for w in workers)
     return {**_config_fields(cfg), "context": probe_context(max_model_len, cfg.speculation.k), "workers": workers_}
 
 
