@@ -193,8 +193,8 @@ class ShmArea:
 
 class ShmCollectives(Collectives):
     """CPU ranks' collectives through shared memory: ~10 us each where gloo's loopback TCP takes ~0.9 ms (2-vCPU VM,
-    a [5, 576] fp32 all-reduce); a decode step of the default model has 61 of them. vLLM's CPU backend does the same
-    (its shm all-reduce).
+    a [5, 576] fp32 all-reduce); a decode step of the default model has 62 of them (the embedding, 2 a layer, the
+    logits). vLLM's CPU backend does the same (its shm all-reduce).
 
     Each collective n: a rank copies its part into its slot of buffer n % 2, posts n as its sequence number, waits
     until every rank has posted n, then reads every slot. Every rank sums the parts itself in rank order, so all of
