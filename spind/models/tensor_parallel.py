@@ -157,9 +157,6 @@ class Collectives:
         self._wait(self.pg.allgather([parts], [local]), "all-gather")
         return torch.cat([p[:, :n] for p, n in zip(parts, self.vocab_sizes)], 1)
 
-    def close(self) -> None:
-        pass
-
 
 class ShmArea:
     """A file in /dev/shm that every CPU rank of a group maps: a sequence number per rank, then two buffers of one
@@ -239,7 +236,8 @@ class ShmCollectives(Collectives):
                 next_check = now + 0.05
             time.sleep(0 if polls < 4 * self.SPIN else 5e-5)
 
-    def _pieces(self, numel: int, itemsize: int) -> int:
+    def _slot_items(self, itemsize: int) -> int:
+        """Elements of `itemsize` bytes one slot holds: a collective's piece."""
         return max(1, self.area.slot_bytes // itemsize)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -247,7 +245,7 @@ class ShmCollectives(Collectives):
             return super().all_reduce(t)
         t = t.contiguous()
         flat = t.view(-1)
-        step = self._pieces(flat.numel(), t.element_size())
+        step = self._slot_items(t.element_size())
         for lo in range(0, flat.numel(), step):
             piece = flat[lo:lo + step]
             parts = self._exchange(piece)
@@ -261,7 +259,7 @@ class ShmCollectives(Collectives):
             return super().gather_vocab(local)
         local = self._padded(local)
         rows, width = local.shape
-        step = max(1, self._pieces(width, local.element_size()) // width)
+        step = max(1, self._slot_items(local.element_size()) // width)
         out = []
         for lo in range(0, rows, step):
             piece = local[lo:lo + step]

@@ -64,20 +64,19 @@ def make_process_group(store, rank: int, world: int, backend: str, timeout_s: fl
     return dist.ProcessGroupGloo(store, rank, world, timeout)
 
 
-def load_rank(model_dir, dtype: str, device: str, rank: int, world: int, pg, shm: str, alive, timeout_s: float):
+def load_rank(model_dir, dtype: str, device: str, rank: int, world: int, pg, area, alive, timeout_s: float):
     """This rank's shard of the target, wrapped for its group, and every rank's Shard (all ranks call it with the
-    same arguments); `pg()` joins the group once the shard is loaded. `shm`: the shared-memory file of CPU ranks'
-    collectives ("": the process group's), mapped before joining; `alive()` raises where a peer is gone."""
+    same arguments); `pg()` joins the group once the shard is loaded. `area`: the mapped shared-memory file of CPU
+    ranks' collectives (None: the process group's); `alive()` raises where a peer is gone."""
     from spind.models.layers import LlamaArgs
     from spind.models.llama import load_llama
-    from spind.models.tensor_parallel import Collectives, Shard, ShmArea, ShmCollectives, parallelize
+    from spind.models.tensor_parallel import Collectives, Shard, ShmCollectives, parallelize
 
     args = LlamaArgs.from_hf(json.loads((model_dir / "config.json").read_text()))
     shards = [Shard.plan(args, r, world) for r in range(world)]
     model = load_llama(model_dir, dtype, device, shard=shards[rank])
     vocab = [s.vocab[1] - s.vocab[0] for s in shards]
-    if shm:
-        area = ShmArea(shm, world, SHM_SLOT_BYTES, create=False)
+    if area is not None:
         comm = ShmCollectives(pg(), rank, world, vocab, area, alive, timeout_s)
     else:
         comm = Collectives(pg(), rank, world, vocab)
@@ -95,7 +94,6 @@ class TargetGroup:
         import torch.distributed as dist
 
         self.world = len(devices)
-        self.devices = devices
         self.backend = backend or backend_for(devices)
         self.timeout_s = timeout_s
         self.store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False,
@@ -116,9 +114,8 @@ class TargetGroup:
             for rank in range(1, self.world):
                 self._spawn(rank, cfg_json, devices[rank], dtype, threads, command,
                             None if follower_envs is None else follower_envs[rank - 1])
-            self.model, shards = load_rank(model_dir, dtype, devices[0], 0, self.world, self._join,
-                                           self.shm.path if self.shm else "", self.check,
-                                           min(timeout_s, COLLECTIVE_TIMEOUT_S))
+            self.model, shards = load_rank(model_dir, dtype, devices[0], 0, self.world, self._join, self.shm,
+                                           self.check, min(timeout_s, COLLECTIVE_TIMEOUT_S))
         except BaseException:
             self.close()
             raise
@@ -358,9 +355,12 @@ def main(argv: list[str] | None = None) -> int:
             from spind.models.tensor_parallel import TensorParallelError
             raise TensorParallelError(f"tensor-parallel rank {args.rank}: rank 0 (pid {parent}) is gone")
 
+    from spind.models.tensor_parallel import ShmArea
+
+    area = ShmArea(args.shm, args.world, SHM_SLOT_BYTES, create=False) if args.shm else None  # before joining
     model, _ = load_rank(model_dir, args.dtype, args.device, args.rank, args.world,
                          lambda: make_process_group(store, args.rank, args.world, args.backend, args.timeout),
-                         args.shm, alive, min(args.timeout, COLLECTIVE_TIMEOUT_S))
+                         area, alive, min(args.timeout, COLLECTIVE_TIMEOUT_S))
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
