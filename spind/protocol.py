@@ -6,7 +6,8 @@ This module imports neither torch nor the daemon: the coordinator, the client li
 
 Three families:
 - coordinator -> worker ops, each with a `seq` its reply echoes: `AddRequest`, `Prefill`, `Propose`,
-  `Verify`, `Precompute`, `FreeRequests`, `Profile`, `Ping`, `Shutdown`; worker -> coordinator: `Ready`
+  `Verify`, `Precompute`, `FreeRequests`, `ForgetFinished`, `Profile`, `Ping`, `Shutdown`; worker -> coordinator:
+  `Ready`
   (greeting), `Ack`, `Proposed`, `Verified`, `Profiled`, `WorkerStats`, `ErrorReply`.
 - worker -> worker: `DraftProbs`, a drafter's proposal distributions sent straight to the target worker,
   so [k, vocab] floats never pass through the coordinator.
@@ -145,6 +146,13 @@ class Precompute(_Msg, tag="precompute"):
 class FreeRequests(_Msg, tag="free_requests"):
     seq: int
     req_ids: list[ReqId]
+
+
+class ForgetFinished(_Msg, tag="forget_finished"):
+    """Drop what the hosted drafters keep from finished requests (suffix decoding's shared cache of their
+    sequences): POST /v1/spind/reset_cache, for a bench that sends one prompt to several drafters in turn."""
+
+    seq: int
 
 
 class Profile(_Msg, tag="profile"):
@@ -357,7 +365,8 @@ class ClientError(_Msg, tag="client_error"):
     param: str | None = None  # the offending field, named as the HTTP API's error bodies name it ("spind.k")
 
 
-WorkerOp = Union[AddRequest, Prefill, Propose, Verify, Precompute, FreeRequests, Profile, Ping, Shutdown]
+WorkerOp = Union[AddRequest, Prefill, Propose, Verify, Precompute, FreeRequests, ForgetFinished, Profile, Ping,
+                 Shutdown]
 WorkerReply = Union[Ready, Ack, Proposed, Verified, Profiled, WorkerStats, ErrorReply]
 ClientIn = Union[ClientRequest, ClientAbort]
 ClientOut = Union[ClientChunk, ClientReply, ClientError]

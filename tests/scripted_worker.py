@@ -122,6 +122,8 @@ class ScriptedWorker:
                 for reqs in self.drafter_reqs.values():
                     reqs.discard(r)
             return P.Ack(msg.seq)
+        if isinstance(msg, P.ForgetFinished):  # its drafters keep nothing across requests
+            return P.Ack(msg.seq)
         if isinstance(msg, P.Profile):  # a verify costs 2 ms + 0.5 ms a request; a draft token 1 ms (draft_ms)
             verify = {b: 2.0 + 0.5 * b for b in msg.batch_sizes} if self.is_target else {}
             return P.Profiled(msg.seq, {d: self.draft_ms.get(d, 1.0) for d in self.drafters}, verify)

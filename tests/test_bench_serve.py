@@ -296,10 +296,13 @@ class FakePeer:
     async def list_models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
 
+    def refuses(self, body: dict) -> bool:
+        return body.get("model") not in self.models or "spind" in body
+
     async def complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
-        if body.get("model") not in self.models or "spind" in body:
+        if self.refuses(body):
             return web.json_response({"error": {"message": f"The model `{body.get('model')}` does not exist."}},
                                      status=400)
         chat = "messages" in body
@@ -367,6 +370,66 @@ def test_a_peer_end_to_end_through_the_real_clients() -> None:
     assert len(ok) == 4 and all(r["output"] == "w0 w1 w2 w3 w4 " and r["completion_tokens"] == 5
                                 and 0 < r["ttft_s"] <= r["latency_s"] for r in ok)
     assert "fake" in render_table(results)
+
+
+class FakeSpind(FakePeer):
+    """The routes of a spind daemon that the bench uses: its state, the drafters' cache reset (absent in a release
+    before it), and completions that name a drafter."""
+
+    def __init__(self, can_reset: bool) -> None:
+        super().__init__(["spind"])
+        self.can_reset = can_reset
+        self.resets = 0
+        self.sent: list[tuple[int, str, str]] = []  # per completion: (resets so far, drafter, prompt)
+
+    def app(self) -> web.Application:
+        app = super().app()
+        app.router.add_get("/v1/spind/state", self.state)
+        if self.can_reset:
+            app.router.add_post("/v1/spind/reset_cache", self.reset)
+        return app
+
+    async def state(self, request: web.Request) -> web.Response:
+        return web.Response(text=(Path(__file__).parent / "data" / "idle.json").read_text(),
+                            content_type="application/json")
+
+    async def reset(self, request: web.Request) -> web.Response:
+        self.resets += 1
+        return web.json_response({"status": "ok"})
+
+    def refuses(self, body: dict) -> bool:
+        text = body["messages"][0]["content"] if "messages" in body else body["prompt"]
+        self.sent.append((self.resets, body["spind"]["drafter"], text))
+        return "model" in body
+
+
+@pytest.mark.parametrize("can_reset", [True, False])
+def test_each_spind_row_starts_with_the_drafters_caches_emptied(can_reset: bool,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    """Within a level every drafter gets the same prompts, and suffix decoding keeps finished requests' answers:
+    the bench empties the caches before each spind row, so no row drafts an earlier row's answer to its prompt. A
+    daemon without the reset is benched anyway, with a warning."""
+    settings = ServeSettings((1, 2), ("none", "auto"), num_requests=2, max_tokens=(3,))
+    prompts = [Prompt("t", f"prompt {i}", i % 2 == 0) for i in range(prompts_needed(settings))]
+    fake = FakeSpind(can_reset)
+
+    async def main() -> dict:
+        async with serving(fake.app()) as url:
+            return await run_serve_bench({"s": url}, prompts, settings)
+
+    results = asyncio.run(asyncio.wait_for(main(), 60))
+    assert results["cache_reset"] == {"s": can_reset}
+    assert all(r["num_errors"] == 0 for r in results["rows"])
+    timed = fake.sent[len(settings.drafters):]  # after the warm-up requests; rows run one after another
+    rows = [timed[i:i + 2] for i in range(0, len(timed), 2)]
+    assert [(sorted(p for _, _, p in row), {d for _, d, _ in row}) for row in rows] == [
+        (["prompt 1", "prompt 2"], {"none"}), (["prompt 1", "prompt 2"], {"auto"}),
+        (["prompt 3", "prompt 4"], {"none"}), (["prompt 3", "prompt 4"], {"auto"})]
+    if can_reset:  # the probe, then one reset before each row
+        assert [{n for n, _, _ in row} for row in rows] == [{2}, {3}, {4}, {5}]
+        assert "warning" not in capsys.readouterr().err
+    else:
+        assert fake.resets == 0 and "daemon s cannot reset its drafters' caches" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("models", [[], None])

@@ -58,6 +58,10 @@ kind = "self"
 variant = "int8-weight-only"
 worker = "draft"
 [[drafters]]
+name = "suffix"           # keeps finished requests' sequences: POST /v1/spind/reset_cache forgets them
+kind = "suffix"
+worker = "target"
+[[drafters]]
 name = "q16"              # batch-invariant kernels: seeded sampled output is reproducible under any batching
 kind = "self"
 variant = "gguf-q16"
@@ -656,6 +660,39 @@ def test_metrics_state_and_models(daemon: Daemon):
     state = daemon.state()
     assert {w["name"] for w in state["workers"]} == {"target", "draft"} and state["api"]["status"] == "ok"
     assert state["drafters"]["int8"]["drafted"] > 0
+
+
+def test_reset_cache_forgets_the_answers_suffix_decoding_drafts_from(daemon: Daemon):
+    """A finished request's sequence joins suffix decoding's shared cache, so the same prompt again is drafted from
+    its answer; POST /v1/spind/reset_cache forgets it (what `spind bench serve` does between drafters' rows), and the
+    output stays the same throughout."""
+    body = {"prompt": PROMPTS[2], "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+            "spind": {"drafter": "suffix"}}
+
+    async def check():
+        async with aiohttp.ClientSession(daemon.url) as s:
+            async def reset() -> None:
+                async with s.post("/v1/spind/reset_cache") as resp:
+                    assert resp.status == 200 and (await resp.json())["status"] == "ok"
+
+            async def accepted() -> tuple[str, float]:
+                status, out = await post(s, "/v1/completions", body)
+                assert status == 200, out
+                await asyncio.sleep(0.5)  # the worker takes a finished sequence into the cache between ops
+                return out["choices"][0]["text"], out["spind"]["mean_accepted_length"]
+
+            await reset()  # earlier tests sent this prompt too
+            cold = await accepted()
+            warm = await accepted()
+            await reset()
+            again = await accepted()
+            async with s.get("/v1/spind/reset_cache") as resp:
+                assert resp.status == 405
+            return cold, warm, again
+
+    (cold_text, cold), (warm_text, warm), (again_text, again) = run(check())
+    assert cold_text == warm_text == again_text
+    assert warm > cold + 1.0 and again < warm - 1.0, (cold, warm, again)
 
 
 def test_client_disconnect_frees_its_request(daemon: Daemon):

@@ -24,6 +24,7 @@ SAMPLES = [
     (P.WorkerOp, P.Verify(5, 17, [P.VerifyItem("r1", [1, 2, 3], True), P.VerifyItem("r2", [], inline_drafter="ngram",
                                                                                      k=4)])),
     (P.WorkerOp, P.FreeRequests(6, ["r1", "r2"])),
+    (P.WorkerOp, P.ForgetFinished(11)),
     (P.WorkerOp, P.Profile(13, 4, [1, 2, 4], 128, 3)),
     (P.WorkerOp, P.Ping(7)),
     (P.WorkerOp, P.Shutdown(8)),

@@ -13,10 +13,12 @@ asked for /v1/models (its model name, sent as "model": vLLM rejects another).
 Prompts, fair to servers that cache across requests (vLLM's prefix cache; its suffix decoding drafts a response
 it has seen before almost perfectly): every level takes its own disjoint slice of the prompt list, and prompt 0
 serves only the warm-up requests, so no server sees a prompt twice in a run. Within a level every spind drafter
-and every peer get the same slice (spind keeps nothing across requests, so its drafters repeating a slice is
-fair). A dataset with fewer prompts than the run needs (the sum of requests per level, + 1) is an error, never a
-silent repeat. A run's prompts depend only on the settings, so restart a caching peer between runs (or change
---seed of --dataset mix).
+and every peer get the same slice, so that their rows compare like for like; spind's drafters keep finished
+requests' sequences (suffix decoding drafts from them), so before each spind row the bench empties them (POST
+/v1/spind/reset_cache): otherwise a drafter run after `none` would draft `none`'s answers to the very same
+prompts (that made `auto` read 1.4-2x `none` at 1-4 clients where it is not). A dataset with fewer prompts than the
+run needs (the sum of requests per level, + 1) is an error, never a silent repeat. A run's prompts depend only on
+the settings, so restart a caching peer between runs (or change --seed of --dataset mix).
 
 Greedy decoding does not depend on the drafter: at temperature 0 each spind drafter's outputs are compared with
 the `none` drafter's on the same prompts (`same_as_none`, "equal/compared").
@@ -330,6 +332,18 @@ async def _state(session: aiohttp.ClientSession, url: str) -> SpindState:
         return decode_state(await resp.read())
 
 
+async def reset_cache(session: aiohttp.ClientSession, url: str) -> bool:
+    """Empty a spind daemon's cross-request drafter caches; False where the daemon has no such endpoint (a
+    release before it: its rows after the first on a slice may draft earlier rows' answers)."""
+    async with session.post(url + "/v1/spind/reset_cache") as resp:
+        if resp.status == 404:
+            return False
+        if resp.status != 200:
+            text = (await resp.text())[:200]
+            raise ValueError(f"POST {url}/v1/spind/reset_cache answered HTTP {resp.status}: {text}")
+        return True
+
+
 async def run_level(session: aiohttp.ClientSession, url: str, prompts: list[Prompt], level: Level,
                     settings: ServeSettings, progress: Progress, model: str | None = None
                     ) -> tuple[dict, list[RequestRecord]]:
@@ -422,10 +436,17 @@ async def run_serve_bench(daemons: dict[str, str], prompts: list[Prompt], settin
                   for label, url in daemons.items()}
         models |= {name: await _check_peer(peer_session, name, url, prompts[0], settings)
                    for name, url in peers.items()}
+        resets = {label: await reset_cache(spind_session, url) for label, url in daemons.items()}
+        for label in (label for label, ok in resets.items() if not ok):
+            print(f"warning: daemon {label} cannot reset its drafters' caches (no POST /v1/spind/reset_cache): its "
+                  "rows after the first at each level may draft earlier rows' answers to the same prompts",
+                  file=sys.stderr)
         rows, records = [], []
         for level in levels:
             session, url = (peer_session, peers[level.daemon]) if level.is_peer else \
                 (spind_session, daemons[level.daemon])
+            if not level.is_peer and resets[level.daemon]:
+                await reset_cache(session, url)
             level_prompts = [prompts[i] for i in slices[(level.max_tokens, level.concurrency)]]
             row, recs = await run_level(session, url, level_prompts, level, settings, progress,
                                         models[level.daemon] if level.is_peer else None)
@@ -435,7 +456,7 @@ async def run_serve_bench(daemons: dict[str, str], prompts: list[Prompt], settin
                           f"{fmt(row['tokens_per_s'], 1)} tokens/s, ttft p50 {fmt(row['ttft_p50_ms'], 0)} ms, "
                           f"slot {fmt(row['slot_ms'], 1)} ms, {row['num_errors']} errors")
     rows = add_identity(add_ratios(rows), records, settings.temperature)
-    return {"settings": asdict(settings), "daemons": daemons, "peers": peers, "models": models,
+    return {"settings": asdict(settings), "daemons": daemons, "peers": peers, "models": models, "cache_reset": resets,
             "cpu_count": os.cpu_count(), "rows": rows, "versus_peers": versus_peers(rows),
             "requests": [asdict(r) for r in records]}
 

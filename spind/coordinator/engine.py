@@ -47,7 +47,7 @@ from spind.coordinator.request import RequestState, Sequence, choice_id, choice_
 from spind.coordinator.selection.baselines import build_selector
 from spind.coordinator.selection.protocol import AUTO, PLAIN, Selector
 from spind.coordinator.snapshot import build_state
-from spind.coordinator.transport.pool import WorkerPool
+from spind.coordinator.transport.pool import WorkerDied, WorkerError, WorkerPool
 from spind.progress import about, say
 from spind.state import SpindState
 from spind.tokenizer import Tokenizer
@@ -268,6 +268,14 @@ class Coordinator:
         ph.metrics.running.set(len(ph.running))
         ph.metrics.waiting.set(len(ph.waiting))
         return ph.metrics.render()
+
+    async def reset_cache(self) -> None:
+        try:
+            await asyncio.gather(*(self.pool.call(name, P.ForgetFinished(0), self.phases.call_timeout_s)
+                                   for name in self.pool.names))
+        except (WorkerDied, WorkerError) as e:  # a worker restarting comes back with empty caches anyway
+            raise EngineError(f"the drafters' caches were not all reset: {e}", status=503,
+                              code="unavailable") from None
 
     async def worker_stats(self, name: str) -> P.WorkerStats:
         """Ping one worker (tests, dashboard): what it mirrors and its KV occupancy."""

@@ -108,6 +108,10 @@ class Engine(Protocol):
     def render_metrics(self) -> str:
         """Prometheus text exposition for GET /metrics."""
 
+    async def reset_cache(self) -> None:
+        """Forget what the drafters learned from finished requests (their outputs, which suffix decoding drafts
+        from), on every worker; the selector's statistics stay. For POST /v1/spind/reset_cache."""
+
     def health(self) -> str | None:
         """None while the engine can serve; else why not (gave up, a worker stalled), for GET /health."""
 

@@ -72,6 +72,7 @@ class ApiServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/spind/state", self.state)
+        app.router.add_post("/v1/spind/reset_cache", self.reset_cache)
         return app
 
     def set_status(self, status: str) -> None:
@@ -132,6 +133,18 @@ class ApiServer:
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=self.engine.render_metrics(), headers={"Content-Type": PROMETHEUS_TYPE})
+
+    async def reset_cache(self, request: web.Request) -> web.Response:
+        """Forget the answers the drafters keep from finished requests (vLLM's /reset_prefix_cache, for what spind
+        keeps across requests): a bench that sends the same prompts to several drafters in turn calls it between
+        them, so that none drafts another's answer to the very prompt it serves."""
+        if self.status != "ok":
+            raise ApiError(503, f"the server is {self.status}", code="unavailable")
+        try:
+            await self.engine.reset_cache()
+        except EngineError as e:
+            raise from_engine_error(e) from None
+        return web.json_response({"status": "ok"})
 
     async def state(self, request: web.Request) -> web.Response:
         state = msgspec.structs.replace(self.engine.snapshot(),

@@ -208,6 +208,10 @@ class Worker:
             for req_id in msg.req_ids:
                 self.free_request(req_id)
             return self._ack(msg.seq)
+        if isinstance(msg, P.ForgetFinished):
+            for drafter in self.drafters.values():
+                drafter.forget_finished()
+            return self._ack(msg.seq)
         if isinstance(msg, P.Profile):
             return self.profile(msg)
         if isinstance(msg, P.Ping):
