@@ -351,6 +351,38 @@ def test_lbss_cuts_a_calibrated_drafters_draft_at_its_confidence_floor():
     assert sel.select([info("r", 200)], cap)[0] == PLAIN_ARM and sel.confidence_floor("r") == 0.0
 
 
+def test_shadow_drafts_back_off_while_they_find_nothing_that_pays():
+    """A request's shadow drafts cost lookups on the target's worker every turn; while its latest ones had no token
+    above the floor (its slots decode plainly), it is shadowed at every 2nd, then 4th, then 8th turn, and at every
+    turn again once one has a token that pays."""
+    sel = LBSSSelector(SelectionConfig(seed=0, alpha=0), ["suffix"], 4, verify_points=profile_points(),
+                       draft_s_per_token={"suffix": 1e-5})
+    cap = Capacity({"suffix": 16})
+    sure, unsure = (0.95, 0.35), (0.15, 0.05)
+
+    def turn(t: int, confidence: tuple[float, ...], accepted: int) -> bool:
+        """A slot whose select gives the request its shadow turn: whether it was shadowed."""
+        arm = sel.select([info("r", t)], cap)[0]
+        shadowed = sel.wants_shadow("r")
+        sel.observe([SlotFeedback(req_id="r", arm=arm, num_drafted=0, num_accepted=0, num_committed=1, draft_s=0.0,
+                                  verify_s=cpu_verify(1, 1), batch_size=1, batch_tokens=1,
+                                  shadow=(("suffix", 2, accepted),) if shadowed else (),
+                                  shadow_confidence=(("suffix", confidence, accepted),) if shadowed else ())])
+        return shadowed
+
+    assert all(turn(t, sure, 1 if t % 10 else 0) for t in range(60))  # calibrating: sure tokens pay, unsure not
+    assert sel.calibration.known(0)
+    quiet = [turn(t, unsure, 0) for t in range(60, 80)]
+    assert quiet == [True, True, False, True, False, False, False, True] + [False] * 7 + [True] + [False] * 4
+    assert sel.select([info("r", 80)], cap)[0] == PLAIN_ARM  # the latest shadows: nothing pays, plain decoding
+    skipped = 0
+    while not turn(81 + skipped, sure, 1):  # the next turn that shadows finds a token that pays again ...
+        skipped += 1
+    assert skipped == 3  # (the 8th turn after the last one shadowed)
+    assert all(turn(t, sure, 1) for t in range(90, 100))  # ... and from then on every turn is shadowed
+    assert sel.select([info("r", 100)], cap)[0].drafter == "suffix"
+
+
 def test_between_calibrated_drafters_the_one_right_lately_is_chosen_and_misses_keep_a_drafter():
     """Both drafters rate their tokens alike and are calibrated alike over the population; this request's latest
     suffix drafts were accepted and its n-gram ones were not: the matching puts it on suffix. A request whose drafts
@@ -394,10 +426,10 @@ def test_where_no_draft_token_could_pay_the_batch_decodes_plainly_without_shadow
     cap = Capacity({"ngram": 16})
     for t in range(10):  # exploration slots included
         assert sel.select([info(f"r{i}", t) for i in range(8)], cap) == [PLAIN_ARM] * 8
-        assert not sel.learns_from_shadows
+        assert not any(sel.wants_shadow(f"r{i}") for i in range(8))
     assert sel.describe()["nothing_pays"]
     sel.select([info("r0", 10)], cap)
-    assert sel.learns_from_shadows and not sel.describe()["nothing_pays"]
+    assert sel.wants_shadow("r0") and not sel.describe()["nothing_pays"]
 
 
 def test_without_batch_pricing_lbss_speculates_on_the_same_batch():

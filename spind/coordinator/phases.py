@@ -247,8 +247,8 @@ class SlotPhases:
                     arm = PLAIN_ARM
             out.arms[st.req_id] = arm
             st.min_confidence = self.selector.confidence_floor(st.req_id) if arm.drafter is not None else 0.0
-            if self.selector.learns_from_shadows and st.seq.params.is_greedy and st.req.drafter == AUTO \
-                    and (self._shadow_turn + i) % turn == 0:
+            if st.seq.params.is_greedy and st.req.drafter == AUTO and (self._shadow_turn + i) % turn == 0 \
+                    and self.selector.wants_shadow(st.req_id):
                 st.shadow = list(self.shadowed)  # its own drafter's too: all SHADOW_K positions, past a cut draft
             hint = self.selector.precompute_hint(st.req_id)
             if hint is not None and hint in self.model_drafters and hint not in st.precomputed:

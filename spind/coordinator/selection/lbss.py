@@ -106,6 +106,7 @@ EVIDENCE_SLOTS = 16  # everyone's slots on a drafter before the estimates alone 
 # one (~2.5 drafts in all), against POSITION_PRIOR pseudo-drafts of its context's curve
 RECENT_DECAY = 0.6
 RATED_DRAFTS = 6  # a request's latest rated drafts per drafter that value its arms under the confidence floor
+SHADOW_BACKOFF_MAX = 8  # shadow drafts that keep finding nothing that pays: every 2nd, 4th, then 8th turn
 QUIET_DRAFTS = 2  # ... and those that, with no token above the floor, make its next slot plain (no draft drawn up
 #                   to be cut to nothing: at batch 4 on alpaca that drafting cost spin ~10% of none)
 POSITION_PRIOR = 1.0
@@ -134,6 +135,8 @@ class _Request:
     #         _expected() of this slot (the key says which): cleared at each observe
     rated: dict[int, deque[tuple[tuple[float, ...], int]]] = dataclasses.field(default_factory=dict)
     #      per drafter that rates its tokens, its latest decided shadow drafts: (confidences, accepted), newest last
+    quiet_shadows: int = 0  # its latest shadow drafts in a row in which no drafter had a token above its floor
+    shadow_skips: int = 0  # its shadow turns passed over since its last shadow drafts (`wants_shadow`)
 
 
 class LBSSSelector:
@@ -177,10 +180,24 @@ class LBSSSelector:
         self.calibration = Calibration(num_drafters)  # drafters' own confidence per token, against what survived
         self._floors: dict[str, float] = {}  # this slot's confidence floors of requests cut by their drafts' own
 
-    @property
-    def learns_from_shadows(self) -> bool:
-        """Shadow drafts teach acceptance, except where no draft could pay anyway: the lookups are saved."""
-        return not self.nothing_pays
+    def wants_shadow(self, req_id: str) -> bool:
+        """Shadow drafts teach acceptance and calibration, and tell a request that decodes plainly when its drafter
+        would pay again (`_cut`); none where no draft could pay anyway (the lookups are saved). A request whose
+        latest QUIET_DRAFTS or more shadow drafts had no token above its drafters' floors is shadowed at every 2nd,
+        then 4th, then SHADOW_BACKOFF_MAX-th of its turns, and at every turn again once one has: on a CPU at batch
+        4 and more, where nearly every slot decodes plainly, they took ~2% of the target worker's time, and the
+        selection's overhead is what `auto` loses to plain decoding there."""
+        if self.nothing_pays:
+            return False
+        st = self._reqs.get(req_id)
+        if st is None or st.quiet_shadows < QUIET_DRAFTS:
+            return True
+        interval = min(SHADOW_BACKOFF_MAX, 2 ** (st.quiet_shadows - QUIET_DRAFTS + 1))
+        st.shadow_skips += 1
+        if st.shadow_skips < interval:
+            return False
+        st.shadow_skips = 0
+        return True
 
     def _nothing_pays(self) -> bool:
         """Whether, at this batch size, every drafter's draft token costs the batch at least a token (the seconds it
@@ -292,12 +309,23 @@ class LBSSSelector:
             if not st.is_bypass:
                 st.counts.add_acceptance((), j, drafted, accepted)
                 st.positions.add(j, drafted, accepted)
+        quiet = bool(fb.shadow_confidence)
         for name, confidence, accepted in fb.shadow_confidence:
             j = self.arm_set.drafter_index.get(name)
             if j is not None:
                 self.calibration.add(j, confidence, accepted)
                 if not st.is_bypass:
                     st.rated.setdefault(j, deque(maxlen=RATED_DRAFTS)).append((confidence, accepted))
+                quiet = quiet and self._quiet(j, confidence)
+        if fb.shadow_confidence:
+            st.quiet_shadows = st.quiet_shadows + 1 if quiet else 0
+
+    def _quiet(self, j: int, confidence: Sequence[float]) -> bool:
+        """Drafter j's draft with these confidences had no token that pays at the last slot's price (it would have
+        been cut to nothing); False where j is not calibrated yet or no price is known."""
+        if self._plain_price <= 0 or not self.calibration.known(j):
+            return False
+        return not confidence or confidence[0] < self.calibration.floor(j, self._price_of_token(j))
 
     def remove(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)

@@ -94,9 +94,6 @@ class SlotFeedback:
 
 class Selector(Protocol):
     policy: str
-    # read after each select: the coordinator has the free drafters' shadow drafts drafted for that slot's requests
-    # (SlotFeedback.shadow teaches the selector their acceptance)
-    learns_from_shadows: bool
 
     def select(self, reqs: Sequence[RequestInfo], capacity: Capacity) -> list[Arm]:
         """One arm per request, in order. Must respect capacity: at most capacity.of(j) requests on drafter j."""
@@ -114,6 +111,11 @@ class Selector(Protocol):
     def confidence_floor(self, req_id: str) -> float:
         """After select: the confidence (`Draft.confidence`) its drafter's tokens need this slot; its worker cuts
         the draft before the first token below it. 0: no floor."""
+
+    def wants_shadow(self, req_id: str) -> bool:
+        """After select, at the request's turn for shadow drafts (the free drafters' counterfactual drafts, which
+        SlotFeedback.shadow brings back): whether to draft them this time. A selector that does not learn from them
+        says False."""
 
     def describe(self) -> dict:
         """JSON-able state for /v1/spind/state and the dashboard."""
@@ -145,7 +147,6 @@ class StaticSelector:
     """No learning: a named drafter as asked, "auto" -> one configured default, "none" -> plain decoding."""
 
     policy = "static"
-    learns_from_shadows = False
 
     def __init__(self, default_drafter: str | None, default_k: int) -> None:
         self.default_drafter = None if default_drafter == PLAIN else default_drafter
@@ -176,6 +177,9 @@ class StaticSelector:
 
     def confidence_floor(self, req_id: str) -> float:
         return 0.0
+
+    def wants_shadow(self, req_id: str) -> bool:
+        return False
 
     def describe(self) -> dict:
         counts: dict[str, int] = {}
