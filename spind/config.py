@@ -116,6 +116,11 @@ class SelectionConfig:
     prior_strength: float = 4.0
     max_epoch: int = 4
     explore_margin: float = 0.15
+    # a kept draft token must be worth (1 + price_margin) x what plain decoding makes in the seconds it adds: the cost
+    # model and the calibration err both ways, and a drafted token costs the coordinator and the worker more than
+    # its verify and draft seconds (bookkeeping, detokenizing, larger messages), so a token priced at break-even
+    # loses in expectation; 0: at break-even
+    price_margin: float = 0.25
     batch_pricing: bool = True  # choose arms for the batch's goodput (a request's drafts slow everyone's verify)
     population_window: int = 2000
     epsilon: float = 0.2
@@ -135,6 +140,8 @@ class SelectionConfig:
             raise ValueError("[selection] switch_weight, prior_strength and max_epoch must be >= 0")
         if not 0.0 <= self.explore_margin < 1.0:
             raise ValueError("[selection] explore_margin must be in [0, 1)")
+        if not self.price_margin >= 0.0:
+            raise ValueError(f"[selection] price_margin must be >= 0, got {self.price_margin}")
         if self.population_window < 1 or not 0.0 <= self.epsilon <= 1.0:
             raise ValueError("[selection] need population_window >= 1 and 0 <= epsilon <= 1")
 

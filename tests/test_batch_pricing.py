@@ -351,6 +351,32 @@ def test_lbss_cuts_a_calibrated_drafters_draft_at_its_confidence_floor():
     assert sel.select([info("r", 200)], cap)[0] == PLAIN_ARM and sel.confidence_floor("r") == 0.0
 
 
+def test_a_price_margin_drafts_only_tokens_worth_more_than_their_seconds():
+    """A drafted token must be worth (1 + price_margin) x what plain decoding makes in the seconds it adds: a
+    larger margin raises the confidence floor its worker cuts drafts at, and one that no token's chance clears
+    leaves the request decoding plainly (`nothing_pays` too)."""
+    confidence = (0.95, 0.75, 0.55, 0.35)
+    accepted = [4] * 4 + [3] * 5 + [2] * 5 + [1] * 5 + [0]  # each prefix survives 95, 70, 45, 20% of the time
+    got = {}
+    for margin in (0.0, 1.0, 2.0, 4.0):  # at batch 1 here a token's seconds are worth 0.31 tokens (margin 0)
+        sel = LBSSSelector(SelectionConfig(seed=0, alpha=0, price_margin=margin), ["suffix"], 4,
+                           verify_points=profile_points(), draft_s_per_token={"suffix": 1e-5})
+        cap = Capacity({"suffix": 16})
+        for t in range(100):
+            arm = sel.select([info("r", t)], cap)[0]
+            acc = accepted[t % len(accepted)]
+            sel.observe([SlotFeedback(req_id="r", arm=arm, num_drafted=0, num_accepted=0, num_committed=1,
+                                      draft_s=0.0, verify_s=cpu_verify(1, 1), batch_size=1, batch_tokens=1,
+                                      shadow=(("suffix", 4, acc),), shadow_confidence=(("suffix", confidence, acc),))])
+        arm = sel.select([info("r", 100)], cap)[0]
+        got[margin] = (arm.drafter, sel.confidence_floor("r"), sel.describe()["nothing_pays"])
+    assert [got[m][0] for m in (0.0, 1.0, 2.0, 4.0)] == ["suffix", "suffix", "suffix", None]
+    assert 0.35 < got[0.0][1] <= 0.55 < got[1.0][1] <= 0.75 < got[2.0][1] <= 0.95  # 0.31, 0.62, 0.93 tokens a token
+    assert got[4.0][2] and not got[2.0][2]
+    with pytest.raises(ValueError, match="price_margin"):
+        SelectionConfig(price_margin=-0.1)
+
+
 def test_shadow_drafts_back_off_while_they_find_nothing_that_pays():
     """A request's shadow drafts cost lookups on the target's worker every turn; while its latest ones had no token
     above the floor (its slots decode plainly), it is shadowed at every 2nd, then 4th, then 8th turn, and at every

@@ -208,7 +208,7 @@ class LBSSSelector:
             return False
         known = [x for x in self._draft_s_per_token().tolist() if x == x]
         cheapest = min(known) if known else 0.0
-        return self._plain_price * (self.cost.seconds_per_token_at(self._batch_size) + cheapest) >= 1.0
+        return self._token_price(self.cost.seconds_per_token_at(self._batch_size) + cheapest) >= 1.0
 
     # -- the protocol --------------------------------------------------------------------------------------
 
@@ -565,10 +565,15 @@ class LBSSSelector:
 
     def _price_of_token(self, j: int) -> float:
         """What one of drafter j's tokens costs the batch, in tokens: the seconds it adds (verify at this batch
-        size, and drafting) at plain decoding's rate for this batch."""
+        size, and drafting) at plain decoding's rate for this batch, with the margin (`_token_price`)."""
         delta = float(self._draft_s_per_token()[j])
-        per_token_s = self.cost.seconds_per_token_at(self._batch_size) + (0.0 if delta != delta else delta)
-        return self._plain_price * per_token_s
+        return self._token_price(self.cost.seconds_per_token_at(self._batch_size) + (0.0 if delta != delta else delta))
+
+    def _token_price(self, seconds: float) -> float:
+        """What a draft token that adds these seconds to the slot must be worth, in tokens: what plain decoding makes
+        in them at this batch's rate, plus `price_margin` of it (break-even is a loss once the errors of the cost
+        model and the calibration, and the per-token costs neither counts, are in)."""
+        return (1.0 + self.cfg.price_margin) * self._plain_price * seconds
 
     def _marginal(self, st: _Request, price: float, cut: bool = True) -> np.ndarray:
         """[A] the request's marginal gain per arm at a price (tokens per second of slot): expected tokens less
