@@ -7,8 +7,7 @@ This module imports neither torch nor the daemon: the coordinator, the client li
 Three families:
 - coordinator -> worker ops, each with a `seq` its reply echoes: `AddRequest`, `Prefill`, `Propose`,
   `Verify`, `Precompute`, `FreeRequests`, `ForgetFinished`, `Profile`, `Ping`, `Shutdown`; worker -> coordinator:
-  `Ready`
-  (greeting), `Ack`, `Proposed`, `Verified`, `Profiled`, `WorkerStats`, `ErrorReply`.
+  `Ready` (greeting), `Ack`, `Proposed`, `Verified`, `Profiled`, `WorkerStats`, `ErrorReply`.
 - worker -> worker: `DraftProbs`, a drafter's proposal distributions sent straight to the target worker,
   so [k, vocab] floats never pass through the coordinator.
 - the ZeroMQ client API: `ClientRequest`, `ClientAbort` in; `ClientChunk`, `ClientReply`, `ClientError` out.
