@@ -325,7 +325,7 @@ class LBSSSelector:
         been cut to nothing); False where j is not calibrated yet or no price is known."""
         if self._plain_price <= 0 or not self.calibration.known(j):
             return False
-        return not confidence or confidence[0] < self.calibration.floor(j, self._price_of_token(j))
+        return _nothing_above(confidence, self._floor(j))
 
     def remove(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)
@@ -537,10 +537,10 @@ class LBSSSelector:
         if j is None or self._plain_price <= 0 or exploring and j not in self._shadowed:
             return arm, 0.0
         if self.calibration.known(j):
-            floor = self.calibration.floor(j, self._price_of_token(j))
+            floor = self._floor(j)
             recent = st.rated.get(j, ())
             lately = [c for c, _ in list(recent)[-QUIET_DRAFTS:]]
-            if floor > 1.0 or len(lately) == QUIET_DRAFTS and all(not c or c[0] < floor for c in lately):
+            if floor > 1.0 or len(lately) == QUIET_DRAFTS and all(_nothing_above(c, floor) for c in lately):
                 return PLAIN_ARM, 0.0  # no token pays, or none of its latest drafts had one: no draft to make
             return arm, floor
         survival, tau = self._survival_and_price(st, j)
@@ -548,6 +548,10 @@ class LBSSSelector:
             return arm, 0.0
         k = worth_drafting(survival, tau, arm.k)
         return (arm if k == arm.k else PLAIN_ARM if k == 0 else Arm(arm.drafter, k)), 0.0
+
+    def _floor(self, j: int) -> float:
+        """The confidence calibrated drafter j's tokens need at this slot's price (above 1: none pays)."""
+        return self.calibration.floor(j, self._price_of_token(j))
 
     def confidence_floor(self, req_id: str) -> float:
         """The confidence its drafter's tokens need this slot (`_cut`); 0: no floor."""
@@ -747,6 +751,11 @@ class LBSSSelector:
             st.catchup_tokens = st.num_tokens - int(st.kv_len[j]) if arm.drafter != previous else 0
             st.kv_len[j] = st.num_tokens
         st.current = arm
+
+
+def _nothing_above(confidence: Sequence[float], floor: float) -> bool:
+    """A draft with these confidences (non-increasing) has no token at or above the floor."""
+    return not confidence or confidence[0] < floor
 
 
 def _rounded(names: Sequence[str], values: np.ndarray, digits: int = 3) -> dict[str, float | None]:
