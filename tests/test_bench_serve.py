@@ -17,8 +17,9 @@ from aiohttp import web
 from spind.bench.cli import daemon_urls, peer_urls, serve_settings
 from spind.bench.datasets import Prompt
 from spind.bench.serve import (PEER, Level, RequestRecord, ServeSettings, add_identity, add_ratios, check_prompts,
-                               compare_table, follows_schema, free_port, load_serve_prompts, percentile, prompt_slices,
-                               prompts_needed, render_table, run_serve_bench, summarize, versus_peers)
+                               compare_table, follows_schema, free_port, load_serve_prompts, median_rows,
+                               median_versus, medians_table, percentile, prompt_slices, prompts_needed, render_table,
+                               run_serve_bench, summarize, versus_peers, versus_table)
 
 
 def record(ttft_s: float | None, latency_s: float, tokens: int, slots: int = 0, accepted_len: float = 0.0,
@@ -136,7 +137,10 @@ def serve_args(**overrides: object) -> argparse.Namespace:
 
 def test_serve_settings_take_mix_and_reject_repeats() -> None:
     settings = serve_settings(serve_args(dataset="mix", seed=3))
-    assert (settings.dataset, settings.seed, settings.concurrency) == ("mix", 3, (1, 4))
+    assert (settings.dataset, settings.seed, settings.concurrency, settings.repeats) == ("mix", 3, (1, 4), 1)
+    assert serve_settings(serve_args(repeats=3)).repeats == 3
+    with pytest.raises(ValueError, match="--repeats must be >= 1"):
+        serve_settings(serve_args(repeats=0))
     with pytest.raises(ValueError, match="unknown dataset"):
         serve_settings(serve_args(dataset="mixed"))
     with pytest.raises(ValueError, match="--concurrency lists a value twice"):
@@ -151,7 +155,7 @@ def test_serve_settings_take_mix_and_reject_repeats() -> None:
 def test_every_level_takes_its_own_prompts() -> None:
     settings = ServeSettings((1, 4), ("none", "int8"), max_tokens=(32, 64))
     slices = prompt_slices(settings)
-    assert list(slices) == [(32, 1), (32, 4), (64, 1), (64, 4)]  # run order
+    assert list(slices) == [(32, 1, 0), (32, 4, 0), (64, 1, 0), (64, 4, 0)]  # run order
     assert [len(r) for r in slices.values()] == [4, 8, 4, 8]
     taken = [i for r in slices.values() for i in r]
     assert sorted(taken) == list(range(1, 25))  # disjoint, consecutive, prompt 0 left to the warm-up
@@ -159,6 +163,10 @@ def test_every_level_takes_its_own_prompts() -> None:
     check_prompts(settings, [Prompt("t", str(i), True) for i in range(25)])
     with pytest.raises(ValueError, match="needs 25 prompts and --dataset mt_bench has 24"):
         check_prompts(settings, [Prompt("t", str(i), True) for i in range(24)])
+    # --repeats: each run of a level its own prompts, the runs of a level one after another
+    twice = prompt_slices(ServeSettings((1, 4), ("none",), max_tokens=(32,), repeats=2))
+    assert {k: (v.start, v.stop) for k, v in twice.items()} == {
+        (32, 1, 0): (1, 5), (32, 1, 1): (5, 9), (32, 4, 0): (9, 17), (32, 4, 1): (17, 25)}
 
 
 def write_datasets(root: Path, num: int) -> Path:
@@ -269,6 +277,49 @@ def test_render_table_adds_spind_vs_peers() -> None:
     assert lines[3].split() == ["spind", "64", "1", "10.0", "int8", "15.0", "20.0", "0.50", "0.75", "5.0", "2.00",
                                 "3.00"]
     assert lines[4].split() == ["spind", "64", "4", "30.0", "none", "30.0", "0.0", "-", "-", "-", "-", "-"]
+
+
+def test_medians_take_each_runs_own_ratio() -> None:
+    """Over --repeats runs a row reads its median tokens/s and the median of its runs' own x none: in a VM whose
+    speed drifts between runs, auto/none of the same run is what compares like with like (here the runs' medians
+    of tokens/s would say 40/40 = 1.00, while auto was ahead in two runs of three)."""
+    def row(drafter: str, rep: int, tps: float, same: str | None = None) -> dict:
+        return {"daemon": "spind", "max_tokens": 96, "concurrency": 4, "drafter": drafter, "repeat": rep,
+                "num_requests": 8, "num_errors": 0, "tokens_per_s": tps, "ttft_p50_ms": 100.0 + rep,
+                "latency_p50_s": 1.0, "mean_accepted_length": 1.0, "slot_ms": 10.0, "overhead_ms_per_slot": 0.5,
+                "same_as_none": same}
+
+    rows = add_ratios([row("none", 0, 50.0), row("auto", 0, 55.0, "8/8"), row("none", 1, 40.0),
+                       row("auto", 1, 30.0, "8/8"), row("none", 2, 30.0), row("auto", 2, 40.0, "7/8")])
+    none, auto = median_rows(rows)
+    assert (none["drafter"], none["runs"], none["tokens_per_s"], none["speedup_vs_none"]) == ("none", 3, 40.0, 1.0)
+    assert (auto["tokens_per_s"], auto["tokens_per_s_min"], auto["tokens_per_s_max"]) == (40.0, 30.0, 55.0)
+    assert auto["speedup_vs_none"] == pytest.approx(1.1)  # runs: 1.10, 0.75, 1.33
+    assert (auto["speedup_vs_none_min"], auto["speedup_vs_none_max"]) == (pytest.approx(0.75), pytest.approx(4 / 3))
+    assert auto["same_as_none"] == "23/24" and auto["num_requests"] == 24 and auto["ttft_p50_ms"] == 101.0
+    table = medians_table([none, auto], 3)
+    assert table.startswith("Medians over 3 runs")
+    assert table.splitlines()[-1].split() == ["spind", "96", "auto", "4", "3", "0", "101", "40.0", "30.0-55.0",
+                                              "1.00", "1.10", "0.75-1.33", "23/24"]
+
+
+def test_versus_peers_over_runs_takes_each_runs_ratio() -> None:
+    def row(daemon: str, drafter: str, rep: int, tps: float) -> dict:
+        return {"daemon": daemon, "max_tokens": 64, "drafter": drafter, "concurrency": 1, "repeat": rep,
+                "tokens_per_s": tps}
+
+    runs = [row("spind", "none", 0, 10.0), row("spind", "auto", 0, 12.0), row("vllm", PEER, 0, 8.0),
+            row("spind", "none", 1, 20.0), row("spind", "auto", 1, 18.0), row("vllm", PEER, 1, 25.0),
+            row("spind", "none", 2, 15.0), row("spind", "auto", 2, 16.0), row("vllm", PEER, 2, 15.0)]
+    per_run = versus_peers(runs)
+    assert [(e["repeat"], e["best_drafter"], e["none_over_peer"]) for e in per_run] == [
+        (0, "auto", pytest.approx(1.25)), (1, "none", pytest.approx(0.8)), (2, "auto", pytest.approx(1.0))]
+    (m,) = median_versus(per_run)
+    assert (m["runs"], m["best_drafter"], m["none_tokens_per_s"], m["peer_tokens_per_s"]) == (3, "auto", 15.0, 15.0)
+    assert (m["none_over_peer"], m["none_over_peer_min"], m["none_over_peer_max"]) == (
+        pytest.approx(1.0), pytest.approx(0.8), pytest.approx(1.25))
+    assert m["best_over_peer"] == pytest.approx(16 / 15)  # runs: 1.5, 0.8, 1.07
+    assert "1.00 (0.80-1.25)" in versus_table([m])
 
 
 # ---- the real clients against a fake peer ----------------------------------------------------------------
@@ -446,3 +497,32 @@ def test_a_peer_that_serves_no_model_or_is_not_there(models: list[str] | None) -
     with pytest.raises(ValueError, match="peer gone: nothing answers" if models is None else
                        "peer empty lists no model"):
         asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_repeated_runs_end_to_end_each_on_its_own_prompts() -> None:
+    """--repeats 2 against a spind daemon and a peer: each run of the level sends its own prompts to every row (so
+    a caching peer never sees one twice), and the results add the medians over the runs and the peer comparison
+    taken within each run."""
+    settings = ServeSettings((1,), ("none", "auto"), num_requests=2, max_tokens=(3,), repeats=2)
+    prompts = [Prompt("t", f"prompt {i}", True) for i in range(prompts_needed(settings))]
+    spind, peer = FakeSpind(can_reset=True), FakePeer(["smol"])
+
+    async def main() -> dict:
+        async with serving(spind.app()) as spind_url, serving(peer.app()) as peer_url:
+            return await run_serve_bench({"s": spind_url}, prompts, settings, peers={"vllm": peer_url})
+
+    results = asyncio.run(asyncio.wait_for(main(), 60))
+    assert [(r["daemon"], r["drafter"], r["repeat"]) for r in results["rows"]] == [
+        ("s", "none", 0), ("s", "auto", 0), ("vllm", PEER, 0), ("s", "none", 1), ("s", "auto", 1), ("vllm", PEER, 1)]
+    timed = [p for _, _, p in spind.sent[len(settings.drafters):]]
+    assert sorted(timed[:4]) == ["prompt 1", "prompt 1", "prompt 2", "prompt 2"]  # run 1: none, auto
+    assert sorted(timed[4:]) == ["prompt 3", "prompt 3", "prompt 4", "prompt 4"]  # run 2: its own prompts
+    peer_sent = sorted(b["messages"][0]["content"] if "messages" in b else b["prompt"] for b in peer.bodies[1:])
+    assert peer_sent == ["prompt 1", "prompt 2", "prompt 3", "prompt 4"]
+    medians = {(m["daemon"], m["drafter"]): m for m in results["medians"]}
+    assert set(medians) == {("s", "none"), ("s", "auto"), ("vllm", PEER)}
+    assert medians[("s", "auto")]["runs"] == 2 and medians[("s", "auto")]["same_as_none"] == "4/4"
+    (versus,) = results["versus_medians"]
+    assert (versus["peer"], versus["runs"]) == ("vllm", 2) and len(results["versus_peers"]) == 2
+    text = render_table(results)
+    assert "Medians over 2 runs" in text and "spind vs peers" in text

@@ -134,6 +134,9 @@ def add_parsers(sub: argparse._SubParsersAction,
     s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly --max-tokens tokens per request (default: on)")
     s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--repeats", type=int, default=1,
+                   help="runs of each level in a row, each on its own prompts; the table adds each row's median "
+                        "over them, its x none the median of the runs' own ratios (a shared VM drifts by 5-25%%)")
     s.add_argument("--url", action="append", default=None, metavar="[LABEL=]URL",
                    help="a running daemon's HTTP base URL; repeat to compare daemons side by side "
                         "(default: start one, stop it after)")
@@ -327,6 +330,9 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
         raise ValueError("need at least one drafter and concurrency levels >= 1")
     if not max_tokens or min(max_tokens) < 1 or (args.num_requests is not None and args.num_requests < 1):
         raise ValueError("--max-tokens and --num-requests must be >= 1")
+    repeats = getattr(args, "repeats", 1)
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
     for flag, values in (("--concurrency", concurrency), ("--max-tokens", max_tokens), ("--drafters", drafters)):
         if len(set(values)) < len(values):
             raise ValueError(f"{flag} lists a value twice: {','.join(map(str, values))}")
@@ -334,7 +340,7 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
         raise ValueError(f"{PEER!r} names the rows of --peer servers, not a drafter")
     return ServeSettings(concurrency=concurrency, drafters=drafters, dataset=args.dataset,
                          num_requests=args.num_requests, max_tokens=max_tokens, ignore_eos=args.ignore_eos,
-                         temperature=args.temperature, seed=args.seed)
+                         temperature=args.temperature, seed=args.seed, repeats=repeats)
 
 
 def daemon_urls(urls: list[str] | None) -> dict[str, str]:

@@ -22,6 +22,13 @@ the settings, so restart a caching peer between runs (or change --seed of --data
 
 Greedy decoding does not depend on the drafter: at temperature 0 each spind drafter's outputs are compared with
 the `none` drafter's on the same prompts (`same_as_none`, "equal/compared").
+
+Noise: a shared VM's speed drifts by 5-25% from one minute to the next, more than the effects worth measuring.
+`--repeats N` runs each level N times in a row, each run with its own prompts (for the caches, as above) and every
+row of the level in it, so a row and the rows it is compared with always ran on the same prompts minutes apart. A
+ratio (`x none`, spind against a peer) is then taken within each run and its median over the runs reported
+(`medians`, with the runs' least and greatest), which cancels the drift a median of each row's tokens/s alone
+would keep.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ class ServeSettings:
     ignore_eos: bool = True
     temperature: float = 0.0
     seed: int = 0  # of the mix's draw; a named dataset takes evenly spaced records
+    repeats: int = 1  # runs of each level, each on its own prompts (ratios: the median of the runs')
 
     def requests_at(self, concurrency: int) -> int:
         return self.num_requests or max(4, 2 * concurrency)
@@ -78,6 +86,7 @@ class Level:
     max_tokens: int
     concurrency: int
     drafter: str
+    repeat: int = 0  # which run of the level (--repeats)
 
     @property
     def is_peer(self) -> bool:
@@ -91,6 +100,7 @@ class RequestRecord:
     drafter: str
     concurrency: int
     index: int  # into the level's prompts: the same index is the same prompt for every drafter and peer
+    repeat: int = 0  # the run of the level: each has its own prompts
     ttft_s: float | None = None
     latency_s: float = 0.0
     completion_tokens: int = 0
@@ -102,14 +112,15 @@ class RequestRecord:
 
 
 # ---- prompts (pure) ---------------------------------------------------------------------------------------
-def prompt_slices(settings: ServeSettings) -> dict[tuple[int, int], range]:
-    """{(max_tokens, concurrency): indices into the prompt list}: consecutive, disjoint, in run order, after
-    prompt 0 (the warm-up's)."""
+def prompt_slices(settings: ServeSettings) -> dict[tuple[int, int, int], range]:
+    """{(max_tokens, concurrency, repeat): indices into the prompt list}: consecutive, disjoint, in run order,
+    after prompt 0 (the warm-up's)."""
     out, start = {}, 1
     for n in settings.max_tokens:
         for c in settings.concurrency:
-            out[(n, c)] = range(start, start + settings.requests_at(c))
-            start += settings.requests_at(c)
+            for rep in range(settings.repeats):
+                out[(n, c, rep)] = range(start, start + settings.requests_at(c))
+                start += settings.requests_at(c)
     return out
 
 
@@ -170,7 +181,7 @@ def summarize(level: Level, records: list[RequestRecord], wall_s: float, slots_b
     grammar_ms = (slots_after.get("grammar_s", 0.0) - slots_before.get("grammar_s", 0.0)) * 1e3
     return {
         "daemon": level.daemon, "max_tokens": level.max_tokens, "drafter": level.drafter,
-        "concurrency": level.concurrency, "num_requests": len(records),
+        "concurrency": level.concurrency, "repeat": level.repeat, "num_requests": len(records),
         "num_errors": len(records) - len(ok), "completion_tokens": tokens, "wall_s": wall_s,
         "ttft_p50_ms": percentile(ttfts_ms, 0.5), "ttft_p90_ms": percentile(ttfts_ms, 0.9),
         "latency_p50_s": percentile(latencies, 0.5), "latency_p90_s": percentile(latencies, 0.9),
@@ -191,7 +202,8 @@ def summarize(level: Level, records: list[RequestRecord], wall_s: float, slots_b
 
 
 def _cell(r: dict) -> tuple:
-    return r.get("daemon", ""), r.get("max_tokens", 0), r["concurrency"]
+    """A level's run: the rows that ran on the same prompts, one after another."""
+    return r.get("daemon", ""), r.get("max_tokens", 0), r["concurrency"], r.get("repeat", 0)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -211,13 +223,13 @@ def add_identity(rows: list[dict], records: list[RequestRecord], temperature: fl
     """Fill `same_as_none` of each spind drafter's row but `none`'s: "equal/compared", its outputs equal to the
     `none` drafter's on the same prompt (same daemon and level), over the prompts both answered. Speculative
     decoding must not change a greedy output; at temperature > 0 the outputs are samples (None there)."""
-    plain = {(r.daemon, r.max_tokens, r.concurrency, r.index): r.output
+    plain = {(r.daemon, r.max_tokens, r.concurrency, r.repeat, r.index): r.output
              for r in records if r.drafter == PLAIN and r.error is None}
     counts: dict[tuple, list[int]] = {}
     for r in records:
-        key = (r.daemon, r.max_tokens, r.concurrency, r.index)
+        key = (r.daemon, r.max_tokens, r.concurrency, r.repeat, r.index)
         if r.drafter not in (PLAIN, PEER) and r.error is None and key in plain:
-            equal_compared = counts.setdefault((r.daemon, r.max_tokens, r.concurrency, r.drafter), [0, 0])
+            equal_compared = counts.setdefault((r.daemon, r.max_tokens, r.concurrency, r.repeat, r.drafter), [0, 0])
             equal_compared[0] += r.output == plain[key]
             equal_compared[1] += 1
     cells_with_none = {_cell(r) for r in rows if r["drafter"] == PLAIN}
@@ -229,8 +241,8 @@ def add_identity(rows: list[dict], records: list[RequestRecord], temperature: fl
 
 
 def versus_peers(rows: list[dict]) -> list[dict]:
-    """Per spind daemon, level and peer: spind's plain decoding and its fastest drafter (`none` included) against
-    the peer's tokens/s; ratios > 1: spind is faster."""
+    """Per spind daemon, level, run and peer: spind's plain decoding and its fastest drafter (`none` included)
+    against the peer's tokens/s; ratios > 1: spind is faster."""
     peers = list(dict.fromkeys(r["daemon"] for r in rows if r["drafter"] == PEER))
     peer_tps = {_cell(r): r["tokens_per_s"] for r in rows if r["drafter"] == PEER}
     cells: dict[tuple, list[dict]] = {}
@@ -238,16 +250,68 @@ def versus_peers(rows: list[dict]) -> list[dict]:
         if r["drafter"] != PEER:
             cells.setdefault(_cell(r), []).append(r)
     out = []
-    for (daemon, n, c), at in cells.items():
+    for (daemon, n, c, rep), at in cells.items():
         none_tps = next((r["tokens_per_s"] for r in at if r["drafter"] == PLAIN), None)
         best = max((r for r in at if r["tokens_per_s"] is not None), key=lambda r: r["tokens_per_s"], default=None)
         best_tps = best["tokens_per_s"] if best else None
         for peer in peers:
-            tps = peer_tps.get((peer, n, c))
-            out.append({"daemon": daemon, "max_tokens": n, "concurrency": c, "peer": peer,
+            tps = peer_tps.get((peer, n, c, rep))
+            out.append({"daemon": daemon, "max_tokens": n, "concurrency": c, "repeat": rep, "peer": peer,
                         "none_tokens_per_s": none_tps, "best_drafter": best["drafter"] if best else None,
                         "best_tokens_per_s": best_tps, "peer_tokens_per_s": tps,
                         "none_over_peer": _ratio(none_tps, tps), "best_over_peer": _ratio(best_tps, tps)})
+    return out
+
+
+def _spread(values: list[float | None]) -> tuple[float | None, float | None, float | None]:
+    """(median, least, greatest) of the known values."""
+    known = [v for v in values if v is not None]
+    return (percentile(known, 0.5), min(known), max(known)) if known else (None, None, None)
+
+
+def median_rows(rows: list[dict]) -> list[dict]:
+    """One row per daemon, output length, concurrency and drafter over its runs (--repeats): the median of its
+    tokens/s, TTFT and accepted length, and the median of `x none` taken within each run, with the runs' least and
+    greatest; `same_as_none` summed over the runs."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["daemon"], r["max_tokens"], r["concurrency"], r["drafter"]), []).append(r)
+    out = []
+    for (daemon, n, c, drafter), runs in groups.items():
+        tps, tps_lo, tps_hi = _spread([r["tokens_per_s"] for r in runs])
+        x, x_lo, x_hi = _spread([r["speedup_vs_none"] for r in runs])
+        same = [r["same_as_none"] for r in runs if r["same_as_none"]]
+        out.append({"daemon": daemon, "max_tokens": n, "concurrency": c, "drafter": drafter, "runs": len(runs),
+                    "num_requests": sum(r["num_requests"] for r in runs),
+                    "num_errors": sum(r["num_errors"] for r in runs),
+                    "tokens_per_s": tps, "tokens_per_s_min": tps_lo, "tokens_per_s_max": tps_hi,
+                    "ttft_p50_ms": _spread([r["ttft_p50_ms"] for r in runs])[0],
+                    "latency_p50_s": _spread([r["latency_p50_s"] for r in runs])[0],
+                    "mean_accepted_length": _spread([r["mean_accepted_length"] for r in runs])[0],
+                    "slot_ms": _spread([r["slot_ms"] for r in runs])[0],
+                    "overhead_ms_per_slot": _spread([r["overhead_ms_per_slot"] for r in runs])[0],
+                    "speedup_vs_none": x, "speedup_vs_none_min": x_lo, "speedup_vs_none_max": x_hi,
+                    "same_as_none": (f"{sum(int(v.split('/')[0]) for v in same)}/"
+                                     f"{sum(int(v.split('/')[1]) for v in same)}") if same else None})
+    return out
+
+
+def median_versus(entries: list[dict]) -> list[dict]:
+    """`versus_peers` over the runs: per spind daemon, level and peer, the medians of the runs' tokens/s and of
+    their ratios (each taken within a run), with the ratios' least and greatest."""
+    groups: dict[tuple, list[dict]] = {}
+    for e in entries:
+        groups.setdefault((e["daemon"], e["max_tokens"], e["concurrency"], e["peer"]), []).append(e)
+    out = []
+    for (daemon, n, c, peer), runs in groups.items():
+        best = [e["best_drafter"] for e in runs if e["best_drafter"]]
+        row = {"daemon": daemon, "max_tokens": n, "concurrency": c, "peer": peer, "runs": len(runs),
+               "best_drafter": max(set(best), key=best.count) if best else None}
+        for key in ("none_tokens_per_s", "best_tokens_per_s", "peer_tokens_per_s"):
+            row[key] = _spread([e[key] for e in runs])[0]
+        for key in ("none_over_peer", "best_over_peer"):
+            row[key], row[key + "_min"], row[key + "_max"] = _spread([e[key] for e in runs])
+        out.append(row)
     return out
 
 
@@ -355,11 +419,11 @@ async def run_level(session: aiohttp.ClientSession, url: str, prompts: list[Prom
     async def client() -> None:
         for i in todo:
             rec = RequestRecord(daemon=level.daemon, max_tokens=level.max_tokens, drafter=level.drafter,
-                                concurrency=level.concurrency, index=i)
+                                concurrency=level.concurrency, index=i, repeat=level.repeat)
             rec = await send_request(session, url, prompts[i], None if level.is_peer else level.drafter, settings, rec,
                                      model)
             records.append(rec)
-            progress.step(f"{level.daemon} {level.drafter} c={level.concurrency} n={level.max_tokens} #{i}: " +
+            progress.step(f"{_label(level, settings.repeats)} #{i}: " +
                           (f"error {rec.error}" if rec.error else
                            f"{rec.completion_tokens} tokens, ttft {fmt(rec.ttft_s)}s, {rec.latency_s:.2f}s"))
 
@@ -420,13 +484,14 @@ async def _check_peer(session: aiohttp.ClientSession, name: str, url: str, promp
 async def run_serve_bench(daemons: dict[str, str], prompts: list[Prompt], settings: ServeSettings,
                           headers: dict[str, str] | None = None, peers: dict[str, str] | None = None) -> dict:
     """Every level on every spind daemon and peer ({label: base URL}), interleaved so that all see the same
-    machine load; `prompts` as `prompt_slices` lays them out. Returns the JSON-ready results."""
+    machine load, `settings.repeats` times in a row; `prompts` as `prompt_slices` lays them out. Returns the
+    JSON-ready results."""
     peers = peers or {}
     check_prompts(settings, prompts)
     slices = prompt_slices(settings)
-    levels = [lv for n in settings.max_tokens for c in settings.concurrency
-              for lv in [*(Level(label, n, c, d) for d in settings.drafters for label in daemons),
-                         *(Level(name, n, c, PEER) for name in peers)]]
+    levels = [lv for n in settings.max_tokens for c in settings.concurrency for rep in range(settings.repeats)
+              for lv in [*(Level(label, n, c, d, rep) for d in settings.drafters for label in daemons),
+                         *(Level(name, n, c, PEER, rep) for name in peers)]]
     progress = Progress(total=sum(settings.requests_at(lv.concurrency) for lv in levels))
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     # spind's API key goes to spind only: a peer gets a session without it
@@ -447,18 +512,25 @@ async def run_serve_bench(daemons: dict[str, str], prompts: list[Prompt], settin
                 (spind_session, daemons[level.daemon])
             if not level.is_peer and resets[level.daemon]:
                 await reset_cache(session, url)
-            level_prompts = [prompts[i] for i in slices[(level.max_tokens, level.concurrency)]]
+            level_prompts = [prompts[i] for i in slices[(level.max_tokens, level.concurrency, level.repeat)]]
             row, recs = await run_level(session, url, level_prompts, level, settings, progress,
                                         models[level.daemon] if level.is_peer else None)
             rows.append(row)
             records += recs
-            progress.note(f"{level.daemon} {level.drafter} c={level.concurrency} n={level.max_tokens}: "
+            progress.note(f"{_label(level, settings.repeats)}: "
                           f"{fmt(row['tokens_per_s'], 1)} tokens/s, ttft p50 {fmt(row['ttft_p50_ms'], 0)} ms, "
                           f"slot {fmt(row['slot_ms'], 1)} ms, {row['num_errors']} errors")
     rows = add_identity(add_ratios(rows), records, settings.temperature)
+    versus = versus_peers(rows)
     return {"settings": asdict(settings), "daemons": daemons, "peers": peers, "models": models, "cache_reset": resets,
-            "cpu_count": os.cpu_count(), "rows": rows, "versus_peers": versus_peers(rows),
-            "requests": [asdict(r) for r in records]}
+            "cpu_count": os.cpu_count(), "rows": rows, "medians": median_rows(rows), "versus_peers": versus,
+            "versus_medians": median_versus(versus), "requests": [asdict(r) for r in records]}
+
+
+def _label(level: Level, repeats: int) -> str:
+    """A row's name in the progress lines."""
+    run = f" run {level.repeat + 1}/{repeats}" if repeats > 1 else ""
+    return f"{level.daemon} {level.drafter} c={level.concurrency} n={level.max_tokens}{run}"
 
 
 def render_table(results: dict) -> str:
@@ -466,9 +538,12 @@ def render_table(results: dict) -> str:
     dataset = f"{s['dataset']} (seed {s['seed']})" if s["dataset"] == MIX_DATASET else s["dataset"]
     title = (f"Serving: {dataset} prompts{' (ignore_eos)' if s['ignore_eos'] else ''}, temperature "
              f"{s['temperature']}, closed-loop clients")
-    header = ["daemon", "max tok", "drafter", "conc", "reqs", "err", "TTFT p50 ms", "TTFT p90 ms", "lat p50 s",
-              "lat p90 s", "tok/s", "tok/s/req p50", "acc len", "slot ms", "overhead ms/slot", "x none", "= none"]
-    rows = [[r["daemon"], str(r["max_tokens"]), r["drafter"], str(r["concurrency"]), str(r["num_requests"]),
+    repeats = s.get("repeats", 1)
+    header = ["daemon", "max tok", "drafter", "conc", *(["run"] if repeats > 1 else []), "reqs", "err", "TTFT p50 ms",
+              "TTFT p90 ms", "lat p50 s", "lat p90 s", "tok/s", "tok/s/req p50", "acc len", "slot ms",
+              "overhead ms/slot", "x none", "= none"]
+    rows = [[r["daemon"], str(r["max_tokens"]), r["drafter"], str(r["concurrency"]),
+             *([str(r.get("repeat", 0) + 1)] if repeats > 1 else []), str(r["num_requests"]),
              str(r["num_errors"]), fmt(r["ttft_p50_ms"], 0), fmt(r["ttft_p90_ms"], 0), fmt(r["latency_p50_s"]),
              fmt(r["latency_p90_s"]), fmt(r["tokens_per_s"], 1), fmt(r["request_tokens_per_s_p50"], 1),
              fmt(r["mean_accepted_length"]), fmt(r["slot_ms"], 1), fmt(r["overhead_ms_per_slot"], 3),
@@ -479,12 +554,32 @@ def render_table(results: dict) -> str:
         for line, r in zip(rows, results["rows"]):
             line += [r.get("schema_valid") or "-", fmt(r.get("grammar_ms_per_token"), 3)]
     tables = [format_table(title, header, rows)]
+    summary = results["rows"]
+    if repeats > 1:
+        summary = results["medians"]
+        tables.append(medians_table(summary, repeats))
     labels = list(results["daemons"])
     if len(labels) > 1:
-        tables.append(compare_table(results["rows"], labels[0], labels[1:]))
-    if results["versus_peers"]:
-        tables.append(versus_table(results["versus_peers"]))
+        tables.append(compare_table(summary, labels[0], labels[1:]))
+    versus = results["versus_medians"] if repeats > 1 else results["versus_peers"]
+    if versus:
+        tables.append(versus_table(versus))
     return "\n\n".join(tables)
+
+
+def medians_table(medians: list[dict], repeats: int) -> str:
+    """`median_rows`: each row's median over the runs, and its ratio to `none` taken within each run."""
+    def spread(r: dict, key: str, digits: int = 2) -> str:
+        lo, hi = r.get(key + "_min"), r.get(key + "_max")
+        return f"{fmt(lo, digits)}-{fmt(hi, digits)}" if lo is not None else "-"
+
+    rows = [[r["daemon"], str(r["max_tokens"]), r["drafter"], str(r["concurrency"]), str(r["runs"]),
+             str(r["num_errors"]), fmt(r["ttft_p50_ms"], 0), fmt(r["tokens_per_s"], 1), spread(r, "tokens_per_s", 1),
+             fmt(r["mean_accepted_length"]), fmt(r["speedup_vs_none"]), spread(r, "speedup_vs_none"),
+             r["same_as_none"] or "-"] for r in medians]
+    return format_table(f"Medians over {repeats} runs (each run its own prompts; x none taken within each run)",
+                        ["daemon", "max tok", "drafter", "conc", "runs", "err", "TTFT p50 ms", "tok/s",
+                         "tok/s range", "acc len", "x none", "x none range", "= none"], rows)
 
 
 def compare_table(rows: list[dict], base: str, others: list[str]) -> str:
@@ -513,11 +608,17 @@ def versus_table(entries: list[dict]) -> str:
         line = lines.setdefault((e["daemon"], e["max_tokens"], e["concurrency"]), [
             e["daemon"], str(e["max_tokens"]), str(e["concurrency"]), fmt(e["none_tokens_per_s"], 1),
             e["best_drafter"] or "-", fmt(e["best_tokens_per_s"], 1)])
-        line += [fmt(e["peer_tokens_per_s"], 1), fmt(e["none_over_peer"]), fmt(e["best_over_peer"])]
+        line += [fmt(e["peer_tokens_per_s"], 1), _with_range(e, "none_over_peer"), _with_range(e, "best_over_peer")]
     header = ["spind", "max tok", "conc", "none tok/s", "best", "best tok/s",
               *(col for p in peers for col in (f"{p} tok/s", f"none/{p}", f"best/{p}"))]
     return format_table("spind vs peers: tokens/s, same prompts in the same run (ratios > 1: spind is faster)",
                         header, list(lines.values()))
+
+
+def _with_range(e: dict, key: str) -> str:
+    """A ratio, and the runs' range where it is a median over several."""
+    lo, hi = e.get(key + "_min"), e.get(key + "_max")
+    return fmt(e[key]) + (f" ({fmt(lo)}-{fmt(hi)})" if lo is not None and e.get("runs", 1) > 1 else "")
 
 
 # ---- a daemon of our own ------------------------------------------------------------------------------
