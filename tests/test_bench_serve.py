@@ -19,7 +19,7 @@ from spind.bench.datasets import Prompt
 from spind.bench.serve import (PEER, Level, RequestRecord, ServeSettings, add_identity, add_ratios, check_prompts,
                                compare_table, follows_schema, free_port, load_serve_prompts, median_rows,
                                median_versus, medians_table, percentile, prompt_slices, prompts_needed, render_table,
-                               run_serve_bench, summarize, versus_peers, versus_table)
+                               run_serve_bench, summarize, versus_peers, versus_table, wait_for_quiet, cpu_times)
 
 
 def record(ttft_s: float | None, latency_s: float, tokens: int, slots: int = 0, accepted_len: float = 0.0,
@@ -392,7 +392,8 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
 
 
 def test_a_peer_end_to_end_through_the_real_clients() -> None:
-    settings = ServeSettings((1, 2), ("none", "int8"), num_requests=3, max_tokens=(5,))  # levels: prompts 1-3, 4-6
+    # levels: prompts 1-3, 4-6
+    settings = ServeSettings((1, 2), ("none", "int8"), num_requests=3, max_tokens=(5,), quiet_timeout_s=0)
     prompts = [Prompt("t", f"prompt {i}" + (" REJECT" if i == 2 else " NOUSAGE" if i == 5 else ""), i % 2 == 0)
                for i in range(prompts_needed(settings))]
     fake = FakePeer(["smol", "other"])
@@ -460,7 +461,7 @@ def test_each_spind_row_starts_with_the_drafters_caches_emptied(can_reset: bool,
     """Within a level every drafter gets the same prompts, and suffix decoding keeps finished requests' answers:
     the bench empties the caches before each spind row, so no row drafts an earlier row's answer to its prompt. A
     daemon without the reset is benched anyway, with a warning."""
-    settings = ServeSettings((1, 2), ("none", "auto"), num_requests=2, max_tokens=(3,))
+    settings = ServeSettings((1, 2), ("none", "auto"), num_requests=2, max_tokens=(3,), quiet_timeout_s=0)
     prompts = [Prompt("t", f"prompt {i}", i % 2 == 0) for i in range(prompts_needed(settings))]
     fake = FakeSpind(can_reset)
 
@@ -485,7 +486,7 @@ def test_each_spind_row_starts_with_the_drafters_caches_emptied(can_reset: bool,
 
 @pytest.mark.parametrize("models", [[], None])
 def test_a_peer_that_serves_no_model_or_is_not_there(models: list[str] | None) -> None:
-    settings = ServeSettings((1,), ("none",), num_requests=1)
+    settings = ServeSettings((1,), ("none",), num_requests=1, quiet_timeout_s=0)
     prompts = [Prompt("t", "hi", True)] * prompts_needed(settings)
 
     async def main() -> dict:
@@ -503,7 +504,7 @@ def test_repeated_runs_end_to_end_each_on_its_own_prompts() -> None:
     """--repeats 2 against a spind daemon and a peer: each run of the level sends its own prompts to every row (so
     a caching peer never sees one twice), and the results add the medians over the runs and the peer comparison
     taken within each run."""
-    settings = ServeSettings((1,), ("none", "auto"), num_requests=2, max_tokens=(3,), repeats=2)
+    settings = ServeSettings((1,), ("none", "auto"), num_requests=2, max_tokens=(3,), repeats=2, quiet_timeout_s=0)
     prompts = [Prompt("t", f"prompt {i}", True) for i in range(prompts_needed(settings))]
     spind, peer = FakeSpind(can_reset=True), FakePeer(["smol"])
 
@@ -526,3 +527,29 @@ def test_repeated_runs_end_to_end_each_on_its_own_prompts() -> None:
     assert (versus["peer"], versus["runs"]) == ("vllm", 2) and len(results["versus_peers"]) == 2
     text = render_table(results)
     assert "Medians over 2 runs" in text and "spind vs peers" in text
+
+
+def test_a_row_starts_once_the_machine_is_quiet() -> None:
+    """A server keeps a core busy for a while after its last request (vLLM's CPU build: ~1-1.5 s): the next row
+    waits for a window in which the CPUs are busy under QUIET_BUSY, at most the timeout; no /proc/stat, no wait."""
+    def sampler(shares: list[float]):
+        state = {"busy": 0, "total": 0, "i": 0}
+
+        def sample() -> tuple[int, int]:
+            if state["i"]:
+                share = shares[min(state["i"] - 1, len(shares) - 1)]
+                state["busy"] += int(100 * share)
+                state["total"] += 100
+            state["i"] += 1
+            return state["busy"], state["total"]
+        return sample, state
+
+    sample, state = sampler([0.5, 0.5, 0.05])
+    waited = asyncio.run(wait_for_quiet(10.0, sample, window_s=0.01))
+    assert state["i"] == 4 and 0.03 <= waited < 5  # two busy windows, then a quiet one
+    sample, state = sampler([0.9])
+    assert 0.05 <= asyncio.run(wait_for_quiet(0.05, sample, window_s=0.01)) < 5  # never quiet: the timeout
+    assert asyncio.run(wait_for_quiet(10.0, lambda: None, window_s=0.01)) < 0.01
+    sample, state = sampler([0.9])
+    assert asyncio.run(wait_for_quiet(0.0, sample, window_s=0.01)) < 0.01 and state["i"] == 1  # 0: no wait
+    assert cpu_times() is None or cpu_times()[1] > 0

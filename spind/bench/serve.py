@@ -23,6 +23,11 @@ the settings, so restart a caching peer between runs (or change --seed of --data
 Greedy decoding does not depend on the drafter: at temperature 0 each spind drafter's outputs are compared with
 the `none` drafter's on the same prompts (`same_as_none`, "equal/compared").
 
+Quiet start: a server keeps a core busy for a while after its last request (vLLM's CPU build spins one core for
+~1-1.5 s), so each row waits until the machine's CPUs are idle (`wait_for_quiet`, /proc/stat) before its first
+request. Without it, the spind row after a vLLM row ran ~8% slower at 8 and 16 clients than the same drafter second
+in the row order (Zen 4, 2 cores): `auto` read 1.07-1.09x `none` in one order and 0.91-0.92x in the other.
+
 Noise: a shared VM's speed drifts by 5-25% from one minute to the next, more than the effects worth measuring.
 `--repeats N` runs each level N times in a row, each run with its own prompts (for the caches, as above) and every
 row of the level in it, so a row and the rows it is compared with always ran on the same prompts minutes apart. A
@@ -73,6 +78,7 @@ class ServeSettings:
     temperature: float = 0.0
     seed: int = 0  # of the mix's draw; a named dataset takes evenly spaced records
     repeats: int = 1  # runs of each level, each on its own prompts (ratios: the median of the runs')
+    quiet_timeout_s: float = 15.0  # the most a row waits for the machine to be idle before it starts (0: not at all)
 
     def requests_at(self, concurrency: int) -> int:
         return self.num_requests or max(4, 2 * concurrency)
@@ -315,6 +321,39 @@ def median_versus(entries: list[dict]) -> list[dict]:
     return out
 
 
+QUIET_BUSY = 0.15  # the machine is quiet when its CPUs are busy less than this share of a window
+QUIET_WINDOW_S = 0.25
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs since boot (/proc/stat); None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+async def wait_for_quiet(timeout_s: float, sample=cpu_times, window_s: float = QUIET_WINDOW_S,
+                         busy_below: float = QUIET_BUSY) -> float:
+    """Wait until a window of `window_s` has the CPUs busy under `busy_below` of the time (the server benched last
+    has let go of its cores), at most `timeout_s`; returns the seconds waited. Without /proc/stat, returns at once."""
+    start = time.perf_counter()
+    before = sample()
+    while before is not None and time.perf_counter() - start < timeout_s:
+        await asyncio.sleep(window_s)
+        after = sample()
+        if after is None:
+            break
+        busy, total = after[0] - before[0], after[1] - before[1]
+        if total > 0 and busy / total < busy_below:
+            break
+        before = after
+    return time.perf_counter() - start
+
+
 # ---- the clients --------------------------------------------------------------------------------------
 async def send_request(session: aiohttp.ClientSession, url: str, prompt: Prompt, drafter: str | None,
                        settings: ServeSettings, rec: RequestRecord, model: str | None = None) -> RequestRecord:
@@ -512,9 +551,14 @@ async def run_serve_bench(daemons: dict[str, str], prompts: list[Prompt], settin
                 (spind_session, daemons[level.daemon])
             if not level.is_peer and resets[level.daemon]:
                 await reset_cache(session, url)
+            settle_s = await wait_for_quiet(settings.quiet_timeout_s)
+            if settings.quiet_timeout_s > 0 and settle_s >= settings.quiet_timeout_s:
+                progress.note(f"{_label(level, settings.repeats)}: the CPUs stayed busy for {settle_s:.0f} s (another "
+                              "process?); it starts anyway, its figures shared the machine")
             level_prompts = [prompts[i] for i in slices[(level.max_tokens, level.concurrency, level.repeat)]]
             row, recs = await run_level(session, url, level_prompts, level, settings, progress,
                                         models[level.daemon] if level.is_peer else None)
+            row["settle_s"] = settle_s
             rows.append(row)
             records += recs
             progress.note(f"{_label(level, settings.repeats)}: "
