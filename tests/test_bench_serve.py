@@ -96,6 +96,11 @@ def test_daemons_compare_level_by_level() -> None:
     rows = [{**row, "daemon": "before"}, {**row, "daemon": "after", "tokens_per_s": 60.0, "ttft_p50_ms": 200.0}]
     table = compare_table(rows, "before", ["after"])
     assert table.splitlines()[-1].split() == ["after", "48", "none", "16", "1.20", "0.50", "1.00", "1.00"]
+    # over --repeats runs: each run's own ratio, then their median (run 2 was slower for both daemons)
+    runs = rows + [{**r, "repeat": 1, "tokens_per_s": r["tokens_per_s"] / 2} for r in rows[:1]] + [
+        {**rows[1], "repeat": 1, "tokens_per_s": 40.0}]
+    table = compare_table(runs, "before", ["after"])
+    assert table.splitlines()[-1].split()[:5] == ["after", "48", "none", "16", "1.40"]  # runs: 1.20 and 1.60
 
 
 def test_daemon_urls_take_labels() -> None:
@@ -131,7 +136,7 @@ def test_peer_urls_take_names() -> None:
 
 def serve_args(**overrides: object) -> argparse.Namespace:
     args = {"concurrency": "1,4", "drafters": "none,int8", "dataset": "mt_bench", "max_tokens": "64",
-            "num_requests": None, "ignore_eos": True, "temperature": 0.0, "seed": 0}
+            "num_requests": None, "ignore_eos": True, "temperature": 0.0, "seed": 0, "repeats": 1}
     return argparse.Namespace(**(args | overrides))
 
 

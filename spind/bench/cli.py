@@ -330,9 +330,8 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
         raise ValueError("need at least one drafter and concurrency levels >= 1")
     if not max_tokens or min(max_tokens) < 1 or (args.num_requests is not None and args.num_requests < 1):
         raise ValueError("--max-tokens and --num-requests must be >= 1")
-    repeats = getattr(args, "repeats", 1)
-    if repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     for flag, values in (("--concurrency", concurrency), ("--max-tokens", max_tokens), ("--drafters", drafters)):
         if len(set(values)) < len(values):
             raise ValueError(f"{flag} lists a value twice: {','.join(map(str, values))}")
@@ -340,7 +339,7 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
         raise ValueError(f"{PEER!r} names the rows of --peer servers, not a drafter")
     return ServeSettings(concurrency=concurrency, drafters=drafters, dataset=args.dataset,
                          num_requests=args.num_requests, max_tokens=max_tokens, ignore_eos=args.ignore_eos,
-                         temperature=args.temperature, seed=args.seed, repeats=repeats)
+                         temperature=args.temperature, seed=args.seed, repeats=args.repeats)
 
 
 def daemon_urls(urls: list[str] | None) -> dict[str, str]:

@@ -598,13 +598,11 @@ def render_table(results: dict) -> str:
         for line, r in zip(rows, results["rows"]):
             line += [r.get("schema_valid") or "-", fmt(r.get("grammar_ms_per_token"), 3)]
     tables = [format_table(title, header, rows)]
-    summary = results["rows"]
     if repeats > 1:
-        summary = results["medians"]
-        tables.append(medians_table(summary, repeats))
+        tables.append(medians_table(results["medians"], repeats))
     labels = list(results["daemons"])
     if len(labels) > 1:
-        tables.append(compare_table(summary, labels[0], labels[1:]))
+        tables.append(compare_table(results["rows"], labels[0], labels[1:]))
     versus = results["versus_medians"] if repeats > 1 else results["versus_peers"]
     if versus:
         tables.append(versus_table(versus))
@@ -627,19 +625,17 @@ def medians_table(medians: list[dict], repeats: int) -> str:
 
 
 def compare_table(rows: list[dict], base: str, others: list[str]) -> str:
-    """Each daemon against the first, level by level: ratios of tokens/s, TTFT p50, slot and overhead time."""
-    by = {(r["daemon"], r["max_tokens"], r["concurrency"], r["drafter"]): r for r in rows}
-
-    def ratio(a: float | None, b: float | None) -> str:
-        return fmt(_ratio(a, b))
-
-    out = []
-    for (daemon, n, c, d), r in by.items():
-        if daemon in others and (base, n, c, d) in by:
-            b = by[(base, n, c, d)]
-            out.append([daemon, str(n), d, str(c), ratio(r["tokens_per_s"], b["tokens_per_s"]),
-                        ratio(r["ttft_p50_ms"], b["ttft_p50_ms"]), ratio(r["slot_ms"], b["slot_ms"]),
-                        ratio(r["overhead_ms_per_slot"], b["overhead_ms_per_slot"])])
+    """Each daemon against the first, level by level: ratios of tokens/s, TTFT p50, slot and overhead time, each
+    taken within a run (--repeats: the median of the runs' ratios)."""
+    by = {(r["daemon"], r["max_tokens"], r["concurrency"], r["drafter"], r.get("repeat", 0)): r for r in rows}
+    keys = ("tokens_per_s", "ttft_p50_ms", "slot_ms", "overhead_ms_per_slot")
+    ratios: dict[tuple, list[list[float | None]]] = {}
+    for (daemon, n, c, d, rep), r in by.items():
+        b = by.get((base, n, c, d, rep))
+        if daemon in others and b is not None:
+            ratios.setdefault((daemon, n, c, d), []).append([_ratio(r[k], b[k]) for k in keys])
+    out = [[daemon, str(n), d, str(c), *(fmt(_spread([run[i] for run in runs])[0]) for i in range(len(keys)))]
+           for (daemon, n, c, d), runs in ratios.items()]
     return format_table(f"Side by side: each daemon / {base} (same level, same run)",
                         ["daemon", "max tok", "drafter", "conc", "tok/s", "TTFT p50", "slot ms", "overhead/slot"], out)
 
