@@ -329,7 +329,7 @@ def cpu_times() -> tuple[int, int] | None:
     """(busy, total) jiffies of all CPUs since boot (/proc/stat); None where there is no /proc/stat."""
     try:
         with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
+            fields = [int(v) for v in f.readline().split()[1:9]]  # user .. steal: guest time is counted in user
     except (OSError, ValueError):
         return None
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
