@@ -94,3 +94,34 @@ def test_workers_load_at_once_and_a_failed_load_stops_the_others() -> None:
         assert not pool.is_alive("target")
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("pool_kind", ["in-process", "process"])
+def test_a_call_cancelled_as_its_reply_lands_is_cancelled(pool_kind: str, tmp_path) -> None:
+    """The reply lands in the loop iteration its caller is cancelled in: the caller must still end cancelled.
+    `asyncio.wait_for` returned the reply instead on Python 3.11 (CPython gh-86296); the coordinator's loop then
+    ran on after `shutdown(drain=False)` cancelled it, and the shutdown waited for it forever (a CI run's hang)."""
+    import zmq.asyncio
+
+    from spind.config import load_config
+    from spind.coordinator.transport.process_pool import WorkerProcess
+
+    async def main() -> None:
+        reply = asyncio.get_running_loop().create_future()
+        if pool_kind == "in-process":
+            pool = InProcessPool(["target"], lambda name: HangingWorker(name, hang=False))
+            pool.cast = lambda name, msg: reply
+            call = pool.call("target", P.Ping(0), 5.0)
+        else:
+            worker = WorkerProcess(zmq.asyncio.Context(), "target", load_config(), tmp_path, "ipc://unused", 1.0)
+            worker.cast = lambda msg: reply
+            call = worker.call(P.Ping(0), 5.0)
+        caller = asyncio.create_task(call)
+        await asyncio.sleep(0)  # the caller now waits for the reply
+        reply.set_result(P.Ack(1))
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        assert reply.result() == P.Ack(1)  # the shared reply future itself is left alone
+
+    asyncio.run(main())

@@ -132,6 +132,16 @@ def settle(fut: asyncio.Future, reply: object, info: WorkerInfo, on_busy: BusyHo
         fut.set_result(reply)
 
 
+async def reply_within(fut: asyncio.Future, timeout_s: float) -> object:
+    """The result of `fut` (a call's reply), or TimeoutError after timeout_s; `fut` itself is never cancelled (the
+    pool's bookkeeping holds it). Not `asyncio.wait_for`: on Python 3.11 it returns the result, and drops the
+    caller's cancellation, when the reply lands in the loop iteration the caller is cancelled in (CPython gh-86296,
+    fixed in 3.12). The coordinator's loop then ran on past `shutdown(drain=False)`, which waits for it to stop: a
+    hang a CI run met. `asyncio.timeout` keeps the cancellation."""
+    async with asyncio.timeout(timeout_s):
+        return await asyncio.shield(fut)
+
+
 def quiet_future(loop: asyncio.AbstractEventLoop) -> asyncio.Future:
     """A future whose unobserved exception is not logged (a dropped reply is not an error)."""
     fut = loop.create_future()
@@ -255,8 +265,8 @@ class InProcessPool:
         left to finish the op it is stuck in; `restart` builds a fresh one."""
         fut = self.cast(name, msg)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
-        except asyncio.TimeoutError:
+            return await reply_within(fut, timeout_s)
+        except TimeoutError:
             why = f"no reply within {timeout_s:.3g} s"
             await self.kill(name, why)
             raise WorkerDied(name, why) from None

@@ -37,7 +37,8 @@ import zmq.asyncio
 from spind import protocol as P
 from spind.config import TARGET_WORKER, SpindConfig, is_cuda
 from spind.coordinator.placement import threads_for, worker_names
-from spind.coordinator.transport.pool import BusyHook, WorkerDied, WorkerError, WorkerInfo, quiet_future, settle
+from spind.coordinator.transport.pool import (BusyHook, WorkerDied, WorkerError, WorkerInfo, quiet_future, reply_within,
+                                             settle)
 from spind.worker.device import EXIT_DEVICE_ERROR
 
 log = logging.getLogger(__name__)
@@ -122,8 +123,8 @@ class WorkerProcess:
         self.proc.stdin.close()
         self._reader = asyncio.create_task(self._read_loop(self.proc, self.sock), name=f"reader-{self.name}")
         try:
-            ready = await asyncio.wait_for(asyncio.shield(self._ready_fut), self.load_timeout_s)
-        except asyncio.TimeoutError:
+            ready = await reply_within(self._ready_fut, self.load_timeout_s)
+        except TimeoutError:
             await self.kill()
             raise WorkerDied(self.name, f"not ready within {self.load_timeout_s:.0f} s") from None
         if ready.name != self.name:
@@ -205,8 +206,8 @@ class WorkerProcess:
     async def call(self, msg: object, timeout_s: float) -> object:
         fut = self.cast(msg)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
-        except asyncio.TimeoutError:
+            return await reply_within(fut, timeout_s)
+        except TimeoutError:
             log.error("worker %s: no reply within %.0f s; killing it", self.name, timeout_s)
             await self.kill()
             raise WorkerDied(self.name, f"no reply within {timeout_s:.0f} s") from None
