@@ -112,6 +112,11 @@ struct Item {
   float scale;
   float* scores;  // [n group][ld]
   int64_t ld;
+
+  // item row r (row r / group of the chunk, query head h0 + r % group): its offset in q and out for head dim D, and
+  // how many positions it sees
+  int64_t row_offset(int64_t r, int64_t D) const { return ((r / group) * H + r % group) * D; }
+  int64_t visible(int64_t r) const { return first_visible + r / group; }
 };
 
 // Rows a V pass carries at once: each row's NV accumulators in registers, beside one widened V vector and its weight.
@@ -136,9 +141,9 @@ void v_rows(const Item<KV>& it, int64_t r0, int64_t count, int64_t t0, int64_t t
   int64_t end[G], shared = t1;
   for (int g = 0; g < G; ++g) {
     const int64_t r = r0 + g;
-    o[g] = it.out + ((r / it.group) * it.H + r % it.group) * NV * kLanes;
+    o[g] = it.out + it.row_offset(r, NV * kLanes);
     s[g] = it.scores + r * it.ld;
-    end[g] = std::min(t1, it.first_visible + r / it.group);
+    end[g] = std::min(t1, it.visible(r));
     shared = std::min(shared, end[g]);
   }
   vf acc[G][NV];
@@ -167,9 +172,9 @@ template <typename KV, int NV>
 void attend(const Item<KV>& it) {
   constexpr int64_t D = NV * kLanes;
   const int64_t all_visible = it.first_visible + it.n - 1, R = it.n * it.group;
-  auto qrow = [&](int64_t r) { return it.q + ((r / it.group) * it.H + r % it.group) * D; };
-  auto orow = [&](int64_t r) { return it.out + ((r / it.group) * it.H + r % it.group) * D; };
-  auto visible = [&](int64_t r) { return it.first_visible + r / it.group; };
+  auto qrow = [&](int64_t r) { return it.q + it.row_offset(r, D); };
+  auto orow = [&](int64_t r) { return it.out + it.row_offset(r, D); };
+  auto visible = [&](int64_t r) { return it.visible(r); };
   // scores, kLanes positions at a time (lanes past a row's last visible position are computed and never read)
   for (int64_t i = 0; i < std::min(kAheadK, all_visible); ++i) prefetch(it.k + it.rs[i] * it.row_stride, D);
   for (int64_t i = kAheadK; i < std::min(kAheadL2, all_visible); ++i) prefetch_l2(it.k + it.rs[i] * it.row_stride, D);
