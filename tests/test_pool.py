@@ -106,14 +106,14 @@ def test_a_call_cancelled_as_its_reply_lands_is_cancelled(pool_kind: str, tmp_pa
     from spind.config import load_config
     from spind.coordinator.transport.process_pool import WorkerProcess
 
-    async def main() -> None:
+    async def main(ctx: zmq.asyncio.Context) -> None:
         reply = asyncio.get_running_loop().create_future()
         if pool_kind == "in-process":
             pool = InProcessPool(["target"], lambda name: HangingWorker(name, hang=False))
             pool.cast = lambda name, msg: reply
             call = pool.call("target", P.Ping(0), 5.0)
         else:
-            worker = WorkerProcess(zmq.asyncio.Context(), "target", load_config(), tmp_path, "ipc://unused", 1.0)
+            worker = WorkerProcess(ctx, "target", load_config(), tmp_path, "ipc://unused", 1.0)
             worker.cast = lambda msg: reply
             call = worker.call(P.Ping(0), 5.0)
         caller = asyncio.create_task(call)
@@ -124,4 +124,8 @@ def test_a_call_cancelled_as_its_reply_lands_is_cancelled(pool_kind: str, tmp_pa
             await caller
         assert reply.result() == P.Ack(1)  # the shared reply future itself is left alone
 
-    asyncio.run(main())
+    ctx = zmq.asyncio.Context()
+    try:
+        asyncio.run(main(ctx))
+    finally:
+        ctx.term()

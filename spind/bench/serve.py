@@ -611,14 +611,10 @@ def render_table(results: dict) -> str:
 
 def medians_table(medians: list[dict], repeats: int) -> str:
     """`median_rows`: each row's median over the runs, and its ratio to `none` taken within each run."""
-    def spread(r: dict, key: str, digits: int = 2) -> str:
-        lo, hi = r.get(key + "_min"), r.get(key + "_max")
-        return f"{fmt(lo, digits)}-{fmt(hi, digits)}" if lo is not None else "-"
-
     rows = [[r["daemon"], str(r["max_tokens"]), r["drafter"], str(r["concurrency"]), str(r["runs"]),
-             str(r["num_errors"]), fmt(r["ttft_p50_ms"], 0), fmt(r["tokens_per_s"], 1), spread(r, "tokens_per_s", 1),
-             fmt(r["mean_accepted_length"]), fmt(r["speedup_vs_none"]), spread(r, "speedup_vs_none"),
-             r["same_as_none"] or "-"] for r in medians]
+             str(r["num_errors"]), fmt(r["ttft_p50_ms"], 0), fmt(r["tokens_per_s"], 1),
+             _range(r, "tokens_per_s", 1) or "-", fmt(r["mean_accepted_length"]), fmt(r["speedup_vs_none"]),
+             _range(r, "speedup_vs_none") or "-", r["same_as_none"] or "-"] for r in medians]
     return format_table(f"Medians over {repeats} runs (each run its own prompts; x none taken within each run)",
                         ["daemon", "max tok", "drafter", "conc", "runs", "err", "TTFT p50 ms", "tok/s",
                          "tok/s range", "acc len", "x none", "x none range", "= none"], rows)
@@ -655,10 +651,16 @@ def versus_table(entries: list[dict]) -> str:
                         header, list(lines.values()))
 
 
+def _range(r: dict, key: str, digits: int = 2) -> str | None:
+    """"least-greatest" of a median over runs (its `_min` and `_max`); None where they are unknown."""
+    lo, hi = r.get(key + "_min"), r.get(key + "_max")
+    return None if lo is None else f"{fmt(lo, digits)}-{fmt(hi, digits)}"
+
+
 def _with_range(e: dict, key: str) -> str:
     """A ratio, and the runs' range where it is a median over several."""
-    lo, hi = e.get(key + "_min"), e.get(key + "_max")
-    return fmt(e[key]) + (f" ({fmt(lo)}-{fmt(hi)})" if lo is not None and e.get("runs", 1) > 1 else "")
+    spread = _range(e, key) if e.get("runs", 1) > 1 else None
+    return fmt(e[key]) + (f" ({spread})" if spread else "")
 
 
 # ---- a daemon of our own ------------------------------------------------------------------------------
