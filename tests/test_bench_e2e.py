@@ -126,6 +126,8 @@ def test_a_tiny_run_reports_every_system_lossless_and_the_refused_ones(tmp_path,
     assert set(results["refused"]) == {"fixed:nope", "hf-assisted:int8"}
     assert all(r["lossless"] is True for r in rows.values())  # greedy: every system reproduces plain decoding
     assert rows["none"]["speedup_vs_none"] == 1.0 and rows["none"]["drafter_shares"] == {"none": 1.0}
+    assert rows["hf-plain"]["slots"] is None  # transformers' generate: no slots of spind's to account
+    assert all(rows[n]["slots"]["num_slots"] > 0 for n in ("none", "fixed:ngram", "spin"))
     for name, recs in results["requests"].items():
         assert len(recs) == 3 and all(len(r["token_ids"]) <= 8 and r["latency_s"] > 0 for r in recs)
         if name in ("fixed:ngram", "spin"):
@@ -142,6 +144,8 @@ def test_rounds_need_two_batches_a_slice_and_a_closed_loop():
 
 
 def test_systems_taking_turns_keep_every_request_once_and_in_order(tmp_path):
+    """... and each system's slots are its own: how many, their wall time, and the coordinator's and the target's
+    shares of it."""
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["Repeat this: the cat sat on the mat, the cat sat on the mat.",
                                    "Name three colors.", "Once upon a time", "Count to five: one, two,"]))
@@ -155,6 +159,11 @@ def test_systems_taking_turns_keep_every_request_once_and_in_order(tmp_path):
         assert [r["index"] for r in recs] == [0, 1, 2, 3] and all(r["lossless"] for r in recs)
         assert all(r["latency_s"] > 0 and r["token_ids"] for r in recs)
     assert all(r["goodput"] > 0 for r in results["rows"])
+    for row in results["rows"]:  # each system's own slots, summed over its slices (its warm-up not among them)
+        slots, recs = row["slots"], results["requests"][row["system"]]
+        steps = sum(r["num_steps"] for r in recs)  # batch 1: one request a slot, each step its own slot
+        assert steps <= slots["num_slots"] <= steps + len(recs), (slots, steps)
+        assert 0 < slots["coordinator_ms"] < slots["slot_ms"] and 0 < slots["target_busy_ms"] <= slots["slot_ms"]
     for row in results["rows"]:  # paired per round: the same slice of requests, minutes apart at most
         assert len(row["round_speedups_vs_none"]) == 2 and row["speedup_vs_none_round_median"] > 0
         if row["system"] == "none":

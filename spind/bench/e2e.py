@@ -37,7 +37,7 @@ import time
 from dataclasses import asdict
 
 from spind.bench.datasets import Prompt, encode_prompt
-from spind.bench.e2e_records import E2ESettings, RefusedSystem, RequestRecord, SystemSpec
+from spind.bench.e2e_records import E2ESettings, RefusedSystem, RequestRecord, SlotAccount, SystemSpec
 from spind.bench.report import Progress, fmt, format_table
 from spind.bench.serve import percentile
 from spind.config import TARGET_WORKER, SpindConfig
@@ -184,28 +184,46 @@ def _drafter(spec: SystemSpec) -> str:
     return "none" if spec.name == "none" else "auto"
 
 
+def slot_account(coordinator) -> SlotAccount:
+    """The engine's slot totals so far (the difference of two around a run is the run's)."""
+    ph = coordinator.phases
+    return SlotAccount(ph.times.num_slots, ph.times.total_slot_s, ph.times.total_overhead_s,
+                       sum(ph.history.busy_s.get(TARGET_WORKER, {}).values()))
+
+
+def _drive_accounted(engine, prompts: list[list[int]], categories: list[str], s: E2ESettings, spec: SystemSpec,
+                     progress: Progress, first: int = 0) -> tuple[list[RequestRecord], float, SlotAccount]:
+    before = slot_account(engine.coordinator)
+    records, wall = engine.loop.run_until_complete(
+        _drive(engine.coordinator, prompts, categories, s, _drafter(spec), progress, spec.name, first))
+    return records, wall, slot_account(engine.coordinator) - before
+
+
 def run_spind(cfg: SpindConfig, spec: SystemSpec, prompts: list[list[int]], categories: list[str], s: E2ESettings,
-              progress: Progress, oracle: dict[int, Arm] | None = None) -> tuple[list[RequestRecord], float]:
+              progress: Progress, oracle: dict[int, Arm] | None = None
+              ) -> tuple[list[RequestRecord], float, SlotAccount]:
     engine = _load(cfg, spec, prompts, s, oracle)
     try:
-        return engine.loop.run_until_complete(
-            _drive(engine.coordinator, prompts, categories, s, _drafter(spec), progress, spec.name))
+        return _drive_accounted(engine, prompts, categories, s, spec, progress)
     finally:
         engine.close()
 
 
 def run_spind_rounds(cfg: SpindConfig, specs: dict[str, SystemSpec], prompts: list[list[int]], categories: list[str],
-                     s: E2ESettings, progress: Progress) -> dict[str, tuple[list[RequestRecord], list[float]]]:
+                     s: E2ESettings, progress: Progress
+                     ) -> dict[str, tuple[list[RequestRecord], list[float], SlotAccount]]:
     """The systems loaded side by side, taking turns over `s.num_rounds()` contiguous slices of the requests (the
     order rotating each round), so that the machine's drift (other tenants, thermal state) falls on all of them
     alike instead of on whichever ran last. Each system's wall time is the sum of its slices'; its engine (and
-    selector) lives through all of its slices, as a server's would. Returns each system's records (`round` set) and
-    its slices' wall times, round by round."""
+    selector) lives through all of its slices, as a server's would. Returns each system's records (`round` set),
+    its slices' wall times, round by round, and its slots over all of them."""
     names = list(specs)
     rounds = s.num_rounds()
     bounds = [len(prompts) * r // rounds for r in range(rounds + 1)]
     engines = {}
-    out: dict[str, tuple[list[RequestRecord], list[float]]] = {n: ([], []) for n in names}
+    records: dict[str, list[RequestRecord]] = {n: [] for n in names}
+    walls: dict[str, list[float]] = {n: [] for n in names}
+    accounts = dict.fromkeys(names, SlotAccount())
     try:
         for n in names:
             progress.note(f"system {n}: loading")
@@ -213,17 +231,17 @@ def run_spind_rounds(cfg: SpindConfig, specs: dict[str, SystemSpec], prompts: li
         for r in range(rounds):
             lo, hi = bounds[r], bounds[r + 1]
             for n in round_order(names, r):
-                e = engines[n]
-                recs, wall = e.loop.run_until_complete(_drive(e.coordinator, prompts[lo:hi], categories[lo:hi], s,
-                                                              _drafter(specs[n]), progress, n, first=lo))
+                recs, wall, account = _drive_accounted(engines[n], prompts[lo:hi], categories[lo:hi], s, specs[n],
+                                                       progress, first=lo)
                 for rec in recs:
                     rec.round = r
-                out[n][0].extend(recs)
-                out[n][1].append(wall)
+                records[n].extend(recs)
+                walls[n].append(wall)
+                accounts[n] += account
     finally:
         for e in engines.values():
             e.close()
-    return out
+    return {n: (records[n], walls[n], accounts[n]) for n in names}
 
 
 def round_order(names: list[str], r: int) -> list[str]:
@@ -327,10 +345,12 @@ def run_e2e(cfg: SpindConfig, s: E2ESettings, prompts_text: list[Prompt]) -> dic
     results: dict[str, list[RequestRecord]] = {}
     walls: dict[str, float] = {}
     round_walls: dict[str, list[float]] = {}
+    accounts: dict[str, SlotAccount] = {}  # the spind systems'
     together = {n: specs[n] for n in order if specs[n].kind == "spind" and specs[n].policy.name != "oracle"}
     if s.num_rounds() > 1 and len(together) > 1:  # taking turns; the oracle and transformers systems after them
-        for name, (records, slices) in run_spind_rounds(cfg, together, prompts, categories, s, progress).items():
-            results[name], walls[name], round_walls[name] = records, sum(slices), slices
+        for name, (records, slices, account) in run_spind_rounds(cfg, together, prompts, categories, s,
+                                                                 progress).items():
+            results[name], walls[name], round_walls[name], accounts[name] = records, sum(slices), slices, account
         order = [n for n in order if n not in together]
     for name in order:
         spec = specs[name]
@@ -342,7 +362,7 @@ def run_e2e(cfg: SpindConfig, s: E2ESettings, prompts_text: list[Prompt]) -> dic
                 records, wall = run_hf(cfg, spec, prompts, categories, s, progress)
             else:
                 oracle = best_arms(results, s.k) if spec.policy.name == "oracle" else None
-                records, wall = run_spind(cfg, spec, prompts, categories, s, progress, oracle)
+                records, wall, accounts[name] = run_spind(cfg, spec, prompts, categories, s, progress, oracle)
         except RefusedSystem as e:
             refused[name] = str(e)
             continue
@@ -359,6 +379,7 @@ def run_e2e(cfg: SpindConfig, s: E2ESettings, prompts_text: list[Prompt]) -> dic
         r["round_speedups_vs_none"] = ratios.get(r["system"])
         r["speedup_vs_none_round_median"] = percentile(ratios[r["system"]], 0.5) if r["system"] in ratios else None
         r["drafter_shares"] = drafter_shares(results[r["system"]])
+        r["slots"] = accounts[r["system"]].per_slot() if r["system"] in accounts else None  # None: transformers
     cats = sorted({c for c in categories if c})
     per_category = {}
     for c in cats if len(cats) > 1 else ():  # per category: per-request rates (the wall time is the whole run's)
@@ -381,11 +402,12 @@ def render_table(results: dict) -> str:
     if results.get("target_ranks"):
         title += f", target split over {len(results['target_ranks'])} ranks ({', '.join(results['target_ranks'])})"
     header = ["system", "goodput tok/s", "x none", "x none, round median", "tok/s/req p50", "accept", "acc len", "lat p50 s", "lat p99 s",
-              "TTFT p50 s", "TTFT p99 s", "lossless", "drafter shares"]
+              "TTFT p50 s", "TTFT p99 s", "slot ms", "coordinator ms/slot", "lossless", "drafter shares"]
     rows = [[r["system"], fmt(r["goodput"], 1), fmt(r["speedup_vs_none"]), fmt(r.get("speedup_vs_none_round_median")),
              fmt(r["request_tokens_per_s_p50"], 1),
              fmt(r["acceptance_rate"]), fmt(r["mean_accepted_length"]), fmt(r["latency_p50_s"]),
              fmt(r["latency_p99_s"]), fmt(r["ttft_p50_s"]), fmt(r["ttft_p99_s"]),
+             fmt((r.get("slots") or {}).get("slot_ms")), fmt((r.get("slots") or {}).get("coordinator_ms")),
              "-" if r["lossless"] is None else "yes" if r["lossless"] else "NO",
              " ".join(f"{n}:{v:.0%}" for n, v in r["drafter_shares"].items())] for r in results["rows"]]
     tables = [format_table(title, header, rows)]

@@ -66,3 +66,35 @@ class RequestRecord:
     @property
     def goodput(self) -> float:
         return len(self.token_ids) / self.latency_s if self.latency_s else 0.0
+
+
+@dataclass(frozen=True)
+class SlotAccount:
+    """A spind system's slots by its engine's own accounting: the verify passes it ran, their wall seconds, the
+    coordinator's share of them (not awaiting a worker: scheduling, selection, commits, streaming) and the target
+    worker's busy seconds (prefill, verify, drafting beside it, idle work). It tells a selector's own cost from its
+    choices: two systems with the same tokens per second of target time differ only by what runs around it."""
+
+    num_slots: int = 0
+    slot_s: float = 0.0
+    coordinator_s: float = 0.0
+    target_s: float = 0.0
+
+    def __add__(self, other: SlotAccount) -> SlotAccount:
+        return SlotAccount(self.num_slots + other.num_slots, self.slot_s + other.slot_s,
+                           self.coordinator_s + other.coordinator_s, self.target_s + other.target_s)
+
+    def __sub__(self, other: SlotAccount) -> SlotAccount:
+        return SlotAccount(self.num_slots - other.num_slots, self.slot_s - other.slot_s,
+                           self.coordinator_s - other.coordinator_s, self.target_s - other.target_s)
+
+    def per_slot(self) -> dict:
+        """JSON-ready: the slots and their mean milliseconds (None with no slot)."""
+        n = self.num_slots
+
+        def ms(seconds: float) -> float | None:
+            return seconds / n * 1e3 if n else None
+
+        return {"num_slots": n, "slot_ms": ms(self.slot_s), "coordinator_ms": ms(self.coordinator_s),
+                "target_busy_ms": ms(self.target_s)}
+
