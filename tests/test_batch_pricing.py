@@ -458,6 +458,48 @@ def test_where_no_draft_token_could_pay_the_batch_decodes_plainly_without_shadow
     assert sel.wants_shadow("r0") and not sel.describe()["nothing_pays"]
 
 
+def test_settled_plain_slots_skip_the_selection_but_not_the_cost_model():
+    """While no draft token can pay, a slot of the same requests again is plain without the full selection, and only
+    every PLAIN_SAMPLE-th one's plain rewards are counted; a newcomer or a request naming its drafter takes the full
+    path, and forwards that make drafting pay again end it at once (the cost model learns from every forward)."""
+    from spind.coordinator.selection import lbss
+
+    points = [(1, 1, 0.004), (1, 5, 0.008), (8, 8, 0.016), (8, 40, 0.112)]
+    sel = LBSSSelector(SelectionConfig(seed=0, alpha=4), ["ngram"], 4, verify_points=points,
+                       draft_s_per_token={"ngram": 1e-5})
+    cap = Capacity({"ngram": 16})
+    reqs = [info(f"r{i}", 0) for i in range(8)]
+
+    def plain_slot(t: int, seconds: float = 0.016, tokens: int = 8) -> list[Arm]:
+        arms = sel.select([info(f"r{i}", t) for i in range(8)], cap)
+        sel.observe([SlotFeedback(req_id=f"r{i}", arm=a, num_drafted=0, num_accepted=0, num_committed=1, draft_s=0.0,
+                                  verify_s=seconds, batch_size=8, batch_tokens=tokens) for i, a in enumerate(arms)])
+        return arms
+
+    assert sel.select(reqs, cap) == [PLAIN_ARM] * 8 and sel.describe()["nothing_pays"]
+    full = lbss.LBSSSelector._cut
+    lbss.LBSSSelector._cut = None  # the full path's per-request cut: a settled slot must not reach it
+    try:
+        for t in range(1, 2 * lbss.PLAIN_SAMPLE + 1):
+            assert plain_slot(t) == [PLAIN_ARM] * 8
+    finally:
+        lbss.LBSSSelector._cut = full
+    assert sel.num_slots == 2 * lbss.PLAIN_SAMPLE + 1 and sel.describe()["num_slots"] == sel.num_slots
+    counted = sel.population.counts.slots[..., 0].sum()  # plain slots counted in the population: 2 samples of 8
+    assert counted == 2 * 8 and sel.observed_s == pytest.approx(2 * lbss.PLAIN_SAMPLE * 0.016)
+    assert sel._reqs["r0"].num_slots == 2 * lbss.PLAIN_SAMPLE  # every slot's seconds, all the same
+    # a newcomer and a request naming its drafter: the full path (the named one keeps its drafter)
+    named = RequestInfo(req_id="r7", requested="ngram", requested_k=None, current=None, num_prompt_tokens=40,
+                        num_output_tokens=0)
+    assert sel.select([*reqs[:7], named], cap)[7] == Arm("ngram", 4)
+    # forwards at batch 8 that carry 40 tokens for the price of 8: drafting pays again, and the next slot says so
+    for t in range(60):
+        plain_slot(100 + t, seconds=0.0161, tokens=40 if t % 2 else 8)
+        if not sel.describe()["nothing_pays"]:
+            break
+    assert not sel.describe()["nothing_pays"] and sel.wants_shadow("r0")
+
+
 def test_without_batch_pricing_lbss_speculates_on_the_same_batch():
     """The control: the paper's per-request weights speculate where pricing does not (so the test above tests
     the pricing, not the workload)."""

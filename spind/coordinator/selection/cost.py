@@ -97,7 +97,10 @@ class VerifyCost:
         self.prior_weight = prior_weight
         self._prior = np.zeros(3)  # the profile's line
         self._precision = np.zeros(3)  # diagonal: how much the prior pulls each coefficient
-        self._xtx, self._xty = np.zeros((3, 3)), np.zeros(3)
+        # decayed sums of x x' and x y over the forwards, x = (1, B, T): plain floats, as they are updated on every
+        # forward (numpy's per-call overhead was a third of this method's time, run cold after each forward); the
+        # same roundings as the arrays' `decay * xtx + outer(x, x)`
+        self._xtx, self._xty = [[0.0] * 3 for _ in range(3)], [0.0] * 3
         self._n = 0.0  # effective observations (decayed)
         self._line: CostLine | None = None  # the fit, solved lazily: None while stale
         self._last: CostLine | None = None  # the last fit solved
@@ -130,9 +133,10 @@ class VerifyCost:
         if batch <= 0 or tokens <= 0 or not seconds > 0:
             return
         decay = 1.0 - 1.0 / self.window
-        x = self._x(batch, tokens)
-        self._xtx = decay * self._xtx + np.outer(x, x)
-        self._xty = decay * self._xty + x * seconds
+        x = (1.0, float(batch), float(tokens))
+        for row, xi in zip(self._xtx, x):
+            row[:] = [decay * v + xi * xj for v, xj in zip(row, x)]
+        self._xty = [decay * v + xi * seconds for v, xi in zip(self._xty, x)]
         self._n = decay * self._n + 1.0
         self._line = None
         self._local_line(batch).observe(tokens, seconds)
@@ -182,12 +186,13 @@ class VerifyCost:
     def line(self) -> CostLine | None:
         """The current fit; None until anything was seen."""
         if self._line is None and self.is_known:
+            sum_xx, sum_xy = np.array(self._xtx), np.array(self._xty)
             if self.num_prior_points:
-                xtx = self._xtx + np.diag(self._precision)
-                xty = self._xty + self._precision * self._prior
+                xtx = sum_xx + np.diag(self._precision)
+                xty = sum_xy + self._precision * self._prior
             else:
-                scale = max(float(np.trace(self._xtx)), 1.0)
-                xtx, xty = self._xtx + np.diag([0.0, 1.0, 1.0]) * RIDGE * scale, self._xty
+                scale = max(float(np.trace(sum_xx)), 1.0)
+                xtx, xty = sum_xx + np.diag([0.0, 1.0, 1.0]) * RIDGE * scale, sum_xy
             self._line = self._last = CostLine(*_nonnegative_fit(xtx, xty))
         return self._line
 

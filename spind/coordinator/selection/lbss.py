@@ -97,7 +97,8 @@ from spind.coordinator.selection.estimates import (Calibration, Counts, Populati
 from spind.coordinator.selection.features import context_name, context_of
 from spind.coordinator.selection.marginal import choose
 from spind.coordinator.selection.matching import max_weight_assignment
-from spind.coordinator.selection.protocol import PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback, fit_capacity
+from spind.coordinator.selection.protocol import (AUTO, PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback,
+                                                  fit_capacity)
 
 UNKNOWN_WEIGHT = -1e6  # matching weight of an arm nobody has run: exploit only what was observed
 EVIDENCE_SLOTS = 16  # everyone's slots on a drafter before the estimates alone may rule its arms out
@@ -112,6 +113,7 @@ QUIET_DRAFTS = 2  # ... and those that, with no token above the floor, make its 
 POSITION_PRIOR = 1.0
 TIE_BREAK = 1e-6  # tokens: between equal gains a drafter, not plain decoding: drafts cut to nothing cost nothing,
 #                   and on the drafter the request drafts in the stage's later slots where its text starts to pay
+PLAIN_SAMPLE = 8  # while no draft token can pay: every PLAIN_SAMPLE-th slot's plain rewards are counted (`observe`)
 FIT_HISTORY = 64  # verify forwards whose predicted and measured seconds describe() keeps
 EXPLORE, EXPLOIT = "explore", "exploit"
 
@@ -176,6 +178,10 @@ class LBSSSelector:
         self._plain_price = 0.0  # that slot's tokens per second with every request plain: what cuts drafts
         self.cut_slots = {"shorter": 0, "plain": 0}  # request slots whose draft the cut shortened, or removed
         self.nothing_pays = False  # at the last slot's batch size no draft token could pay, even one sure to survive
+        self._plain_ids: tuple[str, ...] | None = None  # the requests of the last slot selected all plain for that
+        self._cost_seen = 0  # verify forwards the cost model has observed (nothing_pays is re-read after one)
+        self._priced_at = -1  # ... when nothing_pays was last read
+        self._plain_slots = 0  # settled plain slots observed (`PLAIN_SAMPLE`)
         self._shadowed: set[int] = set()  # drafters whose acceptance shadow drafts have taught
         self.calibration = Calibration(num_drafters)  # drafters' own confidence per token, against what survived
         self._floors: dict[str, float] = {}  # this slot's confidence floors of requests cut by their drafts' own
@@ -214,10 +220,14 @@ class LBSSSelector:
 
     def select(self, reqs: Sequence[RequestInfo], capacity: Capacity) -> list[Arm]:
         self._advance_stage()
+        if self._still_plain(reqs):
+            self._capacity = {d: capacity.of(d) for d in self.arm_set.drafters}
+            self._floors.clear()
+            self.slot_in_stage += 1
+            self.num_slots += 1
+            return [PLAIN_ARM] * len(reqs)
         self._batch_size = max(1, len(reqs))
-        plain_s = self.cost.predict(self._batch_size, self._batch_size) if self.prices_batch else None
-        self._plain_price = self._batch_size / plain_s if plain_s else 0.0
-        self.nothing_pays = self._nothing_pays()
+        self._price_plain()
         self._capacity = {d: capacity.of(d) for d in self.arm_set.drafters}
         bypass = split_bypass(reqs, self.default_k)
         free = free_capacity(capacity, self.arm_set.drafters, [a for a in bypass if a is not None])
@@ -253,13 +263,40 @@ class LBSSSelector:
         arms = cut
         self.slot_in_stage += 1
         self.num_slots += 1
+        self._plain_ids = tuple(r.req_id for r in reqs) if self.nothing_pays and all(
+            r.requested == AUTO for r in reqs) else None
         return arms
 
+    def _price_plain(self) -> None:
+        """Plain decoding's tokens per second at this batch size, and whether any draft token could beat it."""
+        plain_s = self.cost.predict(self._batch_size, self._batch_size) if self.prices_batch else None
+        self._plain_price = self._batch_size / plain_s if plain_s else 0.0
+        self.nothing_pays = self._nothing_pays()
+        self._priced_at = self._cost_seen
+
+    def _still_plain(self, reqs: Sequence[RequestInfo]) -> bool:
+        """Whether this slot is the last one again while no draft token can pay: the same requests, every one left to
+        selection (so all of them decode plainly, whatever the stage), and no verify forward since has made drafting
+        pay. The full selection would then return every request plain and change nothing but the slot counters (a
+        request's arm, switch count and KV bookkeeping stay as they are): at batch 4 and more on a CPU, where this is
+        nearly every slot, it cost the coordinator ~0.1 ms a slot, run cold after each forward."""
+        if self._plain_ids is None or len(reqs) != len(self._plain_ids) or any(
+                r.req_id != i or r.requested != AUTO for r, i in zip(reqs, self._plain_ids)):
+            return False
+        if self._priced_at != self._cost_seen:
+            self._price_plain()
+        return self.nothing_pays
+
     def observe(self, feedback: Sequence[SlotFeedback]) -> None:
+        self._observe_cost(feedback)
+        if self.nothing_pays and all(fb.arm == PLAIN_ARM and not fb.shadow and not fb.switch_s for fb in feedback):
+            self._plain_slots += 1
+            if self._plain_slots % PLAIN_SAMPLE:
+                self._observe_seconds(feedback)
+                return
         self._delta = None
         for st in self._reqs.values():
             st.expected.clear()
-        self._observe_cost(feedback)
         slot_s = 0.0
         for fb in feedback:
             st = self._reqs.get(fb.req_id)
@@ -287,6 +324,25 @@ class LBSSSelector:
             self._observe_shadow(st, fb)
         self.observed_s += slot_s
 
+    def _observe_seconds(self, feedback: Sequence[SlotFeedback]) -> None:
+        """A plain slot while no draft token can pay, past its sample (`PLAIN_SAMPLE`): its seconds only. What it
+        would teach is plain decoding's reward, which nothing weighs while every request decodes plainly (batch
+        pricing values plain decoding at one token); every PLAIN_SAMPLE-th such slot is still counted in full, so
+        describe()'s estimates stay alive, and the cost model learns from every forward."""
+        slot_s = 0.0
+        for fb in feedback:
+            st = self._reqs.get(fb.req_id)
+            seconds = fb.draft_s + fb.verify_s
+            slot_s = max(slot_s, seconds)
+            if st is None or seconds <= 0:
+                continue
+            st.slot_s += seconds
+            st.num_slots += 1
+            self._slot_s_sum += seconds
+            self._slot_s_num += 1
+            st.catchup_tokens = 0
+        self.observed_s += slot_s
+
     def _observe_cost(self, feedback: Sequence[SlotFeedback]) -> None:
         """The verify forward the feedback's requests shared: its shape and seconds refine the cost model (only
         when it was one forward whose tokens are known: batch_tokens > 0)."""
@@ -297,6 +353,7 @@ class LBSSSelector:
         if predicted is not None:
             self._fit.append((predicted, fb.verify_s))
         self.cost.observe(fb.batch_size, fb.batch_tokens, fb.verify_s)
+        self._cost_seen += 1
 
     def _observe_shadow(self, st: _Request, fb: SlotFeedback) -> None:
         """Counterfactual drafts of free drafters teach acceptance (never rewards: no slot ran on them)."""
