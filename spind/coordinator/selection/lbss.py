@@ -48,6 +48,10 @@ seconds its drafts add, re-priced until the assignment settles. Plain decoding w
 speculates only where that pays the whole batch. Exploration skips, besides the arms a request itself showed to
 lose, those the population showed to lose at that price (EVIDENCE_SLOTS), so a loaded server does not
 keep paying to re-learn them. The g~ estimates stay what describe() reports and what precompute hints follow.
+Where no draft token can pay at the batch's size (`nothing_pays`: a CPU's verify past a few requests), every request
+decodes plainly; a slot of the same requests again then skips the selection (`_still_plain`: nothing would change
+but the slot counters) until a forward makes drafting pay, and only every PLAIN_SAMPLE-th such slot's plain rewards
+are counted (the cost model learns from every forward).
 
 Each slot's drafts cut to what pays (with batch pricing, in both stages). The matching fixes a request's arm for a
 stage, but whether its next draft tokens pay changes from slot to slot: prompt lookup copies a passage for a
