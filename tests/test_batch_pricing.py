@@ -462,7 +462,7 @@ def test_settled_plain_slots_skip_the_selection_but_not_the_cost_model():
     """While no draft token can pay, a slot of the same requests again is plain without the full selection, and only
     every PLAIN_SAMPLE-th one's plain rewards are counted; a newcomer or a request naming its drafter takes the full
     path, and forwards that make drafting pay again end it at once (the cost model learns from every forward)."""
-    from spind.coordinator.selection import lbss
+    from spind.coordinator.selection.lbss import PLAIN_SAMPLE
 
     points = [(1, 1, 0.004), (1, 5, 0.008), (8, 8, 0.016), (8, 40, 0.112)]
     sel = LBSSSelector(SelectionConfig(seed=0, alpha=4), ["ngram"], 4, verify_points=points,
@@ -477,21 +477,19 @@ def test_settled_plain_slots_skip_the_selection_but_not_the_cost_model():
         return arms
 
     assert sel.select(reqs, cap) == [PLAIN_ARM] * 8 and sel.describe()["nothing_pays"]
-    full = lbss.LBSSSelector._cut
-    lbss.LBSSSelector._cut = None  # the full path's per-request cut: a settled slot must not reach it
-    try:
-        for t in range(1, 2 * lbss.PLAIN_SAMPLE + 1):
-            assert plain_slot(t) == [PLAIN_ARM] * 8
-    finally:
-        lbss.LBSSSelector._cut = full
-    assert sel.num_slots == 2 * lbss.PLAIN_SAMPLE + 1 and sel.describe()["num_slots"] == sel.num_slots
+    assert sel.describe()["settled_slots"] == 0  # the first slot of a batch: the full selection
+    for t in range(1, 2 * PLAIN_SAMPLE + 1):
+        assert plain_slot(t) == [PLAIN_ARM] * 8
+    state = sel.describe()
+    assert state["settled_slots"] == 2 * PLAIN_SAMPLE and state["num_slots"] == 2 * PLAIN_SAMPLE + 1
     counted = sel.population.counts.slots[..., 0].sum()  # plain slots counted in the population: 2 samples of 8
-    assert counted == 2 * 8 and sel.observed_s == pytest.approx(2 * lbss.PLAIN_SAMPLE * 0.016)
-    assert sel._reqs["r0"].num_slots == 2 * lbss.PLAIN_SAMPLE  # every slot's seconds, all the same
+    assert counted == 2 * 8 and sel.observed_s == pytest.approx(2 * PLAIN_SAMPLE * 0.016)  # every slot's seconds
     # a newcomer and a request naming its drafter: the full path (the named one keeps its drafter)
     named = RequestInfo(req_id="r7", requested="ngram", requested_k=None, current=None, num_prompt_tokens=40,
                         num_output_tokens=0)
     assert sel.select([*reqs[:7], named], cap)[7] == Arm("ngram", 4)
+    assert sel.select([*reqs[:7], info("r8", 0)], cap) == [PLAIN_ARM] * 8
+    assert sel.describe()["settled_slots"] == 2 * PLAIN_SAMPLE
     # forwards at batch 8 that carry 40 tokens for the price of 8: drafting pays again, and the next slot says so
     for t in range(60):
         plain_slot(100 + t, seconds=0.0161, tokens=40 if t % 2 else 8)

@@ -186,6 +186,7 @@ class LBSSSelector:
         self._cost_seen = 0  # verify forwards the cost model has observed (nothing_pays is re-read after one)
         self._priced_at = -1  # ... when nothing_pays was last read
         self._plain_slots = 0  # settled plain slots observed (`PLAIN_SAMPLE`)
+        self.settled_slots = 0  # slots selected by `_still_plain`
         self._shadowed: set[int] = set()  # drafters whose acceptance shadow drafts have taught
         self.calibration = Calibration(num_drafters)  # drafters' own confidence per token, against what survived
         self._floors: dict[str, float] = {}  # this slot's confidence floors of requests cut by their drafts' own
@@ -229,6 +230,7 @@ class LBSSSelector:
             self._floors.clear()
             self.slot_in_stage += 1
             self.num_slots += 1
+            self.settled_slots += 1
             return [PLAIN_ARM] * len(reqs)
         self._batch_size = max(1, len(reqs))
         self._price_plain()
@@ -420,7 +422,8 @@ class LBSSSelector:
         `marginal.py`); price (its tokens per second at the last priced matching); plain_price (the last slot's
         tokens per second with every request plain: what a draft token must beat); cut_slots {shorter, plain}
         (request slots whose draft the cut shortened, or removed: `_cut`); nothing_pays (at the last slot's batch
-        size no draft token could pay: everyone decoded plainly); verify_cost (the fitted
+        size no draft token could pay: everyone decoded plainly); settled_slots (slots selected all plain without the
+        full selection while nothing paid: `_still_plain`); verify_cost (the fitted
         verify seconds per forward, per request and per token, `cost.py`); verify_fit ([predicted, measured] ms
         of the last verify forwards); calibration {drafter: [chance a token survives, by confidence bin], null
         until calibrated}; floors {req_id: the confidence its draft was cut at in the last slot}; config (the
@@ -454,7 +457,7 @@ class LBSSSelector:
             "switches_per_minute": round(60 * self.num_switches / self.observed_s, 2) if self.observed_s else None,
             "batch_pricing": self.prices_batch, "price": round(float(self.price), 3),
             "plain_price": round(float(self._plain_price), 3), "cut_slots": dict(self.cut_slots),
-            "nothing_pays": self.nothing_pays,
+            "nothing_pays": self.nothing_pays, "settled_slots": self.settled_slots,
             "verify_cost": self.cost.describe(),
             "verify_fit": [[round(p * 1e3, 3), round(m * 1e3, 3)] for p, m in self._fit],
             "calibration": {d: self.calibration.describe(j) for j, d in enumerate(self.arm_set.drafters)},
