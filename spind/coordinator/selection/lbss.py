@@ -117,7 +117,7 @@ QUIET_DRAFTS = 2  # ... and those that, with no token above the floor, make its 
 POSITION_PRIOR = 1.0
 TIE_BREAK = 1e-6  # tokens: between equal gains a drafter, not plain decoding: drafts cut to nothing cost nothing,
 #                   and on the drafter the request drafts in the stage's later slots where its text starts to pay
-PLAIN_SAMPLE = 8  # while no draft token can pay: every PLAIN_SAMPLE-th slot's plain rewards are counted (`observe`)
+PLAIN_SAMPLE = 8  # while no draft token can pay, plain rewards are learned on slots the slot count divides (`observe`)
 FIT_HISTORY = 64  # verify forwards whose predicted and measured seconds describe() keeps
 EXPLORE, EXPLOIT = "explore", "exploit"
 
@@ -185,7 +185,6 @@ class LBSSSelector:
         self._plain_ids: tuple[str, ...] | None = None  # the requests of the last slot selected all plain for that
         self._cost_seen = 0  # verify forwards the cost model has observed (nothing_pays is re-read after one)
         self._priced_at = -1  # ... when nothing_pays was last read
-        self._plain_slots = 0  # settled plain slots observed (`PLAIN_SAMPLE`)
         self.settled_slots = 0  # slots selected by `_still_plain`
         self._shadowed: set[int] = set()  # drafters whose acceptance shadow drafts have taught
         self.calibration = Calibration(num_drafters)  # drafters' own confidence per token, against what survived
@@ -295,14 +294,15 @@ class LBSSSelector:
 
     def observe(self, feedback: Sequence[SlotFeedback]) -> None:
         self._observe_cost(feedback)
-        if self.nothing_pays and all(fb.arm == PLAIN_ARM and not fb.shadow and not fb.switch_s for fb in feedback):
-            self._plain_slots += 1
-            if self._plain_slots % PLAIN_SAMPLE:
-                self._observe_seconds(feedback)
-                return
-        self._delta = None
-        for st in self._reqs.values():
-            st.expected.clear()
+        # a plain slot while no draft token can pay teaches only plain decoding's reward, which nothing weighs while
+        # everyone decodes plainly (batch pricing values plain decoding at one token): every PLAIN_SAMPLE-th such
+        # slot is still learned from, so describe()'s estimates stay alive; the others count their seconds only
+        learn = not (self.nothing_pays and self.num_slots % PLAIN_SAMPLE
+                     and all(fb.arm == PLAIN_ARM and not fb.shadow and not fb.switch_s for fb in feedback))
+        if learn:
+            self._delta = None
+            for st in self._reqs.values():
+                st.expected.clear()
         slot_s = 0.0
         for fb in feedback:
             st = self._reqs.get(fb.req_id)
@@ -311,14 +311,15 @@ class LBSSSelector:
             self.switch_s_total += fb.switch_s
             if st is None or seconds <= 0:
                 continue
-            reward = fb.num_committed / seconds
-            a = self.arm_set.index.get(fb.arm)
             j = self.arm_set.drafter_index.get(fb.arm.drafter)
-            self.population.add(st.context, j, a, fb, reward)
-            if not st.is_bypass:
-                st.counts.add((), j, a, fb, reward)
-                if j is not None and not fb.shadowed:
-                    st.positions.add(j, fb.num_drafted, fb.num_accepted)
+            if learn:
+                reward = fb.num_committed / seconds
+                a = self.arm_set.index.get(fb.arm)
+                self.population.add(st.context, j, a, fb, reward)
+                if not st.is_bypass:
+                    st.counts.add((), j, a, fb, reward)
+                    if j is not None and not fb.shadowed:
+                        st.positions.add(j, fb.num_drafted, fb.num_accepted)
             st.slot_s += seconds
             st.num_slots += 1
             self._slot_s_sum += seconds
@@ -327,26 +328,8 @@ class LBSSSelector:
                 self._switch_s[j] += fb.switch_s
                 self._switch_tokens[j] += st.catchup_tokens
             st.catchup_tokens = 0
-            self._observe_shadow(st, fb)
-        self.observed_s += slot_s
-
-    def _observe_seconds(self, feedback: Sequence[SlotFeedback]) -> None:
-        """A plain slot while no draft token can pay, past its sample (`PLAIN_SAMPLE`): its seconds only. What it
-        would teach is plain decoding's reward, which nothing weighs while every request decodes plainly (batch
-        pricing values plain decoding at one token); every PLAIN_SAMPLE-th such slot is still counted in full, so
-        describe()'s estimates stay alive, and the cost model learns from every forward."""
-        slot_s = 0.0
-        for fb in feedback:
-            st = self._reqs.get(fb.req_id)
-            seconds = fb.draft_s + fb.verify_s
-            slot_s = max(slot_s, seconds)
-            if st is None or seconds <= 0:
-                continue
-            st.slot_s += seconds
-            st.num_slots += 1
-            self._slot_s_sum += seconds
-            self._slot_s_num += 1
-            st.catchup_tokens = 0
+            if learn:
+                self._observe_shadow(st, fb)
         self.observed_s += slot_s
 
     def _observe_cost(self, feedback: Sequence[SlotFeedback]) -> None:
