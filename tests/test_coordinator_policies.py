@@ -4,13 +4,16 @@ placement, metrics, stop-string hold-back and incremental detokenization."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 
 from spind.config import TARGET_WORKER, load_config
 from spind.coordinator.metrics import EngineMetrics, SlotTimes
-from spind.coordinator.placement import threads_for, worker_names
+from spind.coordinator.placement import target_all_threads, threads_for, usable_cores, worker_names
 from spind.coordinator.recovery import RestartPolicy
 from spind.coordinator.request import Sequence, prompt_repetition
 from spind.coordinator.scheduler import KVBudget, num_admissible, plan_prefill, visible_len
@@ -61,6 +64,29 @@ def test_worker_plan_and_thread_shares():
     assert threads_for(pinned, "draft", num_cores=2) == 3
     ngram_only = dataclasses.replace(cfg, drafters=tuple(d for d in cfg.drafters if d.kind == "ngram"))
     assert worker_names(ngram_only) == [TARGET_WORKER]
+
+
+def test_the_target_alone_takes_the_threads_every_worker_was_granted():
+    """adaptive_threads gives the target every worker's threads while nothing drafts elsewhere: the usable cores by
+    default, never more than a threads setting grants (`--threads 2` on a 16-core host stays on 2 cores)."""
+    cfg = load_config()
+    assert target_all_threads(cfg, num_cores=16) == 16 and target_all_threads(cfg, num_cores=3) == 2  # 1 + 1
+    pinned = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, threads=2))
+    ngram_only = dataclasses.replace(pinned, drafters=tuple(d for d in cfg.drafters if d.kind == "ngram"))
+    assert target_all_threads(ngram_only, num_cores=16) == 2 and target_all_threads(pinned, num_cores=16) == 4
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and at least two usable cores")
+def test_usable_cores_follow_the_cpu_affinity():
+    """A process pinned to one core (taskset, a container's cpuset) counts one core, though os.cpu_count() counts
+    the host's: threads sized by the host's count would oversubscribe it."""
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from spind.coordinator.placement import usable_cores; print(usable_cores(), os.cpu_count())")
+    pinned, host = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                  timeout=60).stdout.split()
+    assert int(pinned) == 1 and int(host) >= 2
+    assert 1 <= usable_cores() <= len(os.sched_getaffinity(0))  # a cgroup quota may bound it further
 
 
 def test_visible_len_holds_back_stop_prefixes_and_partial_utf8():

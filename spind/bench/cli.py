@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from collections.abc import Iterable
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING, Callable
 from spind.bench.datasets import DEFAULT_DATASETS_DIR, MIX, WORKLOADS, check_datasets_dir
 from spind.cli_args import config_from_args
 from spind.config import DTYPES, SpindConfig
+from spind.coordinator.placement import usable_cores
 
 if TYPE_CHECKING:
     from spind.bench.batch import BatchBenchSettings
@@ -240,7 +240,7 @@ def cmd_bench_drafters(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     settings = drafter_settings(args, cfg)
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    torch.set_num_threads(args.threads or usable_cores())
     results = run_drafter_bench(cfg, settings)
     print(render_tables(results))
     print(f"wrote {write_json(args.out, results)}", file=sys.stderr)
@@ -258,7 +258,7 @@ def decode_settings(args: argparse.Namespace, cfg: SpindConfig) -> DecodeBenchSe
     datasets, drafters = _workloads(args.datasets), _drafters(args.drafters, cfg)
     k = cfg.speculation.k if args.k is None else args.k
     _check_positive(num_prompts=args.num_prompts, max_tokens=args.max_tokens, k=k, steps=args.steps)
-    threads = _ints("--threads", args.threads) if args.threads else (os.cpu_count() or 1,)
+    threads = _ints("--threads", args.threads) if args.threads else (usable_cores(),)
     verify_rows = _ints("--verify-rows", args.verify_rows) if args.verify_rows else ()
     if args.ttft_tokens < 0 or args.quality_positions < 0:
         raise ValueError("--ttft-tokens and --quality-positions must be >= 0")
@@ -283,7 +283,7 @@ def batch_settings(args: argparse.Namespace, cfg: SpindConfig) -> BatchBenchSett
         raise ValueError("--k must be >= 0")
     if args.context + args.k + 1 > cfg.model.max_model_len:
         raise ValueError(f"--context {args.context} + k + 1 must fit max_model_len {cfg.model.max_model_len}")
-    threads = _ints("--threads", args.threads) if args.threads else (os.cpu_count() or 1,)
+    threads = _ints("--threads", args.threads) if args.threads else (usable_cores(),)
     return BatchBenchSettings(batches=batches, context=args.context, k=args.k, rounds=args.rounds, threads=threads,
                               datasets_dir=check_datasets_dir(args.datasets_dir))
 
@@ -470,7 +470,7 @@ def cmd_bench_verify(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     settings = verify_settings(args)
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    torch.set_num_threads(args.threads or usable_cores())
     results = run_verify_bench(cfg, settings)
     print(render_tables(results))
     print(f"wrote {write_json(args.out, results)}", file=sys.stderr)

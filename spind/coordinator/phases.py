@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from spind.config import TARGET_WORKER, SpindConfig, configured_kv_blocks
 from spind.coordinator.history import History
 from spind.coordinator.interface import Delta, Usage
 from spind.coordinator.metrics import EngineMetrics, SlotTimes
+from spind.coordinator.placement import target_all_threads
 from spind.coordinator.profile import SystemProfile
 from spind.coordinator.recovery import RestartPolicy
 from spind.coordinator.request import RequestState, SpecStats, output_logprobs
@@ -100,7 +100,7 @@ class SlotPhases:
         self.shadowed = tuple(d.name for d in cfg.drafters if d.kind in FREE_KINDS and d.worker == TARGET_WORKER)
         self.shadows = ShadowDrafts()
         self._shadow_turn = 0  # counts selects: whose turn it is for shadow drafts
-        self.num_cores = os.cpu_count() or 1
+        self.all_threads = target_all_threads(cfg)  # the target's threads while nothing drafts elsewhere
         self.failure: str | None = None  # why the engine gave up (a worker that cannot be restarted)
         self.failed = asyncio.Event()  # set with failure
         self.idle = asyncio.Event()  # set while no request is waiting or running
@@ -355,7 +355,7 @@ class SlotPhases:
         if not self.cfg.runtime.adaptive_threads or self.pool.info(TARGET_WORKER).device != "cpu":
             return 0
         drafting = any(self.drafter_worker.get(a.drafter, TARGET_WORKER) != TARGET_WORKER for a in arms.values())
-        return 0 if drafting else self.num_cores
+        return 0 if drafting else self.all_threads
 
     async def prefill_then_verify(self, chunks: Chunks, batch: list[RequestState], arms: dict[str, Arm],
                                   drafts: dict[str, P.DraftRecord], threads: int = 0) -> VerifyOutcome:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 from spind.config import TARGET_WORKER, SpindConfig
 
 
@@ -16,12 +14,28 @@ def worker_names(cfg: SpindConfig) -> list[str]:
     return names
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: the machine's, bounded by its CPU affinity (taskset, a container's
+    cpuset) and by a cgroup CPU quota (a container's --cpus, rounded up), as loky, joblib's process pool, counts
+    them. os.cpu_count() counts every core of the host, and threads sized by it oversubscribe a container."""
+    from loky import cpu_count
+
+    return max(1, cpu_count())
+
+
 def threads_for(cfg: SpindConfig, name: str, num_cores: int | None = None) -> int:
     """torch intra-op threads of one worker: its own setting, else [runtime].threads, else an even share
-    of the cores, so that the workers of one machine never oversubscribe it."""
+    of the usable cores, so that the workers of one machine never oversubscribe it."""
     w = cfg.worker(name)
-    share = max(1, (num_cores or os.cpu_count() or 1) // len(worker_names(cfg)))
+    share = max(1, (num_cores or usable_cores()) // len(worker_names(cfg)))
     return w.threads or cfg.runtime.threads or share
+
+
+def target_all_threads(cfg: SpindConfig, num_cores: int | None = None) -> int:
+    """The threads the target takes while nothing drafts on another worker ([runtime].adaptive_threads): every
+    worker's threads together. That is the usable cores by default, and never more than the threads settings
+    grant (`--threads 2` on a 16-core host keeps spind on 2 cores)."""
+    return sum(threads_for(cfg, name, num_cores) for name in worker_names(cfg))
 
 
 def describe_placement(workers: list[dict]) -> str:
