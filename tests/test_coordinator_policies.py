@@ -74,6 +74,7 @@ def test_the_target_alone_takes_the_threads_every_worker_was_granted():
     pinned = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, threads=2))
     ngram_only = dataclasses.replace(pinned, drafters=tuple(d for d in cfg.drafters if d.kind == "ngram"))
     assert target_all_threads(ngram_only, num_cores=16) == 2 and target_all_threads(pinned, num_cores=16) == 4
+    assert target_all_threads(pinned, num_cores=3) == 3  # two workers of 2 threads on 3 cores: never above the cores
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,

@@ -33,9 +33,10 @@ def threads_for(cfg: SpindConfig, name: str, num_cores: int | None = None) -> in
 
 def target_all_threads(cfg: SpindConfig, num_cores: int | None = None) -> int:
     """The threads the target takes while nothing drafts on another worker ([runtime].adaptive_threads): every
-    worker's threads together. That is the usable cores by default, and never more than the threads settings
-    grant (`--threads 2` on a 16-core host keeps spind on 2 cores)."""
-    return sum(threads_for(cfg, name, num_cores) for name in worker_names(cfg))
+    worker's threads together, at most the usable cores. That is the usable cores by default, and never more than
+    the threads settings grant (`--threads 2` on a 16-core host keeps a one-worker spind on 2 cores)."""
+    cores = num_cores or usable_cores()
+    return min(cores, sum(threads_for(cfg, name, cores) for name in worker_names(cfg)))
 
 
 def describe_placement(workers: list[dict]) -> str:
