@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -170,6 +172,40 @@ def test_systems_taking_turns_keep_every_request_once_and_in_order(tmp_path):
             assert row["round_speedups_vs_none"] == [1.0, 1.0]
     for recs in results["requests"].values():
         assert [r["round"] for r in recs] == [0, 0, 1, 1]
+
+
+def test_systems_over_worker_processes_as_the_daemon_runs_them(tmp_path):
+    """--workers processes: each spind system is the daemon's coordinator over real worker processes, timed and
+    accounted as over threads, its outputs the same, and its processes gone with the run."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["Repeat this: the cat sat on the mat, the cat sat on the mat.",
+                                   "Name three colors."]))
+    out = tmp_path / "e2e.json"
+    before = set(_live_children())
+    assert main(["bench", "e2e", "--workload", str(prompts), "--num-requests", "2", "--batch-size", "1",
+                 "--max-tokens", "8", "--systems", "none,fixed:ngram", "--workers", "processes", "--threads", "1",
+                 "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["settings"]["workers"] == "processes"
+    rows = {r["system"]: r for r in results["rows"]}
+    assert set(rows) == {"none", "fixed:ngram"} and all(r["lossless"] is True for r in rows.values())
+    for row in rows.values():
+        slots = row["slots"]
+        assert slots["num_slots"] > 0 and 0 < slots["target_busy_ms"] <= slots["slot_ms"]
+    assert set(_live_children()) <= before
+
+
+def _live_children() -> list[int]:
+    """This process's children that are still running (not zombies), from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
 
 
 def test_round_order_changes_each_systems_first_place_and_predecessor():

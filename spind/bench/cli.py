@@ -60,6 +60,9 @@ def add_parsers(sub: argparse._SubParsersAction,
                    help="closed loop: the spind systems take turns over this many slices of the requests (at least "
                         "two batches each; 1: one system after another)")
     e.add_argument("--max-tokens", type=int, default=64)
+    e.add_argument("--workers", choices=("threads", "processes"), default="threads",
+                   help="the spind systems' workers: threads of this process, or worker processes as `spind start` "
+                        "runs them (the coordinator's Python then overlaps the forward instead of sharing its GIL)")
     e.add_argument("--systems", default="none,fixed:ngram,fixed:int8,spin,spin-nopipe,spin-nobatch-nopipe",
                    help="comma-separated: none, fixed:NAME, spin, spin-nopipe, spin-nobatch-nopipe, greedy-length, "
                         "epsilon-greedy, random, oracle, hf-plain, hf-assisted:NAME, hf-prompt-lookup")
@@ -496,7 +499,7 @@ def cmd_bench_e2e(args: argparse.Namespace) -> int:
     k = cfg.speculation.k if args.k is None else args.k
     settings = E2ESettings(workload=args.workload, num_requests=args.num_requests, batch_size=args.batch_size,
                            max_tokens=args.max_tokens, systems=systems, temperature=args.temperature, seed=args.seed,
-                           rate=args.rate, k=k, rounds=args.rounds)
+                           rate=args.rate, k=k, rounds=args.rounds, workers=args.workers)
     prompts = sample_workload(args.workload, args.num_requests, args.seed, args.datasets_dir)
     results = run_e2e(cfg, settings, prompts)
     print(render_table(results))

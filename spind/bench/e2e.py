@@ -1,8 +1,12 @@
 """`spind bench e2e`: the paper's evaluation (§VII) on real workloads, every system side by side in one run.
 
-Every spind system is the coordinator users get (`LocalEngine`: the daemon's Coordinator over in-process
-workers) with one configuration; the transformers systems (`e2e_hf.py`) are what a user would otherwise run
-on the same weights. Systems, one row each:
+Every spind system is the coordinator users get with one configuration: the daemon's Coordinator over in-process
+workers (`LocalEngine`, `--workers threads`, the default) or over worker processes as the daemon runs them
+(`ProcessEngine`, `--workers processes`). The two differ where the coordinator's own Python meets the target's
+forward: worker threads share the coordinator's GIL, so a slot's streaming and the selector's learning wait for
+the forward and the forward for them, while with worker processes they run as the next verify computes
+(`SlotPhases.hold_deltas`), as they do in `spind start`. The transformers systems (`e2e_hf.py`) are what a user
+would otherwise run on the same weights. Systems, one row each:
 
 | system                 | selection       | drafters | attention | pipeline | the paper's name                     |
 |------------------------|-----------------|----------|-----------|----------|--------------------------------------|
@@ -163,7 +167,8 @@ def _load(cfg: SpindConfig, spec: SystemSpec, prompts: list[list[int]], s: E2ESe
     """The system's engine, warmed up."""
     from spind.coordinator.selection.arms import ArmSet
     from spind.coordinator.selection.baselines import OracleSelector
-    from spind.coordinator.transport.local import LocalEngine
+    from spind.coordinator.transport.local import LocalEngine, with_drafters
+    from spind.coordinator.transport.process_pool import ProcessEngine
 
     run_cfg = spind_config(cfg, spec, s.k)
     selector = None
@@ -171,7 +176,10 @@ def _load(cfg: SpindConfig, spec: SystemSpec, prompts: list[list[int]], s: E2ESe
         table = {f"e2e-{spec.name}-{i}": {arm: 1.0} for i, arm in (oracle or {}).items()}
         arm_set = ArmSet(spec.drafters, tuple(sorted({*run_cfg.selection.k_set, s.k})))
         selector = OracleSelector(arm_set, lambda r: table.get(r, {}), s.k)
-    engine = LocalEngine.load(run_cfg, drafters=list(spec.drafters), selector=selector)
+    if s.workers == "processes":
+        engine = ProcessEngine(with_drafters(run_cfg, list(spec.drafters)), selector=selector)
+    else:
+        engine = LocalEngine.load(run_cfg, drafters=list(spec.drafters), selector=selector)
     try:
         engine.loop.run_until_complete(_warm_up(engine.coordinator, prompts, s, _drafter(spec), spec.name))
     except BaseException:
@@ -398,7 +406,7 @@ def render_table(results: dict) -> str:
     s = results["settings"]
     loop = f"open loop, {s['rate']} req/s" if s["rate"] else f"closed loop, batch {s['batch_size']}"
     title = (f"spind bench e2e: {s['workload']}, {s['num_requests']} requests, {s['max_tokens']} tokens max, "
-             f"{loop}, temperature {s['temperature']}")
+             f"{loop}, temperature {s['temperature']}, worker {s.get('workers', 'threads')}")
     if results.get("target_ranks"):
         title += f", target split over {len(results['target_ranks'])} ranks ({', '.join(results['target_ranks'])})"
     header = ["system", "goodput tok/s", "x none", "x none, round median", "tok/s/req p50", "accept", "acc len", "lat p50 s", "lat p99 s",

@@ -36,6 +36,7 @@ class E2ESettings:
     rate: float | None = None  # open loop: Poisson arrivals per second; None = closed loop
     k: int = 4
     rounds: int = 1  # closed loop: the spind systems take turns over this many slices of the requests
+    workers: str = "threads"  # the spind systems' workers: "threads" of this process, or "processes" (the daemon's)
 
     def num_rounds(self) -> int:
         """Rounds actually run: 1 in an open loop (arrivals are timed from the start) and where a slice would hold

@@ -61,6 +61,21 @@ class GenResult:
         return d
 
 
+def with_drafters(cfg: SpindConfig, drafters: list[str] | None) -> SpindConfig:
+    """cfg with only the named drafters (all configured ones when None), its selection policy falling back to what
+    is loaded (none without drafters, lbss where a fixed policy's drafter is left out)."""
+    if drafters is None:
+        return cfg
+    for name in drafters:
+        cfg.drafter(name)  # unknown -> ConfigError before anything loads
+    cfg = dataclasses.replace(cfg, drafters=tuple(d for d in cfg.drafters if d.name in drafters))
+    policy = cfg.selection.parsed_policy
+    if not drafters or policy.is_fixed and policy.drafter not in drafters:
+        fallback = "none" if not drafters else "lbss"  # auto selects among what is loaded
+        cfg = dataclasses.replace(cfg, selection=dataclasses.replace(cfg.selection, policy=fallback))
+    return cfg
+
+
 class LocalEngine:
     def __init__(self, cfg: SpindConfig, pool: InProcessPool, tokenizer: Tokenizer,
                  selector: Selector | None = None) -> None:
@@ -82,14 +97,7 @@ class LocalEngine:
         the target's, when the caller has already loaded it."""
         from spind.models.loader import load_generation_defaults, resolve_model_dir
 
-        if drafters is not None:
-            for name in drafters:
-                cfg.drafter(name)  # unknown -> ConfigError before anything loads
-            cfg = dataclasses.replace(cfg, drafters=tuple(d for d in cfg.drafters if d.name in drafters))
-            policy = cfg.selection.parsed_policy
-            if not drafters or policy.is_fixed and policy.drafter not in drafters:
-                fallback = "none" if not drafters else "lbss"  # auto selects among what is loaded
-                cfg = dataclasses.replace(cfg, selection=dataclasses.replace(cfg.selection, policy=fallback))
+        cfg = with_drafters(cfg, drafters)
         if make_worker is None:
             lock, shared = threading.Lock(), {}
 

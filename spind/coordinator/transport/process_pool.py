@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -359,3 +360,33 @@ class ProcessPool:
 
     def describe(self) -> list[dict]:
         return [w.info.describe(w.is_alive) for w in self.workers.values()]
+
+
+class ProcessEngine:
+    """The daemon's coordinator over its worker processes, driven from the caller's thread on an event loop of its
+    own: `LocalEngine`'s interface (`loop`, `coordinator`, `close`) for what must be timed as the daemon runs it
+    (`spind bench e2e --workers processes`). The run directory, for the sockets, is a fresh temporary one unless
+    given."""
+
+    def __init__(self, cfg: SpindConfig, selector=None, run_dir: Path | None = None) -> None:
+        from spind.coordinator.engine import Coordinator
+
+        self._tmp = tempfile.mkdtemp(prefix="spind-") if run_dir is None else None  # short: AF_UNIX paths
+        self.loop = asyncio.new_event_loop()
+        self.coordinator = Coordinator(cfg, ProcessPool(cfg, Path(self._tmp) if run_dir is None else run_dir),
+                                       selector=selector)
+        try:
+            self.loop.run_until_complete(self.coordinator.start())
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        try:
+            if not self.loop.is_closed():
+                self.loop.run_until_complete(self.coordinator.shutdown(drain=False))
+                self.loop.close()
+        finally:
+            if self._tmp is not None:
+                shutil.rmtree(self._tmp, ignore_errors=True)
+                self._tmp = None
