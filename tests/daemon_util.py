@@ -21,6 +21,12 @@ from spind.client import http_json
 START_TIMEOUT_S = 900
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid`'s main thread started and has not reaped (Linux's /proc/PID/task/PID/children)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

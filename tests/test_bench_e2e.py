@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from pathlib import Path
 
 import pytest
 
+from daemon_util import child_pids
 from spind.bench.datasets import WorkloadFormatError, read_prompt_file, sample_workload
 from spind.bench.e2e import (E2ESettings, RefusedSystem, RequestRecord, arrivals, best_arms, drafter_shares,
                              parse_system, spind_config, round_order, round_ratios)
@@ -181,7 +181,7 @@ def test_systems_over_worker_processes_as_the_daemon_runs_them(tmp_path):
     prompts.write_text(json.dumps(["Repeat this: the cat sat on the mat, the cat sat on the mat.",
                                    "Name three colors."]))
     out = tmp_path / "e2e.json"
-    before = set(_live_children())
+    before = set(child_pids(os.getpid()))
     assert main(["bench", "e2e", "--workload", str(prompts), "--num-requests", "2", "--batch-size", "1",
                  "--max-tokens", "8", "--systems", "none,fixed:ngram", "--workers", "processes", "--threads", "1",
                  "--json", str(out)]) == 0
@@ -192,20 +192,7 @@ def test_systems_over_worker_processes_as_the_daemon_runs_them(tmp_path):
     for row in rows.values():
         slots = row["slots"]
         assert slots["num_slots"] > 0 and 0 < slots["target_busy_ms"] <= slots["slot_ms"]
-    assert set(_live_children()) <= before
-
-
-def _live_children() -> list[int]:
-    """This process's children that are still running (not zombies), from /proc."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z":
-            out.append(int(stat.parent.name))
-    return out
+    assert set(child_pids(os.getpid())) <= before  # every worker stopped and reaped
 
 
 def test_round_order_changes_each_systems_first_place_and_predecessor():

@@ -30,7 +30,7 @@ import zmq
 from spind import protocol as P
 from spind.client import AsyncSpindClient, SpindClient, SpindError, http_json, make_request
 from spind.params import Grammar, SamplingParams
-from daemon_util import Daemon, free_port, start_daemon
+from daemon_util import Daemon, child_pids, free_port, start_daemon
 
 pytestmark = pytest.mark.e2e
 
@@ -83,11 +83,6 @@ def daemon(request: pytest.FixtureRequest) -> Daemon:
 def target_ranks(daemon: Daemon) -> list[str]:
     (target,) = [w for w in daemon.state()["workers"] if w["name"] == "target"]
     return target["ranks"]
-
-
-def child_pids(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(p) for p in f.read().split()]
 
 
 @dataclass(frozen=True)
