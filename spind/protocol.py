@@ -235,6 +235,7 @@ class Verified(_Msg, tag="verified"):
     verify_s: Seconds = 0.0  # wall time of the verify forward
     busy: list[BusyInterval] = []
     grammar_s: Seconds = 0.0  # of which: structured output's grammar work (draft cuts, masks, advancing matchers)
+    shadow_s: Seconds = 0.0  # drafting the shadow drafts the items asked for (VerifyItem.shadow), before the forward
 
 
 class Profiled(_Msg, tag="profiled"):

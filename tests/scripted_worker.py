@@ -24,6 +24,7 @@ from spind import protocol as P
 
 VOCAB = 50
 EOS = 0
+SHADOW_S = 0.0005  # every verify reports this much shadow drafting (Verified.shadow_s)
 
 
 def truth(tokens: list[int]) -> int:
@@ -160,7 +161,8 @@ class ScriptedWorker:
             self.kv_len[it.req_id] = len(tokens) - 1
             results.append(P.VerifyResult(it.req_id, len(d), n, new, 0.001 if it.inline_drafter else 0.0,
                                           shadow=shadow))
-        return P.Verified(msg.seq, results, 0.003, [P.BusyInterval("verify", 0.0, 0.003, len(results))])
+        return P.Verified(msg.seq, results, 0.003, [P.BusyInterval("verify", 0.0, 0.003, len(results))],
+                          shadow_s=SHADOW_S)
 
     @property
     def has_idle_work(self) -> bool:

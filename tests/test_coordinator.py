@@ -12,7 +12,7 @@ from unittest import mock
 
 import pytest
 
-from scripted_worker import EOS, ScriptedWorker, continuation, write_tokenizer
+from scripted_worker import EOS, SHADOW_S, ScriptedWorker, continuation, write_tokenizer
 from spind import protocol as P
 from spind.config import (DrafterConfig, ModelConfig, RuntimeConfig, SelectionConfig, SpeculationConfig, SpindConfig,
                           WorkerConfig, validate)
@@ -198,6 +198,9 @@ def test_selector_feedback_and_remove(tmp_path):
             by_req.setdefault(f.req_id, []).append(f)
             assert f.batch_size >= len(slot) and f.verify_s == pytest.approx(0.003)  # + first tokens, unselected
             assert 0 <= f.num_accepted <= f.num_drafted <= f.arm.k and 1 <= f.num_committed <= f.num_accepted + 1
+            assert f.select_s > 0  # its share of the selector's calls and of the worker's shadow drafting
+        # the verify's shadow drafting is split over its requests (those verified with their first token included)
+        assert sum(f.select_s for f in slot) >= SHADOW_S * len(slot) / slot[0].batch_size
     for req_id, drafter in (("g", "good"), ("b", "bad"), ("i", "inl")):
         fb = by_req[req_id]
         assert sum(f.num_committed for f in fb) == 12 - 1  # the first token came with the prefill, unselected

@@ -145,6 +145,7 @@ def test_the_targets_worker_drafts_shadow_drafts_from_the_tokens_the_verify_star
     assert expect_ngram and expect_suffix
     assert a.shadow == {"ngram": expect_ngram} and b.shadow == {"ngram": expect_ngram, "suffix": expect_suffix}
     assert a.num_drafted == 2 and 0 < a.switch_s <= a.draft_s  # suffix's first use caught the prompt up
+    assert 0 < reply.shadow_s < reply.verify_s + 1.0  # what the shadow drafts took, for selection to weigh
     assert b.num_drafted == 0 and b.switch_s == 0.0
     # each rates its tokens
     sure = fresh.propose([DraftInput("y", prompt, SHADOW_K)])[0].confidence
@@ -153,7 +154,7 @@ def test_the_targets_worker_drafts_shadow_drafts_from_the_tokens_the_verify_star
     assert b.shadow_confidence == {"ngram": copied, "suffix": sure} and a.shadow_confidence == {"ngram": copied}
     # the second slot: the suffix trie of "a" grew by what it committed, within one slot's tokens: no catch-up
     reply = w.answer(P.Verify(4, 2, [P.VerifyItem("a", [], inline_drafter="suffix", k=2)]))
-    assert reply.results[0].switch_s == 0.0 and reply.results[0].shadow == {}
+    assert reply.results[0].switch_s == 0.0 and reply.results[0].shadow == {} and reply.shadow_s < 1e-3
     # a confidence floor cuts the inline draft before its first token rated below it, on the worker
     whole = fresh.propose([DraftInput("y", prompt, 4)])[0]
     assert len(whole.tokens) == 4 and whole.confidence[0] > whole.confidence[-1]

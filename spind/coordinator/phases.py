@@ -60,6 +60,7 @@ class VerifyOutcome:
     results: list[P.VerifyResult] = field(default_factory=list)
     verify_s: float = 0.0
     num_forwards: int = 1  # more when a failing verify was split to find its culprits
+    shadow_s: float = 0.0  # the target's worker drafting shadow drafts for it (Verified.shadow_s)
 
     @property
     def num_tokens(self) -> int:
@@ -218,6 +219,7 @@ class SlotPhases:
         """Arms for `ready`, within each drafter's B_j and each worker's limit less what `held` (the arms other
         requests still run with: the pipeline selects some requests while others are mid-cycle) takes; and the
         precompute and shadow work they imply. Decides only: nothing is sent."""
+        start = time.perf_counter()
         infos = [RequestInfo(req_id=st.req_id, requested=st.req.drafter, requested_k=st.req.k, current=st.arm,
                              num_prompt_tokens=st.seq.num_prompt_tokens, num_output_tokens=st.seq.num_output_tokens,
                              prompt_repetition=st.prompt_repetition) for st in ready]
@@ -253,6 +255,9 @@ class SlotPhases:
             hint = self.selector.precompute_hint(st.req_id)
             if hint is not None and hint in self.model_drafters and hint not in st.precomputed:
                 out.precompute.append((st, hint))
+        share = (time.perf_counter() - start) / max(1, len(ready))  # what selecting cost, for the selector to weigh
+        for st in ready:
+            st.select_s = share
         return out
 
     def send_side_work(self, selection: Selection) -> None:
@@ -389,7 +394,7 @@ class SlotPhases:
         if [r.req_id for r in reply.results] != [st.req_id for st in batch]:
             raise WorkerError(TARGET_WORKER, "verify results do not match the batch")
         self.times.grammar_s += reply.grammar_s
-        return VerifyOutcome(list(batch), reply.results, reply.verify_s)
+        return VerifyOutcome(list(batch), reply.results, reply.verify_s, shadow_s=reply.shadow_s)
 
     async def _call_target(self, msg: object) -> object:
         """pool.call to the target; deltas and feedback held back (`hold_deltas`) are released once the op is on its
@@ -422,6 +427,7 @@ class SlotPhases:
             out.results += part.results
             out.verify_s += part.verify_s
             out.num_forwards += part.num_forwards
+            out.shadow_s += part.shadow_s
         return out
 
     # ---- update -------------------------------------------------------------------------------------------------
@@ -471,7 +477,9 @@ class SlotPhases:
                 num_committed=len(kept), draft_s=max(0.0, draft_s - switch_s), verify_s=outcome.verify_s,
                 switch_s=switch_s, batch_size=len(outcome.batch),
                 batch_tokens=outcome.num_tokens, shadow=tuple(d[:3] for d in decided), shadowed=shadowed,
-                shadow_confidence=tuple((d.drafter, d.confidence, d.accepted) for d in decided if d.confidence))
+                shadow_confidence=tuple((d.drafter, d.confidence, d.accepted) for d in decided if d.confidence),
+                select_s=st.select_s + outcome.shadow_s / max(1, len(outcome.batch)))
+            st.select_s = 0.0
         self.metrics.generation_tokens.inc(len(kept))
         self.history.add_step(name, len(kept), r.num_drafted, r.num_accepted)
         if kept and st.first_token_at is None:

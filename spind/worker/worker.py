@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -110,6 +111,7 @@ class Worker:
             self.close()
             raise
         self.threads = self._threads_now = 0  # set by ready(): the worker's own torch thread count
+        self.shadow_s = 0.0  # the last verify's shadow drafting (Verified.shadow_s)
 
     def close(self) -> None:
         """Stop what this worker started outside its process's memory: a tensor-parallel target's other ranks."""
@@ -200,7 +202,7 @@ class Worker:
         if isinstance(msg, P.Verify):
             self._use_threads(msg.threads)
             results, verify_s = self.verify(msg.slot, msg.items)
-            return P.Verified(msg.seq, results, verify_s, self._take_busy(), self._target().grammar_s)
+            return P.Verified(msg.seq, results, verify_s, self._take_busy(), self._target().grammar_s, self.shadow_s)
         if isinstance(msg, P.Precompute):
             self.enqueue_precompute(msg.items)
             return self._ack(msg.seq)
@@ -354,7 +356,9 @@ class Worker:
                 drafts[x.req_id] = (d.tokens, d.probs)
                 draft_s[x.req_id] = elapsed
                 switch_s[x.req_id] = d.switch_s
+        t0 = time.perf_counter()
         shadows, shadow_confidence = self._shadow_drafts(items)
+        self.shadow_s = time.perf_counter() - t0  # what selection's shadow drafts cost this verify (Verified.shadow_s)
         wanted = [(slot if it.probs_slot < 0 else it.probs_slot, it.req_id) for it in items if it.has_probs]
         if wanted:
             if self.probs_in is None:

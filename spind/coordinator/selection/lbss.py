@@ -81,6 +81,21 @@ counterfactual drafts against what is then committed (`spind.coordinator.selecti
 `SlotFeedback.shadow`: acceptance evidence per position for that request and its context (never reward), on
 every slot. A real draft whose drafter also drafted a shadow (`SlotFeedback.shadowed`) leaves its acceptance to
 the shadow, which has all of its positions.
+
+What the shadow drafts were worth (`ledger.py`). Every free drafter drafts its shadow drafts on the same slots, so
+their worth can be compared on the same text: each decided shadow draft is valued as its slot would have run it, cut
+at its drafter's floor of the moment, at the tokens it would have added less what the tokens it would have drafted
+cost (an empty proposal: 0), averaged per drafter and batch size over the population's latest ~DOMINANCE_WINDOW
+drafts. Two decisions follow, once every drafter has DOMINANCE_EVIDENCE drafts at the batch size:
+- a free drafter worth less than (1 - explore_margin) x the best one is dominated: neither exploited nor explored
+  for requests selection decides, until the ledger says otherwise (its shadow drafts go on). A request's handful of
+  rated drafts is too few to tell two copying drafters apart, so a matching over them took the weaker one about as
+  often as the stronger: replaying selection on recorded greedy outputs at batch 1 (Zen 4 costs), n-gram lookup ran
+  35-55% of the drafted slots beside suffix decoding, which it trails by 15-30% there;
+- where even the best drafter's drafts are worth less to the batch than what selecting costs (the selector's calls
+  and the shadow drafts, measured: `SlotFeedback.select_s`), selection is idle (`_idle`): plain decoding with no
+  selection, as where nothing pays, and a shadow draft every IDLE_SHADOW turns to notice when that changes.
+Where a model drafter is selectable the ledger cannot value it, and neither decision is taken over it.
 """
 
 from __future__ import annotations
@@ -99,6 +114,7 @@ from spind.coordinator.selection.cost import VerifyCost
 from spind.coordinator.selection.estimates import (Calibration, Counts, PopulationStats, Positions, estimate,
                                                    estimate_tokens, request_rates, survival_of, worth_drafting)
 from spind.coordinator.selection.features import context_name, context_of
+from spind.coordinator.selection.ledger import NUM_BUCKETS, ShadowLedger, bucket_of
 from spind.coordinator.selection.marginal import choose
 from spind.coordinator.selection.matching import max_weight_assignment
 from spind.coordinator.selection.protocol import (AUTO, PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback,
@@ -112,12 +128,18 @@ EVIDENCE_SLOTS = 16  # everyone's slots on a drafter before the estimates alone 
 RECENT_DECAY = 0.6
 RATED_DRAFTS = 6  # a request's latest rated drafts per drafter that value its arms under the confidence floor
 SHADOW_BACKOFF_MAX = 8  # shadow drafts that keep finding nothing that pays: every 2nd, 4th, then 8th turn
-QUIET_DRAFTS = 2  # ... and those that, with no token above the floor, make its next slot plain (no draft drawn up
-#                   to be cut to nothing: at batch 4 on alpaca that drafting cost spin ~10% of none)
+QUIET_DRAFTS = 2  # ... and those that, with no token above the floor, make its next slot plain in a batch (no draft
+#                   drawn up to be cut to nothing: at batch 4 on alpaca that drafting cost spin ~10% of none). Not
+#                   alone: at batch 1 its shadow drafts keep the drafter's state current, a draft costs a lookup, and
+#                   a copy run is caught on its first slot (replayed: the rule cost batch-1 selection 1-2.5%)
 POSITION_PRIOR = 1.0
 TIE_BREAK = 1e-6  # tokens: between equal gains a drafter, not plain decoding: drafts cut to nothing cost nothing,
 #                   and on the drafter the request drafts in the stage's later slots where its text starts to pay
 PLAIN_SAMPLE = 8  # while no draft token can pay, plain rewards are learned on slots the slot count divides (`observe`)
+DOMINANCE_WINDOW = 512  # shadow drafts per drafter the dominance ledger weighs (exponential decay)
+DOMINANCE_EVIDENCE = 64  # ... that both drafters need before one may rule the other out
+IDLE_SHADOW = 8  # while selecting does not pay (`_idle`): every IDLE_SHADOW-th shadow turn is granted
+OVERHEAD_EMA = 0.05  # weight of a slot's selecting seconds in overhead_s
 FIT_HISTORY = 64  # verify forwards whose predicted and measured seconds describe() keeps
 EXPLORE, EXPLOIT = "explore", "exploit"
 
@@ -189,6 +211,13 @@ class LBSSSelector:
         self._shadowed: set[int] = set()  # drafters whose acceptance shadow drafts have taught
         self.calibration = Calibration(num_drafters)  # drafters' own confidence per token, against what survived
         self._floors: dict[str, float] = {}  # this slot's confidence floors of requests cut by their drafts' own
+        # the free drafters' shadow drafts valued as their slots would have run them, per batch size (`ledger.py`)
+        self.ledger = ShadowLedger(self.arm_set.drafters, DOMINANCE_WINDOW, DOMINANCE_EVIDENCE, cfg.explore_margin)
+        self.dominated: frozenset[str] = frozenset()  # free drafters another one dominates at the last slot's size
+        self._overhead_s = np.zeros(NUM_BUCKETS)  # per batch-size bucket: EMA of the seconds a fully selected slot
+        #                                          spent selecting (SlotFeedback.select_s); 0: not measured
+        self.idle = False  # selecting would cost more than it is worth at the last slot's batch size (`_nothing_pays`)
+        self._idle_shadows = 0  # wants_shadow calls while idle: every IDLE_SHADOW-th is granted
 
     def wants_shadow(self, req_id: str) -> bool:
         """Shadow drafts teach acceptance and calibration, and tell a request that decodes plainly when its drafter
@@ -198,7 +227,10 @@ class LBSSSelector:
         4 and more, where nearly every slot decodes plainly, they took ~2% of the target worker's time, and the
         selection's overhead is what `auto` loses to plain decoding there."""
         if self.nothing_pays:
-            return False
+            if not self.idle:
+                return False
+            self._idle_shadows += 1  # idle: what the drafts would be worth must still be learned, at a small cost
+            return self._idle_shadows % IDLE_SHADOW == 0
         st = self._reqs.get(req_id)
         if st is None or st.quiet_shadows < QUIET_DRAFTS:
             return True
@@ -236,6 +268,8 @@ class LBSSSelector:
         self._capacity = {d: capacity.of(d) for d in self.arm_set.drafters}
         bypass = split_bypass(reqs, self.default_k)
         free = free_capacity(capacity, self.arm_set.drafters, [a for a in bypass if a is not None])
+        for d in self.dominated:  # neither exploited nor explored: another free drafter does better on the same text
+            free[d] = 0
         auto = [r for r, b in zip(reqs, bypass) if b is None]
         for r, b in zip(reqs, bypass):
             self._track(r, is_bypass=b is not None)
@@ -273,11 +307,33 @@ class LBSSSelector:
         return arms
 
     def _price_plain(self) -> None:
-        """Plain decoding's tokens per second at this batch size, and whether any draft token could beat it."""
+        """Plain decoding's tokens per second at this batch size, whether any draft token could beat it, whether
+        selecting is worth its own cost, and which free drafters are dominated at this batch size."""
         plain_s = self.cost.predict(self._batch_size, self._batch_size) if self.prices_batch else None
         self._plain_price = self._batch_size / plain_s if plain_s else 0.0
-        self.nothing_pays = self._nothing_pays()
+        self.idle = self._idle()
+        self.nothing_pays = self.idle or self._nothing_pays()
+        self.dominated = self.ledger.dominated(self._batch_size)
         self._priced_at = self._cost_seen
+
+    def _idle(self) -> bool:
+        """Whether selecting costs the slot more than speculation is worth at this batch size: what the best drafter's
+        shadow drafts were worth a request (the ledger: known only when every drafter is a free one with evidence at
+        this size; a model drafter cannot be valued so, and keeps selection on), for each of the batch's requests,
+        against the seconds a fully selected slot spends selecting (`overhead_s`: the selector's calls and the shadow
+        drafts) at plain decoding's tokens per second. Then every request decodes plainly with no selection, as where
+        nothing pays, but one shadow draft every IDLE_SHADOW turns keeps the ledger current: where the text starts to
+        repeat, selection comes back. On a 2-core CPU at batch 4 that cost was ~0.3 ms of a ~7 ms slot (4%), and on
+        chat and math text the drafts that paid at that batch size won back less (replayed selection)."""
+        overhead_s = self.overhead_s(self._batch_size)
+        if self._plain_price <= 0 or overhead_s <= 0:
+            return False
+        best = self.ledger.best(self._batch_size)
+        return best is not None and self._batch_size * max(best, 0.0) < self._plain_price * overhead_s
+
+    def overhead_s(self, batch_size: int) -> float:
+        """What a fully selected slot of this batch size spends selecting (seconds; 0 until measured)."""
+        return float(self._overhead_s[bucket_of(batch_size)])
 
     def _still_plain(self, reqs: Sequence[RequestInfo]) -> bool:
         """Whether this slot is the last one again while no draft token can pay: the same requests, every one left to
@@ -304,6 +360,11 @@ class LBSSSelector:
             for st in self._reqs.values():
                 st.expected.clear()
         slot_s = 0.0
+        selecting_s = sum(fb.select_s for fb in feedback)
+        if selecting_s > 0 and not self.nothing_pays:  # what a fully selected slot spends selecting (`_idle`)
+            b = bucket_of(feedback[0].batch_size)
+            old = self._overhead_s[b]
+            self._overhead_s[b] = selecting_s if old <= 0 else (1 - OVERHEAD_EMA) * old + OVERHEAD_EMA * selecting_s
         for fb in feedback:
             st = self._reqs.get(fb.req_id)
             seconds = fb.draft_s + fb.verify_s
@@ -345,7 +406,9 @@ class LBSSSelector:
         self._cost_seen += 1
 
     def _observe_shadow(self, st: _Request, fb: SlotFeedback) -> None:
-        """Counterfactual drafts of free drafters teach acceptance (never rewards: no slot ran on them)."""
+        """Counterfactual drafts of free drafters teach acceptance (never rewards: no slot ran on them), and what
+        each would have been worth (`_ledger`)."""
+        self._ledger(fb)
         for name, drafted, accepted in fb.shadow:
             j = self.arm_set.drafter_index.get(name)
             if j is None:
@@ -365,6 +428,29 @@ class LBSSSelector:
                 quiet = quiet and self._quiet(j, confidence)
         if fb.shadow_confidence:
             st.quiet_shadows = st.quiet_shadows + 1 if quiet else 0
+
+    def _ledger(self, fb: SlotFeedback) -> None:
+        """Value each decided shadow draft as its slot would have run it (cut at its drafter's floor, where it rates
+        its tokens and is calibrated; else all of it): the tokens it would have added, less the price of those it
+        would have drafted, at this slot's prices."""
+        if not fb.shadow or self._plain_price <= 0:
+            return
+        rated: dict[str, list[tuple[float, ...]]] = {}  # in fb.shadow's order, per drafter
+        for name, confidence, _ in fb.shadow_confidence:
+            rated.setdefault(name, []).append(confidence)
+        margin = 1.0 + self.cfg.price_margin  # the tokens it keeps are those worth the margin; they cost no more
+        for name, drafted, accepted in fb.shadow:
+            j = self.arm_set.drafter_index.get(name)
+            if j is None:
+                continue
+            kept = drafted
+            if drafted and rated.get(name) and self.calibration.known(j):
+                floor, kept = self._floor(j), 0
+                for c in rated[name].pop(0):
+                    if c < floor:
+                        break
+                    kept += 1
+            self.ledger.add(fb.batch_size, j, min(accepted, kept) - self._price_of_token(j) / margin * kept)
 
     def _quiet(self, j: int, confidence: Sequence[float]) -> bool:
         """Drafter j's draft with these confidences had no token that pays at the last slot's price (it would have
@@ -391,27 +477,26 @@ class LBSSSelector:
         return self._hints[req_id]
 
     def describe(self) -> dict:
-        """JSON-able state for /v1/spind/state (every float rounded; null = unknown):
-
-        policy; epoch (k); stage ("explore" | "exploit"); slot_in_stage (slots of the stage selected so far)
-        of stage_slots; chunk_slots (beta); arms (names, plain decoding "none" first); capacity {drafter:
-        B_j at the last slot}; assignment {arm: requests on it at the last slot}; requests {req_id: {arm,
-        bypass, context, estimate {arm: g~ tokens/s}, tokens {arm: expected tokens committed per slot},
-        observations {arm: own slots}}} for every request not
-        yet removed, so bounded by the running ones; population {arm: everyone's mean reward};
-        switch_s_per_token {drafter: learned KV catch-up seconds per token}; num_slots; num_switches
-        (drafter changes); observed_s (summed slot seconds, from the feedback); switches_per_minute;
-        switch_s (summed KV catch-up seconds fed back); batch_pricing (arms chosen for the batch's goodput,
-        `marginal.py`); price (its tokens per second at the last priced matching); plain_price (the last slot's
-        tokens per second with every request plain: what a draft token must beat); cut_slots {shorter, plain}
-        (request slots whose draft the cut shortened, or removed: `_cut`); nothing_pays (at the last slot's batch
+        """JSON-able state for /v1/spind/state (every float rounded; null = unknown):  policy; epoch (k); stage
+        ("explore" | "exploit"); slot_in_stage (slots of the stage selected so far) of stage_slots; chunk_slots (beta);
+        arms (names, plain decoding "none" first); capacity {drafter: B_j at the last slot}; assignment {arm: requests
+        on it at the last slot}; requests {req_id: {arm, bypass, context, estimate {arm: g~ tokens/s}, tokens {arm:
+        expected tokens committed per slot}, observations {arm: own slots}}} for every request not yet removed, so
+        bounded by the running ones; population {arm: everyone's mean reward}; switch_s_per_token {drafter: learned KV
+        catch-up seconds per token}; num_slots; num_switches (drafter changes); observed_s (summed slot seconds, from
+        the feedback); switches_per_minute; switch_s (summed KV catch-up seconds fed back); batch_pricing (arms chosen
+        for the batch's goodput, `marginal.py`); price (its tokens per second at the last priced matching); plain_price
+        (the last slot's tokens per second with every request plain: what a draft token must beat); cut_slots {shorter,
+        plain} (request slots whose draft the cut shortened, or removed: `_cut`); nothing_pays (at the last slot's batch
         size no draft token could pay: everyone decoded plainly); settled_slots (slots selected all plain without the
-        full selection while nothing paid: `_still_plain`); verify_cost (the fitted
-        verify seconds per forward, per request and per token, `cost.py`); verify_fit ([predicted, measured] ms
-        of the last verify forwards); calibration {drafter: [chance a token survives, by confidence bin], null
-        until calibrated}; floors {req_id: the confidence its draft was cut at in the last slot}; config (the
-        SelectionConfig). A request priced in a matching also has marginal {arm: its marginal gain in tokens per
-        slot}."""
+        full selection while nothing paid: `_still_plain`); verify_cost (the fitted verify seconds per forward, per
+        request and per token, `cost.py`); verify_fit ([predicted, measured] ms of the last verify forwards);
+        calibration {drafter: [chance a token survives, by confidence bin], null until calibrated}; floors {req_id: the
+        confidence its draft was cut at in the last slot}; ledger {batch size: {drafter: what its shadow drafts were
+        worth a request, tokens a slot}} (`ledger.py`); dominated (free drafters left out at the last slot's batch
+        size); idle (selecting did not pay for itself there: `_idle`); overhead_ms (what a fully selected slot of the
+        last slot's batch size spends selecting); config (the SelectionConfig). A request priced in a matching also has
+        marginal {arm: its marginal gain in tokens per slot}."""
         names = self.arm_set.names
         counts: dict[str, int] = {}
         requests = {}
@@ -445,6 +530,8 @@ class LBSSSelector:
             "verify_fit": [[round(p * 1e3, 3), round(m * 1e3, 3)] for p, m in self._fit],
             "calibration": {d: self.calibration.describe(j) for j, d in enumerate(self.arm_set.drafters)},
             "floors": {r: round(f, 3) for r, f in self._floors.items()},
+            "ledger": self.ledger.describe(), "dominated": sorted(self.dominated), "idle": self.idle,
+            "overhead_ms": round(self.overhead_s(self._batch_size) * 1e3, 4),
             "config": dataclasses.asdict(self.cfg),
         }
 
@@ -570,25 +657,27 @@ class LBSSSelector:
 
     def _cut(self, st: _Request, arm: Arm, exploring: bool = False) -> tuple[Arm, float]:
         """The arm with its draft cut to the tokens worth verifying this slot, and the confidence floor its drafter's
-        worker cuts the draft at (0: none). Draft token t adds the chance that the request's first t drafts survive
-        and costs the seconds it adds to the slot (`_survival_and_price`). Where the drafter rates its own tokens
-        and that rating is calibrated (`Calibration`), the chance is read from each token's confidence, on the
-        draft itself: the arm keeps its k and the worker drops the tokens below the floor (none clears it: a plain
-        slot); where the request's latest QUIET_DRAFTS shadow drafts on it had no token above the floor, the slot is
-        plain without drafting. Else it is read from the request's recent drafts on that drafter, real and shadow,
-        shrunk towards its context's (`survival_of`), which cuts k. A request whose drafter's next token does not pay
-        decodes plainly this slot: the matching picked its arm for the stage, the cut follows the text (copying comes
-        in runs). Not where nothing is known of the drafter's survival yet, nor an exploring arm of a drafter without
-        shadow drafts: exploration is how those are learned."""
+        worker cuts the draft at (0: none). Draft token t adds the chance that the request's first t drafts survive and
+        costs the seconds it adds to the slot (`_survival_and_price`). Where the drafter rates its own tokens and that
+        rating is calibrated (`Calibration`), the chance is read from each token's confidence, on the draft itself: the
+        arm keeps its k and the worker drops the tokens below the floor (none clears it: a plain slot); in a batch of
+        more than one, where the request's latest QUIET_DRAFTS shadow drafts on it had no token above the floor, the
+        slot is plain without drafting. Else it is read from the request's recent drafts on that drafter, real and
+        shadow, shrunk towards its context's (`survival_of`), which cuts k. A request whose drafter's next token does
+        not pay decodes plainly this slot: the matching picked its arm for the stage, the cut follows the text (copying
+        comes in runs). Not where nothing is known of the drafter's survival yet, nor an exploring arm of a drafter
+        without shadow drafts: exploration is how those are learned."""
         j = self.arm_set.drafter_index.get(arm.drafter)
         if j is None or self._plain_price <= 0 or exploring and j not in self._shadowed:
             return arm, 0.0
         if self.calibration.known(j):
             floor = self._floor(j)
             recent = st.rated.get(j, ())
-            lately = [c for c, _ in list(recent)[-QUIET_DRAFTS:]]
-            if floor > 1.0 or len(lately) == QUIET_DRAFTS and all(_nothing_above(c, floor) for c in lately):
-                return PLAIN_ARM, 0.0  # no token pays, or none of its latest drafts had one: no draft to make
+            if floor > 1.0:
+                return PLAIN_ARM, 0.0  # no token pays: no draft to make
+            lately = [c for c, _ in list(recent)[-QUIET_DRAFTS:]] if self._batch_size > 1 else ()
+            if len(lately) == QUIET_DRAFTS and all(_nothing_above(c, floor) for c in lately):
+                return PLAIN_ARM, 0.0  # none of its latest drafts had a token that pays: no draft to make
             return arm, floor
         survival, tau = self._survival_and_price(st, j)
         if survival[0] != survival[0]:

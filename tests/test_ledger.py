@@ -1,0 +1,145 @@
+"""The shadow ledger (what the free drafters' shadow drafts would have been worth, per batch size) and the two
+decisions LBSS takes from it: leaving out a free drafter another one dominates, and not selecting at all where
+selecting costs more than speculation is worth. Scripted feedback, no clock, no model."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+
+from spind.config import SelectionConfig
+from spind.coordinator.selection import lbss
+from spind.coordinator.selection.ledger import ShadowLedger, bucket_of
+from spind.coordinator.selection.lbss import LBSSSelector
+from spind.coordinator.selection.protocol import PLAIN_ARM, Capacity, RequestInfo, SlotFeedback
+
+C0, C_REQ, C_TOK = 0.004, 0.0005, 0.002  # a CPU-like verify: 2 ms per token carried
+
+
+def cpu_verify(batch: int, tokens: int) -> float:
+    return C0 + C_REQ * batch + C_TOK * tokens
+
+
+def profile_points() -> list[tuple[int, int, float]]:
+    return [(b, t, cpu_verify(b, t)) for b in (1, 2, 4, 8, 16) for t in (b, 5 * b)]
+
+
+def info(req_id: str, n_out: int) -> RequestInfo:
+    return RequestInfo(req_id=req_id, requested="auto", requested_k=None, current=None, num_prompt_tokens=40,
+                       num_output_tokens=n_out)
+
+
+def test_buckets_and_means_by_batch_size():
+    assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 64)] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    led = ShadowLedger(["ngram", "suffix"], window=1000, evidence=10, margin=0.15)
+    for _ in range(9):
+        led.add(1, 0, 0.5)
+        led.add(1, 1, 1.0)
+    assert math.isnan(led.rates(1)[0]) and led.best(1) is None and led.dominated(1) == frozenset()
+    led.add(1, 0, 0.5)
+    assert led.best(1) is None  # suffix still below the evidence: it might pay
+    led.add(1, 1, 1.0)
+    assert led.rates(1).tolist() == pytest.approx([0.5, 1.0]) and led.best(1) == pytest.approx(1.0)
+    assert led.dominated(1) == {"ngram"}  # 0.5 < 0.85 x 1.0
+    assert led.best(4) is None and led.dominated(4) == frozenset()  # another batch size knows nothing yet
+    assert led.describe() == {"1": {"ngram": 0.5, "suffix": 1.0}}
+    close = ShadowLedger(["ngram", "suffix"], evidence=1, margin=0.15)
+    close.add(1, 0, 0.9)
+    close.add(1, 1, 1.0)
+    assert close.dominated(1) == frozenset()  # within the margin: both stay
+    losing = ShadowLedger(["ngram", "suffix"], evidence=1)
+    losing.add(1, 0, -0.2)
+    losing.add(1, 1, -0.1)
+    assert losing.dominated(1) == frozenset() and losing.best(1) == pytest.approx(-0.1)  # nothing pays: no judge
+    recent = ShadowLedger(["ngram"], window=4, evidence=1)
+    for _ in range(50):
+        recent.add(1, 0, 1.0)
+    for _ in range(20):
+        recent.add(1, 0, 0.0)
+    assert recent.rates(1)[0] < 0.01  # the latest ~window drafts weigh
+    with pytest.raises(ValueError):
+        ShadowLedger(["ngram"], margin=1.0)
+
+
+def shadow_feedback(req_id: str, arm, batch: int, worth: dict[str, int], select_s: float = 0.0) -> SlotFeedback:
+    """A plain-decoded slot of `batch` requests whose shadow drafts (4 tokens each, all rated 0.95) had worth[d]
+    tokens accepted per drafter."""
+    return SlotFeedback(req_id=req_id, arm=arm, num_drafted=0, num_accepted=0, num_committed=1, draft_s=0.0,
+                        verify_s=cpu_verify(batch, batch), batch_size=batch, batch_tokens=batch,
+                        shadow=tuple((d, 4, a) for d, a in worth.items()),
+                        shadow_confidence=tuple((d, (0.95,) * 4, a) for d, a in worth.items()), select_s=select_s)
+
+
+def test_a_free_drafter_another_one_dominates_on_the_same_text_is_left_out(monkeypatch):
+    """Shadow drafts of both free drafters, on the same slots: suffix's are accepted whole, n-gram's one time in
+    four. Once both have the ledger's evidence, n-gram is neither explored nor exploited; where n-gram turns out the
+    better one, suffix is left out instead."""
+    monkeypatch.setattr(lbss, "DOMINANCE_EVIDENCE", 20)
+    sel = LBSSSelector(SelectionConfig(seed=0, alpha=2), ["ngram", "suffix"], 4, verify_points=profile_points(),
+                       draft_s_per_token={"ngram": 1e-5, "suffix": 1e-5})
+    cap = Capacity({"ngram": 16, "suffix": 16})
+    used = []
+    for t in range(200):
+        arm = sel.select([info("r", t)], cap)[0]
+        used.append(arm.drafter)
+        sel.observe([shadow_feedback("r", arm, 1, {"suffix": 4, "ngram": 4 if t % 4 == 0 else 0})])
+    assert sel.dominated == {"ngram"}
+    assert "ngram" not in used[100:] and used[100:].count("suffix") > 90  # exploration slots included
+    state = msgspec.json.decode(msgspec.json.encode(sel.describe()))
+    assert state["dominated"] == ["ngram"] and state["ledger"]["1"]["suffix"] > state["ledger"]["1"]["ngram"]
+    for t in range(200, 1500):  # the text changes: n-gram's drafts are the ones accepted now
+        arm = sel.select([info("r", t)], cap)[0]
+        used.append(arm.drafter)
+        sel.observe([shadow_feedback("r", arm, 1, {"suffix": 0, "ngram": 4})])
+    assert sel.dominated == {"suffix"} and "suffix" not in used[-50:]
+
+
+def test_no_selection_where_selecting_costs_more_than_the_drafts_are_worth():
+    """Two requests (batch 2) whose shadow drafts are worth little, while a fully selected slot spends a lot of time
+    selecting: once the ledger knows every drafter there, the requests decode plainly with no selection (as where
+    nothing pays), and only every IDLE_SHADOW-th shadow turn is granted, which keeps the ledger current: when the
+    drafts start to pay, selection comes back."""
+    sel = LBSSSelector(SelectionConfig(seed=0, alpha=0), ["ngram", "suffix"], 4, verify_points=profile_points(),
+                       draft_s_per_token={"ngram": 1e-5, "suffix": 1e-5})
+    cap = Capacity({"ngram": 16, "suffix": 16})
+    reqs = ["a", "b"]
+    t = 0
+
+    def slot(worth: dict[str, int], select_s: float) -> tuple[list, bool]:
+        nonlocal t
+        arms = sel.select([info(r, t) for r in reqs], cap)
+        shadowed = sel.wants_shadow(reqs[t % 2])  # one request's turn a slot, as the coordinator asks
+        sel.observe([shadow_feedback(r, a, 2, worth if shadowed and r == reqs[t % 2] else {}, select_s / 2)
+                     for r, a in zip(reqs, arms)])
+        t += 1
+        return arms, shadowed
+
+    # a drafted token costs 0.56 tokens at batch 2 here: a sure one (accepted whole) gains ~0.44 a token, 1.75 a draft;
+    # one in eight accepted drafts is worth ~0.2 a draft, against 2 ms of selecting at 222 tokens/s (0.44 tokens)
+    while not sel.idle:
+        slot({"ngram": 4 if t % 16 == 0 else 0, "suffix": 4 if t % 16 == 0 else 0}, 0.002)
+        assert t < 2000
+    arms, _ = slot({}, 0.0)
+    assert arms == [PLAIN_ARM, PLAIN_ARM] and sel.describe()["nothing_pays"]
+    granted = [slot({"ngram": 0, "suffix": 0}, 0.0)[1] for _ in range(4 * lbss.IDLE_SHADOW)]
+    assert sum(granted) == 4  # every IDLE_SHADOW-th turn
+    for _ in range(5000):  # the drafts pay now (the idle slots' own selecting cost nothing: they do not count)
+        arms, _ = slot({"ngram": 4, "suffix": 4}, 0.002)
+        if not sel.idle:
+            break
+    assert not sel.idle and not sel.describe()["nothing_pays"]
+    assert any(a.drafter is not None for _ in range(20) for a in slot({"ngram": 4, "suffix": 4}, 0.002)[0])
+
+
+def test_a_model_drafter_keeps_selection_on():
+    """The ledger values only free drafters (shadow drafts); with a model drafter in the arm set, nothing says it would
+    not pay, so selection never goes idle however little the free ones are worth."""
+    sel = LBSSSelector(SelectionConfig(seed=0, alpha=0), ["ngram", "int8"], 4, verify_points=profile_points(),
+                       draft_s_per_token={"ngram": 1e-5, "int8": 1e-3})
+    cap = Capacity({"ngram": 16, "int8": 16})
+    for t in range(300):
+        arm = sel.select([info("r", t)], cap)[0]
+        sel.observe([shadow_feedback("r", arm, 1, {"ngram": 0}, select_s=0.01)])
+    assert sel.ledger.best(1) is None and not sel.idle
