@@ -247,6 +247,14 @@ def verify_cost_summary(state: SpindState) -> str | None:
     shorter, plain = _number(cuts.get("shorter")), _number(cuts.get("plain"))
     if shorter is not None and plain is not None:
         parts.append(f"drafts cut to what pays: {shorter:g} request slots shortened, {plain:g} made plain")
+    if sel.get("idle") is True:
+        overhead = _number(sel.get("overhead_ms"))
+        parts.append("selection **idle**: the drafts are worth less than selecting costs"
+                     + (f" ({overhead:.2g} ms a slot)" if overhead else ""))
+    left_out = sel.get("dominated")
+    if isinstance(left_out, list) and left_out:
+        parts.append(f"left out: {', '.join(drafter_label(str(d)) for d in left_out)} (another free drafter does "
+                     f"better on the same text)")
     cost = verify_cost(state)
     if cost is None:
         parts.append("verify cost not fitted yet")

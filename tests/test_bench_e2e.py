@@ -130,6 +130,8 @@ def test_a_tiny_run_reports_every_system_lossless_and_the_refused_ones(tmp_path,
     assert rows["none"]["speedup_vs_none"] == 1.0 and rows["none"]["drafter_shares"] == {"none": 1.0}
     assert rows["hf-plain"]["slots"] is None  # transformers' generate: no slots of spind's to account
     assert all(rows[n]["slots"]["num_slots"] > 0 for n in ("none", "fixed:ngram", "spin"))
+    assert rows["none"]["selection"] is None and rows["fixed:ngram"]["selection"] is None  # nothing learned
+    assert {"dominated", "idle", "ledger", "overhead_ms"} <= set(rows["spin"]["selection"])  # what LBSS learned
     for name, recs in results["requests"].items():
         assert len(recs) == 3 and all(len(r["token_ids"]) <= 8 and r["latency_s"] > 0 for r in recs)
         if name in ("fixed:ngram", "spin"):

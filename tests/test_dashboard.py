@@ -292,6 +292,9 @@ def test_verify_cost_summary_names_pricing_price_and_coefficients():
                     "(6 profile points, 42 forwards observed)")
     cut = decode_state(with_pricing(snapshot("busy"), cut_slots={"shorter": 12, "plain": 30}))
     assert " · drafts cut to what pays: 12 request slots shortened, 30 made plain · " in charts.verify_cost_summary(cut)
+    idle = decode_state(with_pricing(snapshot("busy"), idle=True, overhead_ms=0.31, dominated=["ngram"]))
+    assert (" · selection **idle**: the drafts are worth less than selecting costs (0.31 ms a slot) · left out: ngram "
+            "(another free drafter does better on the same text) · ") in charts.verify_cost_summary(idle)
     unfitted = decode_state(with_pricing(snapshot("busy"), batch_pricing=False, price=0.0, verify_cost=None))
     assert charts.verify_cost_summary(unfitted) == "batch pricing **off** · no price yet · verify cost not fitted yet"
     assert charts.verify_cost(unfitted) is None and charts.verify_cost_frame(unfitted).empty

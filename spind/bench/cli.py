@@ -163,6 +163,26 @@ def add_parsers(sub: argparse._SubParsersAction,
     sel.add_argument("--out", type=Path, default=Path("bench-results/select.json"))
     sel.set_defaults(func=cmd_bench_select)
 
+    rp = bench_sub.add_parser("replay", help="selection replayed over recorded greedy outputs, side by side: "
+                              "deterministic, for judging a selector change below the machine's noise")
+    add_config_args(rp)
+    rp.add_argument("--workloads", default="alpaca,cp,mtbench,humaneval,gsm8k,passage",
+                    help="comma-separated workloads of the shared datasets (see bench e2e)")
+    rp.add_argument("--datasets-dir", type=Path, default=DEFAULT_DATASETS_DIR,
+                    help="the shared datasets folder (default: shared/datasets next to the repo checkout)")
+    rp.add_argument("--batch-size", default="1,4,16", help="comma-separated closed-loop batch sizes")
+    rp.add_argument("--systems", default="none,fixed:ngram,fixed:suffix,spin",
+                    help="comma-separated: none, spin, fixed:ngram[@K], fixed:suffix[@K]")
+    rp.add_argument("--num-requests", type=int, default=32, help="per workload")
+    rp.add_argument("--max-tokens", type=int, default=96)
+    rp.add_argument("--seed", type=int, default=0, help="which prompts each workload draws")
+    rp.add_argument("--profile", type=Path, default=None,
+                    help="a start-up profile JSON to take the verify costs from (default: this machine's)")
+    rp.add_argument("--recordings", type=Path, default=None,
+                    help="where recorded outputs are cached (default: the cache folder's replay/)")
+    rp.add_argument("--out", type=Path, default=Path("bench-results/replay.json"))
+    rp.set_defaults(func=cmd_bench_replay)
+
     v = bench_sub.add_parser("verify", help="verification latency and memory per attention mode and batch size, "
                                             "and verify(k+1)/decode(1)")
     add_config_args(v)
@@ -403,6 +423,21 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     with contextlib.nullcontext(daemons) if daemons else local_daemon(options) as url:
         targets = url if daemons else {"spind": url}
         results = asyncio.run(run_serve_bench(targets, prompts, settings, headers, peers))
+    print(render_table(results))
+    print(f"wrote {write_json(args.out, results)}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_replay(args: argparse.Namespace) -> int:
+    from spind.bench.replay import ReplaySettings, render_table, run_replay_bench
+    from spind.bench.report import write_json
+
+    cfg = config_from_args(args)
+    settings = ReplaySettings(workloads=_names(args.workloads), batch_sizes=_ints("--batch-size", args.batch_size),
+                              systems=_names(args.systems), num_requests=args.num_requests,
+                              max_tokens=args.max_tokens, seed=args.seed, datasets_dir=args.datasets_dir,
+                              profile=args.profile, recordings_dir=args.recordings)
+    results = run_replay_bench(cfg, settings)
     print(render_table(results))
     print(f"wrote {write_json(args.out, results)}", file=sys.stderr)
     return 0

@@ -199,6 +199,17 @@ def slot_account(coordinator) -> SlotAccount:
                        sum(ph.history.busy_s.get(TARGET_WORKER, {}).values()))
 
 
+SELECTION_KEYS = ("dominated", "idle", "ledger", "overhead_ms", "nothing_pays", "settled_slots", "cut_slots", "price",
+                  "plain_price")
+
+
+def selector_state(coordinator) -> dict | None:
+    """What a learning selector ended the run with (its describe(), the parts that explain its choices: the drafters
+    it left out, whether it idled, what the shadow drafts were worth); None for one that does not learn."""
+    state = coordinator.phases.selector.describe()
+    return {k: state[k] for k in SELECTION_KEYS if k in state} or None
+
+
 def _drive_accounted(engine, prompts: list[list[int]], categories: list[str], s: E2ESettings, spec: SystemSpec,
                      progress: Progress, first: int = 0) -> tuple[list[RequestRecord], float, SlotAccount]:
     before = slot_account(engine.coordinator)
@@ -208,23 +219,28 @@ def _drive_accounted(engine, prompts: list[list[int]], categories: list[str], s:
 
 
 def run_spind(cfg: SpindConfig, spec: SystemSpec, prompts: list[list[int]], categories: list[str], s: E2ESettings,
-              progress: Progress, oracle: dict[int, Arm] | None = None
+              progress: Progress, oracle: dict[int, Arm] | None = None, states: dict | None = None
               ) -> tuple[list[RequestRecord], float, SlotAccount]:
+    """states: filled with the system's selector_state at the end."""
     engine = _load(cfg, spec, prompts, s, oracle)
     try:
-        return _drive_accounted(engine, prompts, categories, s, spec, progress)
+        out = _drive_accounted(engine, prompts, categories, s, spec, progress)
+        if states is not None:
+            states[spec.name] = selector_state(engine.coordinator)
+        return out
     finally:
         engine.close()
 
 
 def run_spind_rounds(cfg: SpindConfig, specs: dict[str, SystemSpec], prompts: list[list[int]], categories: list[str],
-                     s: E2ESettings, progress: Progress
+                     s: E2ESettings, progress: Progress, states: dict | None = None
                      ) -> dict[str, tuple[list[RequestRecord], list[float], SlotAccount]]:
     """The systems loaded side by side, taking turns over `s.num_rounds()` contiguous slices of the requests (the
     order rotating each round), so that the machine's drift (other tenants, thermal state) falls on all of them
     alike instead of on whichever ran last. Each system's wall time is the sum of its slices'; its engine (and
     selector) lives through all of its slices, as a server's would. Returns each system's records (`round` set),
-    its slices' wall times, round by round, and its slots over all of them."""
+    its slices' wall times, round by round, and its slots over all of them; `states` is filled with each system's
+    selector_state at the end."""
     names = list(specs)
     rounds = s.num_rounds()
     bounds = [len(prompts) * r // rounds for r in range(rounds + 1)]
@@ -246,6 +262,8 @@ def run_spind_rounds(cfg: SpindConfig, specs: dict[str, SystemSpec], prompts: li
                 records[n].extend(recs)
                 walls[n].append(wall)
                 accounts[n] += account
+        if states is not None:
+            states.update((n, selector_state(e.coordinator)) for n, e in engines.items())
     finally:
         for e in engines.values():
             e.close()
@@ -354,10 +372,11 @@ def run_e2e(cfg: SpindConfig, s: E2ESettings, prompts_text: list[Prompt]) -> dic
     walls: dict[str, float] = {}
     round_walls: dict[str, list[float]] = {}
     accounts: dict[str, SlotAccount] = {}  # the spind systems'
+    states: dict[str, dict | None] = {}  # ... and their selectors' at the end
     together = {n: specs[n] for n in order if specs[n].kind == "spind" and specs[n].policy.name != "oracle"}
     if s.num_rounds() > 1 and len(together) > 1:  # taking turns; the oracle and transformers systems after them
         for name, (records, slices, account) in run_spind_rounds(cfg, together, prompts, categories, s,
-                                                                 progress).items():
+                                                                 progress, states).items():
             results[name], walls[name], round_walls[name], accounts[name] = records, sum(slices), slices, account
         order = [n for n in order if n not in together]
     for name in order:
@@ -370,7 +389,8 @@ def run_e2e(cfg: SpindConfig, s: E2ESettings, prompts_text: list[Prompt]) -> dic
                 records, wall = run_hf(cfg, spec, prompts, categories, s, progress)
             else:
                 oracle = best_arms(results, s.k) if spec.policy.name == "oracle" else None
-                records, wall, accounts[name] = run_spind(cfg, spec, prompts, categories, s, progress, oracle)
+                records, wall, accounts[name] = run_spind(cfg, spec, prompts, categories, s, progress, oracle,
+                                                          states)
         except RefusedSystem as e:
             refused[name] = str(e)
             continue
@@ -388,6 +408,7 @@ def run_e2e(cfg: SpindConfig, s: E2ESettings, prompts_text: list[Prompt]) -> dic
         r["speedup_vs_none_round_median"] = percentile(ratios[r["system"]], 0.5) if r["system"] in ratios else None
         r["drafter_shares"] = drafter_shares(results[r["system"]])
         r["slots"] = accounts[r["system"]].per_slot() if r["system"] in accounts else None  # None: transformers
+        r["selection"] = states.get(r["system"])  # a learning selector's state at the end (selector_state)
     cats = sorted({c for c in categories if c})
     per_category = {}
     for c in cats if len(cats) > 1 else ():  # per category: per-request rates (the wall time is the whole run's)

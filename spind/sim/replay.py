@@ -1,0 +1,260 @@
+"""Selection replayed over recorded greedy outputs: the real selector and the real free drafters, time from a cost
+model, so a selector change is judged without the machine's noise.
+
+Under greedy decoding every system's output is the plain decoding one (lossless), so what a system does with a
+request is fully determined by its prompt and that recorded output: each slot, the selector chooses the arms
+(`select`), the free drafters (n-gram lookup, suffix decoding: lookups, run here for real) draft and are cut at the
+selector's confidence floors, the draft is accepted up to its first token that differs from the recording, and the
+selector learns from the feedback, shadow drafts included, exactly as the coordinator feeds it (`SlotPhases`). Only
+the seconds are modelled: a verify forward of B requests and T tokens from the machine's start-up profile (per batch
+size, a 1-token forward and the seconds per extra token), and each drafter call as a fixed part and a part per token
+the drafter took in since its last call (suffix decoding inserts them into the request's trie), measured on this
+machine before the replay (`measure_call_costs`). The selector's own calls are timed for real and charged too, but
+its decisions never depend on them, so two replays of one recording decide alike, slot for slot.
+
+What it leaves out: model drafters (their drafts need the models; selection leaves them out on CPUs where they cannot
+pay, `SystemProfile.dominated_drafters`), the pipeline's overlap of drafting and verification, and the coordinator's
+per-request costs beyond `base_s` a slot. `spind bench replay` records the outputs with the real target and replays
+the systems side by side.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from spind.config import SelectionConfig
+from spind.coordinator.profile import SystemProfile
+from spind.coordinator.selection.baselines import build_selector
+from spind.coordinator.selection.protocol import AUTO, Arm, Capacity, RequestInfo, SlotFeedback
+from spind.coordinator.selection.shadow import SHADOW_K, SHADOWED_PER_SLOT, ShadowDrafts
+from spind.drafters.base import Draft, DraftInput, Drafter, cut_at
+from spind.drafters.ngram import NgramDrafter
+from spind.drafters.suffix import SuffixDrafter
+from spind.params import SamplingParams
+from spind.policy import Policy
+
+FREE_DRAFTERS = ("ngram", "suffix")
+
+
+@dataclass(frozen=True)
+class Recorded:
+    prompt: list[int]
+    output: list[int]  # plain greedy decoding's tokens (what every lossless system commits)
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class ReplayCosts:
+    lines: dict[int, tuple[float, float]]  # batch size -> (seconds of a forward of one token each, per token more)
+    calls: dict[str, tuple[float, float]]  # drafter -> (seconds a propose call, per token it takes in)
+    base_s: float = 0.15e-3  # the coordinator's own seconds a slot, every system alike
+
+    @classmethod
+    def from_profile(cls, profile: SystemProfile, calls: dict[str, tuple[float, float]],
+                     base_s: float = 0.15e-3) -> ReplayCosts:
+        lines = {}
+        for b, ms in sorted(profile.verify_ms.items()):
+            one = profile.decode_batch_ms.get(b)
+            if one is not None:
+                lines[b] = (one / 1e3, max(0.0, ms - one) / 1e3 / (b * profile.k))
+        if not lines:
+            raise ValueError("the profile has no batch sizes with both a 1-token and a verify forward")
+        return cls(lines, dict(calls), base_s)
+
+    def verify_s(self, batch: int, tokens: int) -> float:
+        """A forward of `batch` requests and `tokens` tokens: the profiled batch sizes' lines, interpolated."""
+        sizes = sorted(self.lines)
+        lo = max([b for b in sizes if b <= batch] or [sizes[0]])
+        hi = min([b for b in sizes if b >= batch] or [sizes[-1]])
+        w = 0.0 if hi == lo else (batch - lo) / (hi - lo)
+        one = (1 - w) * self.lines[lo][0] + w * self.lines[hi][0]
+        per_token = (1 - w) * self.lines[lo][1] + w * self.lines[hi][1]
+        if batch > sizes[-1]:  # past the largest profiled batch: its line, scaled
+            one *= batch / sizes[-1]
+        return one + per_token * max(0, tokens - batch)
+
+    def call_s(self, drafter: str, taken_in: int) -> float:
+        fixed, per_token = self.calls.get(drafter, (0.0, 0.0))
+        return fixed + per_token * taken_in
+
+
+@dataclass
+class ReplayResult:
+    system: str
+    batch_size: int
+    tokens: int = 0
+    seconds: float = 0.0
+    slots: int = 0
+    request_slots: int = 0
+    drafted_slots: dict[str, int] = field(default_factory=dict)  # drafter -> request slots it drafted tokens in
+    select_s: float = 0.0  # the selector's calls before the verify, timed (and charged)
+    learn_s: float = 0.0  # its observe calls, timed (not charged: the daemon runs them while the target computes)
+    shadow_s: float = 0.0  # modelled shadow drafting
+    selection: dict | None = None  # the selector's describe() at the end (learning selectors)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def plain_share(self) -> float:
+        return 1.0 - sum(self.drafted_slots.values()) / max(1, self.request_slots)
+
+
+def make_drafter(name: str) -> Drafter:
+    if name == "ngram":
+        return NgramDrafter(name)
+    if name == "suffix":
+        return SuffixDrafter(name)
+    raise ValueError(f"replay runs the free drafters only ({', '.join(FREE_DRAFTERS)}), not {name!r}")
+
+
+class _Calls:
+    """Each drafter's modelled seconds per call: what it takes in since its last call on the request."""
+
+    def __init__(self, costs: ReplayCosts) -> None:
+        self.costs = costs
+        self.seen: dict[tuple[str, str], int] = {}
+
+    def __call__(self, drafter: str, req_id: str, num_tokens: int) -> float:
+        taken_in = num_tokens - self.seen.get((drafter, req_id), num_tokens - 1)
+        self.seen[(drafter, req_id)] = num_tokens
+        return self.costs.call_s(drafter, taken_in)
+
+
+def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: ReplayCosts,
+           selection: SelectionConfig | None = None, drafters: Sequence[str] = FREE_DRAFTERS,
+           k: int = 4) -> ReplayResult:
+    """Closed loop of `batch_size` streams over the recording, in order. system: none | fixed:NAME[@K] | spin (LBSS
+    over `drafters`). Every request commits exactly its recorded output."""
+    cfg = selection or SelectionConfig()
+    policy = Policy.parse("lbss" if system == "spin" else system)
+    selector = build_selector(policy, cfg, list(drafters), k,
+                              costs={d: costs.call_s(d, 1) for d in drafters},
+                              verify_points=[(b, b, one) for b, (one, _) in costs.lines.items()]
+                              + [(b, b * (k + 1), one + per * b * k) for b, (one, per) in costs.lines.items()])
+    learns = policy.name == "lbss"
+    pool = {d: make_drafter(d) for d in drafters}
+    calls = _Calls(costs)
+    shadows = ShadowDrafts()
+    out = ReplayResult(system, batch_size)
+    waiting = list(range(len(recording)))
+    running: dict[str, tuple[Recorded, list[int]]] = {}  # req_id -> (record, [tokens committed])
+    current: dict[str, Arm] = {}
+    turn_count = 0
+    while waiting or running:
+        while waiting and len(running) < batch_size:
+            i = waiting.pop(0)
+            req_id = f"r{i}"
+            running[req_id] = (recording[i], [0])
+            for d in pool.values():
+                d.add_request(req_id, SamplingParams())
+        ids = list(running)
+        infos = [RequestInfo(req_id=r, requested=AUTO, requested_k=None, current=current.get(r),
+                             num_prompt_tokens=len(running[r][0].prompt), num_output_tokens=running[r][1][0])
+                 for r in ids]
+        t0 = time.perf_counter()
+        arms = selector.select(infos, Capacity(dict.fromkeys(drafters, 16)))
+        floors = {r: selector.confidence_floor(r) if a.drafter else 0.0 for r, a in zip(ids, arms)}
+        turn = max(1, -(-len(ids) // SHADOWED_PER_SLOT))
+        turn_count += 1
+        wanted = {r: learns and (turn_count + i) % turn == 0 and selector.wants_shadow(r) for i, r in enumerate(ids)}
+        select_s = time.perf_counter() - t0
+        tokens_in_forward, draft_s, shadow_s, results = 0, {}, 0.0, {}
+        for r, arm in zip(ids, arms):
+            rec, (pos,) = running[r]
+            seq = rec.prompt + rec.output[:pos]
+            left = len(rec.output) - pos
+            draft: Draft | None = None
+            k_now = max(0, min(arm.k, left - 1)) if arm.drafter else 0
+            if k_now:
+                draft = cut_at(pool[arm.drafter].propose([DraftInput(r, seq, k_now)])[0], floors[r])
+                draft_s[r] = calls(arm.drafter, r, len(seq))
+            if wanted[r]:
+                proposed, rated = {}, {}
+                for name, d in pool.items():
+                    shadow = d.propose([DraftInput(r, seq, SHADOW_K)])[0]
+                    proposed[name] = list(shadow.tokens)
+                    if shadow.confidence is not None:
+                        rated[name] = list(shadow.confidence)
+                    shadow_s += calls(name, r, len(seq))
+                shadows.add(r, len(seq), proposed, rated)
+            tokens = draft.tokens if draft is not None else []
+            accepted = 0
+            while accepted < len(tokens) and tokens[accepted] == rec.output[pos + accepted]:
+                accepted += 1
+            results[r] = (len(tokens), accepted, min(accepted + 1, left))
+            tokens_in_forward += len(tokens) + 1
+        verify_s = costs.verify_s(len(ids), tokens_in_forward)
+        out.seconds += verify_s + sum(draft_s.values()) + shadow_s + costs.base_s + select_s
+        out.select_s += select_s
+        out.shadow_s += shadow_s
+        out.slots += 1
+        feedback = []
+        for r, arm in zip(ids, arms):
+            rec, state = running[r]
+            drafted, accepted, committed = results[r]
+            state[0] += committed
+            out.tokens += committed
+            out.request_slots += 1
+            if drafted:
+                out.drafted_slots[arm.drafter] = out.drafted_slots.get(arm.drafter, 0) + 1
+            decided = shadows.resolve(r, rec.prompt + rec.output[:state[0]], state[0] >= len(rec.output))
+            feedback.append(SlotFeedback(
+                req_id=r, arm=arm, num_drafted=drafted, num_accepted=accepted, num_committed=committed,
+                draft_s=draft_s.get(r, 0.0), verify_s=verify_s, batch_size=len(ids), batch_tokens=tokens_in_forward,
+                shadow=tuple(d[:3] for d in decided), shadowed=arm.drafter is not None and wanted[r],
+                shadow_confidence=tuple((d.drafter, d.confidence, d.accepted) for d in decided if d.confidence),
+                select_s=(select_s + shadow_s) / len(ids)))
+            current[r] = arm
+        t0 = time.perf_counter()
+        selector.observe(feedback)
+        for r in ids:
+            rec, (pos,) = running[r]
+            if pos >= len(rec.output):
+                selector.remove(r)
+                shadows.remove(r)
+                current.pop(r, None)
+                for d in pool.values():
+                    d.observe_finished(r, rec.prompt + rec.output)
+                    d.free_request(r)
+                del running[r]
+        out.learn_s += time.perf_counter() - t0
+        for d in pool.values():
+            while d.has_background_work:
+                d.background_work(1 << 20)
+    if learns:
+        out.selection = selector.describe()
+    return out
+
+
+def measure_call_costs(recording: Sequence[Recorded], drafters: Sequence[str] = FREE_DRAFTERS,
+                       max_requests: int = 8) -> dict[str, tuple[float, float]]:
+    """Each drafter's (seconds a propose call, seconds per token it takes in), timed on this machine over the
+    recording's first requests: a call after one new token, and a second call on the same tokens (nothing new)."""
+    out = {}
+    for name in drafters:
+        d = make_drafter(name)
+        first = again = 0.0
+        n = 0
+        for i, rec in enumerate(recording[:max_requests]):
+            req_id = f"m{i}"
+            d.add_request(req_id, SamplingParams())
+            d.propose([DraftInput(req_id, rec.prompt, SHADOW_K)])
+            for pos in range(1, len(rec.output)):
+                seq = rec.prompt + rec.output[:pos]
+                t0 = time.perf_counter()
+                d.propose([DraftInput(req_id, seq, SHADOW_K)])
+                t1 = time.perf_counter()
+                d.propose([DraftInput(req_id, seq, SHADOW_K)])
+                t2 = time.perf_counter()
+                first, again, n = first + t1 - t0, again + t2 - t1, n + 1
+            d.observe_finished(req_id, rec.prompt + rec.output)
+            d.free_request(req_id)
+            while d.has_background_work:
+                d.background_work(1 << 20)
+        fixed = again / max(1, n)
+        out[name] = (fixed, max(0.0, first / max(1, n) - fixed))
+    return out

@@ -1,0 +1,98 @@
+"""Selection replayed over recorded greedy outputs (`spind.sim.replay`, `spind bench replay`): the accounting is
+exact, the decisions do not depend on the clock, and the bench records, caches and reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spind.config import SelectionConfig
+from spind.coordinator.profile import SystemProfile
+from spind.bench.replay import ReplaySettings
+from spind.sim.replay import Recorded, ReplayCosts, replay
+
+PROFILE = SystemProfile(4, {}, {1: 8.0, 2: 10.0, 4: 16.0}, decode_batch_ms={1: 4.0, 2: 5.0, 4: 7.0})
+CALLS = {"ngram": (5e-6, 0.0), "suffix": (15e-6, 30e-6)}
+
+
+def recording() -> list[Recorded]:
+    """Outputs that copy their prompts in long runs (lookup drafts pay) and some that do not."""
+    out = []
+    for i in range(12):
+        prompt = [10 + (i + j) % 7 for j in range(30)]
+        tail = prompt[:40] if i % 3 else [50 + (7 * j + i) % 41 for j in range(40)]
+        out.append(Recorded(prompt, (prompt[5:25] + tail)[:48], "copy" if i % 3 else "chat"))
+    return out
+
+
+def test_the_cost_model_follows_the_profile():
+    costs = ReplayCosts.from_profile(PROFILE, CALLS, base_s=0.0)
+    assert costs.lines[1] == pytest.approx((0.004, 0.001)) and costs.lines[4] == pytest.approx((0.007, 0.0005625))
+    assert costs.verify_s(1, 5) == pytest.approx(0.008)  # the profile's own verify
+    assert costs.verify_s(3, 3) == pytest.approx(0.006)  # between 2 and 4 requests
+    assert costs.verify_s(8, 8) == pytest.approx(0.014)  # past the largest: its line, scaled
+    assert costs.call_s("suffix", 2) == pytest.approx(75e-6) and costs.call_s("other", 3) == 0.0
+    with pytest.raises(ValueError, match="no batch sizes"):
+        ReplayCosts.from_profile(SystemProfile(4, {}, {1: 8.0}), CALLS)
+
+
+def test_plain_decoding_is_one_token_a_forward_and_every_system_commits_the_recording():
+    rec = recording()
+    total = sum(len(r.output) for r in rec)
+    costs = ReplayCosts.from_profile(PROFILE, CALLS, base_s=1e-4)
+    none = replay(rec, "none", 1, costs)
+    assert none.tokens == none.slots == none.request_slots == total and none.plain_share == 1.0
+    assert none.seconds == pytest.approx(total * (0.004 + 1e-4) + none.select_s)
+    for system, batch in (("fixed:ngram", 1), ("fixed:suffix@8", 4), ("spin", 1), ("spin", 4)):
+        r = replay(rec, system, batch, costs)
+        assert r.tokens == total and r.request_slots < total, system  # drafts committed several tokens a slot
+        assert r.drafted_slots and r.plain_share < 1.0
+    assert replay(rec, "fixed:ngram", 1, costs).tokens_per_s > none.tokens_per_s  # copying pays here
+
+
+def test_the_decisions_do_not_depend_on_the_clock():
+    """The selector's calls are timed and charged, but it learns only modelled seconds: two replays decide alike."""
+    rec = recording()
+    costs = ReplayCosts.from_profile(PROFILE, CALLS)
+    a, b = (replay(rec, "spin", 2, costs, SelectionConfig(seed=3)) for _ in range(2))
+    assert (a.slots, a.request_slots, a.drafted_slots) == (b.slots, b.request_slots, b.drafted_slots)
+    assert a.selection is not None and {"ledger", "dominated", "idle"} <= set(a.selection)
+    with pytest.raises(ValueError, match="free drafters"):
+        replay(rec, "fixed:int8", 1, costs, drafters=("int8",))
+
+
+def test_settings_refuse_what_replay_cannot_run():
+    ok = dict(workloads=("gsm8k",), batch_sizes=(1,), systems=("none", "spin", "fixed:suffix@8"))
+    ReplaySettings(**ok).check()
+    for bad, match in ((dict(systems=("spin",)), "needs none"), (dict(systems=("none", "fixed:int8")), "free"),
+                       (dict(workloads=("nope",)), "unknown workload"), (dict(batch_sizes=(0,)), ">= 1")):
+        with pytest.raises(ValueError, match=match):
+            ReplaySettings(**{**ok, **bad}).check()
+
+
+@pytest.mark.e2e
+def test_the_bench_records_once_and_replays_side_by_side(tmp_path, capsys):
+    from spind.cli import main
+
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["Repeat this: the cat sat on the mat, the cat sat on the mat.",
+                                   "Name three colors.", "Once upon a time"]))
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE.to_json()))
+    args = ["bench", "replay", "--workloads", str(prompts), "--batch-size", "1,2", "--num-requests", "3",
+            "--max-tokens", "12", "--systems", "none,fixed:suffix,spin", "--profile", str(profile),
+            "--recordings", str(tmp_path / "rec"), "--out", str(tmp_path / "out.json")]
+    assert main(args) == 0
+    results = json.loads((tmp_path / "out.json").read_text())
+    assert [(r["batch_size"], r["system"]) for r in results["rows"]] == [
+        (b, s) for b in (1, 2) for s in ("none", "fixed:suffix", "spin")]
+    assert all(r["tokens"] == results["rows"][0]["tokens"] > 0 for r in results["rows"])  # the recording's
+    assert all(r["vs_none"] == 1.0 for r in results["rows"] if r["system"] == "none")
+    recorded = list((tmp_path / "rec").glob("*.json"))
+    assert len(recorded) == 1 and len(json.loads(recorded[0].read_text())["requests"]) == 3
+    assert "spind bench replay" in capsys.readouterr().out
+    before = recorded[0].stat().st_mtime_ns
+    assert main(args) == 0  # the second run reads the recording
+    assert recorded[0].stat().st_mtime_ns == before
+    assert json.loads((tmp_path / "out.json").read_text())["rows"][0]["tokens"] == results["rows"][0]["tokens"]
