@@ -9,8 +9,9 @@ selector learns from the feedback, shadow drafts included, exactly as the coordi
 the seconds are modelled: a verify forward of B requests and T tokens from the machine's start-up profile (per batch
 size, a 1-token forward and the seconds per extra token), and each drafter call as a fixed part and a part per token
 the drafter took in since its last call (suffix decoding inserts them into the request's trie), measured on this
-machine before the replay (`measure_call_costs`). The selector's own calls are timed for real and charged too, but
-its decisions never depend on them, so two replays of one recording decide alike, slot for slot.
+machine before the replay (`measure_call_costs`); a fully selected slot's selecting, as a fixed cost (`select_s`: the
+daemon's coordinator, measured there). The selector learns only modelled seconds, so two replays of one recording
+decide alike, slot for slot.
 
 What it leaves out: model drafters (their drafts need the models; selection leaves them out on CPUs where they cannot
 pay, `SystemProfile.dominated_drafters`), the pipeline's overlap of drafting and verification, and the coordinator's
@@ -50,10 +51,11 @@ class ReplayCosts:
     lines: dict[int, tuple[float, float]]  # batch size -> (seconds of a forward of one token each, per token more)
     calls: dict[str, tuple[float, float]]  # drafter -> (seconds a propose call, per token it takes in)
     base_s: float = 0.15e-3  # the coordinator's own seconds a slot, every system alike
+    select_s: float = 0.25e-3  # the coordinator's seconds choosing a fully selected slot's arms (LBSS, not idle)
 
     @classmethod
     def from_profile(cls, profile: SystemProfile, calls: dict[str, tuple[float, float]],
-                     base_s: float = 0.15e-3) -> ReplayCosts:
+                     base_s: float = 0.15e-3, select_s: float = 0.25e-3) -> ReplayCosts:
         lines = {}
         for b, ms in sorted(profile.verify_ms.items()):
             one = profile.decode_batch_ms.get(b)
@@ -61,7 +63,7 @@ class ReplayCosts:
                 lines[b] = (one / 1e3, max(0.0, ms - one) / 1e3 / (b * profile.k))
         if not lines:
             raise ValueError("the profile has no batch sizes with both a 1-token and a verify forward")
-        return cls(lines, dict(calls), base_s)
+        return cls(lines, dict(calls), base_s, select_s)
 
     def verify_s(self, batch: int, tokens: int) -> float:
         """A forward of `batch` requests and `tokens` tokens: the profiled batch sizes' lines, interpolated."""
@@ -161,7 +163,10 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
         turn = max(1, -(-len(ids) // SHADOWED_PER_SLOT))
         turn_count += 1
         wanted = {r: learns and (turn_count + i) % turn == 0 and selector.wants_shadow(r) for i, r in enumerate(ids)}
-        select_s = time.perf_counter() - t0
+        timed = time.perf_counter() - t0
+        # a fully selected slot costs what the daemon's coordinator takes (modelled: the selector learns it, and its
+        # decisions must not follow this process's clock); a slot selected on the fast path, what it took here
+        select_s = costs.select_s if learns and not selector.nothing_pays else timed
         tokens_in_forward, draft_s, shadow_s, results = 0, {}, 0.0, {}
         for r, arm in zip(ids, arms):
             rec, (pos,) = running[r]

@@ -139,7 +139,8 @@ PLAIN_SAMPLE = 8  # while no draft token can pay, plain rewards are learned on s
 DOMINANCE_WINDOW = 512  # shadow drafts per drafter the dominance ledger weighs (exponential decay)
 DOMINANCE_EVIDENCE = 64  # ... that both drafters need before one may rule the other out
 IDLE_SHADOW = 8  # while selecting does not pay (`_idle`): every IDLE_SHADOW-th shadow turn is granted
-OVERHEAD_EMA = 0.05  # weight of a slot's selecting seconds in overhead_s
+OVERHEAD_WINDOW = 33  # fully selected slots whose selecting seconds overhead_s is the median of (per batch size: a
+#                      slow first matching, or a slot the OS preempted, must not idle selection for long)
 FIT_HISTORY = 64  # verify forwards whose predicted and measured seconds describe() keeps
 EXPLORE, EXPLOIT = "explore", "exploit"
 
@@ -214,8 +215,8 @@ class LBSSSelector:
         # the free drafters' shadow drafts valued as their slots would have run them, per batch size (`ledger.py`)
         self.ledger = ShadowLedger(self.arm_set.drafters, DOMINANCE_WINDOW, DOMINANCE_EVIDENCE, cfg.explore_margin)
         self.dominated: frozenset[str] = frozenset()  # free drafters another one dominates at the last slot's size
-        self._overhead_s = np.zeros(NUM_BUCKETS)  # per batch-size bucket: EMA of the seconds a fully selected slot
-        #                                          spent selecting (SlotFeedback.select_s); 0: not measured
+        # per batch-size bucket: the latest fully selected slots' seconds selecting (SlotFeedback.select_s)
+        self._overhead: list[deque[float]] = [deque(maxlen=OVERHEAD_WINDOW) for _ in range(NUM_BUCKETS)]
         self.idle = False  # selecting would cost more than it is worth at the last slot's batch size (`_nothing_pays`)
         self._idle_shadows = 0  # wants_shadow calls while idle: every IDLE_SHADOW-th is granted
 
@@ -332,8 +333,10 @@ class LBSSSelector:
         return best is not None and self._batch_size * max(best, 0.0) < self._plain_price * overhead_s
 
     def overhead_s(self, batch_size: int) -> float:
-        """What a fully selected slot of this batch size spends selecting (seconds; 0 until measured)."""
-        return float(self._overhead_s[bucket_of(batch_size)])
+        """What a fully selected slot of this batch size spends selecting: the median of its latest (seconds; 0 until
+        measured)."""
+        seen = self._overhead[bucket_of(batch_size)]
+        return float(np.median(seen)) if seen else 0.0
 
     def _still_plain(self, reqs: Sequence[RequestInfo]) -> bool:
         """Whether this slot is the last one again while no draft token can pay: the same requests, every one left to
@@ -362,9 +365,7 @@ class LBSSSelector:
         slot_s = 0.0
         selecting_s = sum(fb.select_s for fb in feedback)
         if selecting_s > 0 and not self.nothing_pays:  # what a fully selected slot spends selecting (`_idle`)
-            b = bucket_of(feedback[0].batch_size)
-            old = self._overhead_s[b]
-            self._overhead_s[b] = selecting_s if old <= 0 else (1 - OVERHEAD_EMA) * old + OVERHEAD_EMA * selecting_s
+            self._overhead[bucket_of(feedback[0].batch_size)].append(selecting_s)
         for fb in feedback:
             st = self._reqs.get(fb.req_id)
             seconds = fb.draft_s + fb.verify_s
