@@ -101,6 +101,7 @@ Where a model drafter is selectable the ledger cannot value it, and neither deci
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -217,6 +218,7 @@ class LBSSSelector:
         self.dominated: frozenset[str] = frozenset()  # free drafters another one dominates at the last slot's size
         # per batch-size bucket: the latest fully selected slots' seconds selecting (SlotFeedback.select_s)
         self._overhead: list[deque[float]] = [deque(maxlen=OVERHEAD_WINDOW) for _ in range(NUM_BUCKETS)]
+        self._overhead_median = [0.0] * NUM_BUCKETS
         self.idle = False  # selecting would cost more than it is worth at the last slot's batch size (`_nothing_pays`)
         self._idle_shadows = 0  # wants_shadow calls while idle: every IDLE_SHADOW-th is granted
 
@@ -335,8 +337,7 @@ class LBSSSelector:
     def overhead_s(self, batch_size: int) -> float:
         """What a fully selected slot of this batch size spends selecting: the median of its latest (seconds; 0 until
         measured)."""
-        seen = self._overhead[bucket_of(batch_size)]
-        return float(np.median(seen)) if seen else 0.0
+        return self._overhead_median[bucket_of(batch_size)]
 
     def _still_plain(self, reqs: Sequence[RequestInfo]) -> bool:
         """Whether this slot is the last one again while no draft token can pay: the same requests, every one left to
@@ -365,7 +366,9 @@ class LBSSSelector:
         slot_s = 0.0
         selecting_s = sum(fb.select_s for fb in feedback)
         if selecting_s > 0 and not self.nothing_pays:  # what a fully selected slot spends selecting (`_idle`)
-            self._overhead[bucket_of(feedback[0].batch_size)].append(selecting_s)
+            b = bucket_of(feedback[0].batch_size)
+            self._overhead[b].append(selecting_s)
+            self._overhead_median[b] = statistics.median(self._overhead[b])
         for fb in feedback:
             st = self._reqs.get(fb.req_id)
             seconds = fb.draft_s + fb.verify_s
@@ -393,6 +396,8 @@ class LBSSSelector:
             if learn:
                 self._observe_shadow(st, fb)
         self.observed_s += slot_s
+        if feedback:  # read at the next select, on its critical path: answered here, off it where feedback is held
+            self.ledger.best(feedback[0].batch_size)
 
     def _observe_cost(self, feedback: Sequence[SlotFeedback]) -> None:
         """The verify forward the feedback's requests shared: its shape and seconds refine the cost model (only

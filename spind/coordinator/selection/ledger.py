@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 NUM_BUCKETS = 6
 
 
@@ -24,6 +22,9 @@ def bucket_of(batch_size: int) -> int:
 
 
 class ShadowLedger:
+    """Plain Python over a handful of drafters: read on the selection's critical path (`best`, `dominated`: cached
+    per bucket until a draft is added there)."""
+
     def __init__(self, drafters: Sequence[str], window: int = 512, evidence: int = 64, margin: float = 0.15) -> None:
         """window: drafts a mean weighs (exponential decay); evidence: drafts a drafter needs in a bucket before its
         mean counts there; margin: a drafter worth less than (1 - margin) x the best one's is dominated."""
@@ -32,65 +33,55 @@ class ShadowLedger:
         self.drafters = list(drafters)
         self.decay = 1.0 - 1.0 / window
         self.evidence, self.margin = evidence, margin
-        shape = (NUM_BUCKETS, len(self.drafters))
-        self._worth = np.zeros(shape)  # decayed sums of the drafts' worth, in tokens
-        self._weight = np.zeros(shape)  # decayed counts
-        self._seen = np.zeros(shape, dtype=np.int64)
-        self._version = 0  # drafts added: what the answers below are cached on
-        self._cache: dict[tuple[str, int], tuple[int, object]] = {}
+        d = len(self.drafters)
+        self._worth = [[0.0] * d for _ in range(NUM_BUCKETS)]  # decayed sums of the drafts' worth, in tokens
+        self._weight = [[0.0] * d for _ in range(NUM_BUCKETS)]  # decayed counts
+        self._seen = [[0] * d for _ in range(NUM_BUCKETS)]
+        self._answers: list[tuple[float | None, frozenset[str]] | None] = [None] * NUM_BUCKETS  # (best, dominated)
 
     def add(self, batch_size: int, j: int, tokens: float) -> None:
         """One of drafter j's shadow drafts, decided, was worth `tokens` (net) in a slot of batch_size requests."""
         b = bucket_of(batch_size)
-        self._worth[b, j] = self.decay * self._worth[b, j] + tokens
-        self._weight[b, j] = self.decay * self._weight[b, j] + 1.0
-        self._seen[b, j] += 1
-        self._version += 1
+        self._worth[b][j] = self.decay * self._worth[b][j] + tokens
+        self._weight[b][j] = self.decay * self._weight[b][j] + 1.0
+        self._seen[b][j] += 1
+        self._answers[b] = None
 
-    def _cached(self, what: str, batch_size: int, compute):
-        key = (what, bucket_of(batch_size))
-        hit = self._cache.get(key)
-        if hit is None or hit[0] != self._version:
-            hit = self._cache[key] = (self._version, compute(batch_size))
-        return hit[1]
-
-    def rates(self, batch_size: int) -> np.ndarray:
-        """[D] each drafter's mean worth of a shadow draft (tokens) at this batch size; nan below `evidence` drafts."""
+    def rates(self, batch_size: int) -> list[float | None]:
+        """Each drafter's mean worth of a shadow draft (tokens) at this batch size; None below `evidence` drafts."""
         b = bucket_of(batch_size)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(self._seen[b] >= self.evidence, self._worth[b] / self._weight[b], np.nan)
+        return [w / n if seen >= self.evidence else None
+                for w, n, seen in zip(self._worth[b], self._weight[b], self._seen[b])]
+
+    def _answer(self, batch_size: int) -> tuple[float | None, frozenset[str]]:
+        b = bucket_of(batch_size)
+        if self._answers[b] is None:
+            r = self.rates(batch_size)
+            known = [x for x in r if x is not None]
+            best = max(known) if known else None
+            dominated = frozenset()
+            if len(known) >= 2 and best > 0.0:
+                bar = (1.0 - self.margin) * best
+                dominated = frozenset(d for d, x in zip(self.drafters, r) if x is not None and x < bar)
+            self._answers[b] = (best if r and len(known) == len(r) else None, dominated)
+        return self._answers[b]
 
     def best(self, batch_size: int) -> float | None:
         """The best known drafter's mean worth of a draft at this batch size; None until every drafter is known (one
         still unknown might pay)."""
-        return self._cached("best", batch_size, self._best)
-
-    def _best(self, batch_size: int) -> float | None:
-        r = self.rates(batch_size)
-        return None if not len(r) or np.isnan(r).any() else float(r.max())
+        return self._answer(batch_size)[0]
 
     def dominated(self, batch_size: int) -> frozenset[str]:
         """The drafters worth less than (1 - margin) x the best known one's worth a draft at this batch size, where that
         one pays (worth > 0). None while fewer than two are known."""
-        return self._cached("dominated", batch_size, self._dominated)
-
-    def _dominated(self, batch_size: int) -> frozenset[str]:
-        r = self.rates(batch_size)
-        known = ~np.isnan(r)
-        if known.sum() < 2:
-            return frozenset()
-        best = float(r[known].max())
-        if best <= 0.0:
-            return frozenset()
-        return frozenset(self.drafters[j] for j in np.flatnonzero(known) if r[j] < (1.0 - self.margin) * best)
+        return self._answer(batch_size)[1]
 
     def describe(self) -> dict:
         """{bucket's largest batch size ("17+" for the last): {drafter: mean worth of a draft, tokens; null below
         evidence}} for the buckets with any draft."""
         out = {}
         for b in range(NUM_BUCKETS):
-            if self._seen[b].any():
+            if any(self._seen[b]):
                 name = "17+" if b == NUM_BUCKETS - 1 else str(2 ** b)
-                r = self.rates(2 ** b)
-                out[name] = {d: None if np.isnan(x) else round(float(x), 4) for d, x in zip(self.drafters, r)}
+                out[name] = {d: None if x is None else round(x, 4) for d, x in zip(self.drafters, self.rates(2 ** b))}
         return out
