@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -83,8 +84,9 @@ def record(cfg: SpindConfig, workload: str, s: ReplaySettings, progress: Progres
                       systems=("none",))
     engine = _load(cfg, parse_system("none", cfg), prompts, e2e)
     try:
-        records, _ = engine.loop.run_until_complete(
-            _drive(engine.coordinator, prompts, labels, e2e, "none", Progress(len(prompts), open_null()), "record"))
+        with open(os.devnull, "w") as quiet:  # the bench's own progress counts the replays
+            records, _ = engine.loop.run_until_complete(
+                _drive(engine.coordinator, prompts, labels, e2e, "none", Progress(len(prompts), quiet), "record"))
     finally:
         engine.close()
     out = [Recorded(prompts[r.index], list(r.token_ids), labels[r.index])
@@ -93,12 +95,6 @@ def record(cfg: SpindConfig, workload: str, s: ReplaySettings, progress: Progres
     path.write_text(json.dumps({"model": cfg.model.target, "max_tokens": s.max_tokens,
                                 "requests": [[r.prompt, r.output, r.label] for r in out]}))
     return out, path
-
-
-def open_null():
-    import os
-
-    return open(os.devnull, "w")
 
 
 def machine_profile(cfg: SpindConfig) -> SystemProfile:

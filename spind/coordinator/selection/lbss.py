@@ -483,8 +483,10 @@ class LBSSSelector:
         return self._hints[req_id]
 
     def describe(self) -> dict:
-        """JSON-able state for /v1/spind/state (every float rounded; null = unknown):  policy; epoch (k); stage
-        ("explore" | "exploit"); slot_in_stage (slots of the stage selected so far) of stage_slots; chunk_slots (beta);
+        """JSON-able state for /v1/spind/state (every float rounded; null = unknown):
+
+        policy; epoch (k); stage ("explore" | "exploit"); slot_in_stage (slots of the stage selected so far) of
+        stage_slots; chunk_slots (beta);
         arms (names, plain decoding "none" first); capacity {drafter: B_j at the last slot}; assignment {arm: requests
         on it at the last slot}; requests {req_id: {arm, bypass, context, estimate {arm: g~ tokens/s}, tokens {arm:
         expected tokens committed per slot}, observations {arm: own slots}}} for every request not yet removed, so
