@@ -7,7 +7,9 @@ n-gram drafting wins), from a handful to ~500 tokens.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -61,3 +63,13 @@ def encode(tokenizer, p: TestPrompt) -> list[int]:
     if p.is_chat:
         return tokenizer.apply_chat([{"role": "user", "content": p.text}])
     return tokenizer.encode(p.text)
+
+
+SHORT_PROMPTS = ("Repeat this: the cat sat on the mat, the cat sat on the mat.", "Name three colors.",
+                 "Once upon a time", "Count to five: one, two,")
+
+
+def write_prompt_file(path: Path, num: int = 3) -> Path:
+    """A bench prompt file (a JSON list of strings) of the first `num` SHORT_PROMPTS: a copying one first."""
+    path.write_text(json.dumps(list(SHORT_PROMPTS[:num])))
+    return path

@@ -9,6 +9,7 @@ import os
 import pytest
 
 from daemon_util import child_pids
+from prompts import write_prompt_file
 from spind.bench.datasets import WorkloadFormatError, read_prompt_file, sample_workload
 from spind.bench.e2e import (E2ESettings, RefusedSystem, RequestRecord, arrivals, best_arms, drafter_shares,
                              parse_system, spind_config, round_order, round_ratios)
@@ -114,9 +115,7 @@ def test_prompt_objects_in_a_json_list_and_their_errors(tmp_path):
 
 @pytest.mark.e2e
 def test_a_tiny_run_reports_every_system_lossless_and_the_refused_ones(tmp_path, capsys):
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(["Repeat this: the cat sat on the mat, the cat sat on the mat.",
-                                   "Name three colors.", "Once upon a time"]))
+    prompts = write_prompt_file(tmp_path / "prompts.json")
     out = tmp_path / "e2e.json"
     code = main(["bench", "e2e", "--workload", str(prompts), "--num-requests", "3", "--batch-size", "2",
                  "--max-tokens", "8", "--systems", "none,fixed:ngram,spin,hf-plain,fixed:nope,hf-assisted:int8",
@@ -150,9 +149,7 @@ def test_rounds_need_two_batches_a_slice_and_a_closed_loop():
 def test_systems_taking_turns_keep_every_request_once_and_in_order(tmp_path):
     """... and each system's slots are its own: how many, their wall time, and the coordinator's and the target's
     shares of it."""
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(["Repeat this: the cat sat on the mat, the cat sat on the mat.",
-                                   "Name three colors.", "Once upon a time", "Count to five: one, two,"]))
+    prompts = write_prompt_file(tmp_path / "prompts.json", 4)
     out = tmp_path / "e2e.json"
     assert main(["bench", "e2e", "--workload", str(prompts), "--num-requests", "4", "--batch-size", "1",
                  "--rounds", "2", "--max-tokens", "6", "--systems", "none,fixed:ngram", "--threads", "1",
@@ -179,9 +176,7 @@ def test_systems_taking_turns_keep_every_request_once_and_in_order(tmp_path):
 def test_systems_over_worker_processes_as_the_daemon_runs_them(tmp_path):
     """--workers processes: each spind system is the daemon's coordinator over real worker processes, timed and
     accounted as over threads, its outputs the same, and its processes gone with the run."""
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(["Repeat this: the cat sat on the mat, the cat sat on the mat.",
-                                   "Name three colors."]))
+    prompts = write_prompt_file(tmp_path / "prompts.json", 2)
     out = tmp_path / "e2e.json"
     before = set(child_pids(os.getpid()))
     assert main(["bench", "e2e", "--workload", str(prompts), "--num-requests", "2", "--batch-size", "1",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from prompts import write_prompt_file
 
 from spind.config import SelectionConfig
 from spind.coordinator.profile import SystemProfile
@@ -75,9 +76,7 @@ def test_settings_refuse_what_replay_cannot_run():
 def test_the_bench_records_once_and_replays_side_by_side(tmp_path, capsys):
     from spind.cli import main
 
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(["Repeat this: the cat sat on the mat, the cat sat on the mat.",
-                                   "Name three colors.", "Once upon a time"]))
+    prompts = write_prompt_file(tmp_path / "prompts.json")
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(PROFILE.to_json()))
     args = ["bench", "replay", "--workloads", str(prompts), "--batch-size", "1,2", "--num-requests", "3",
