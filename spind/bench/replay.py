@@ -99,8 +99,6 @@ def record(cfg: SpindConfig, workload: str, s: ReplaySettings, progress: Progres
 
 def machine_profile(cfg: SpindConfig) -> SystemProfile:
     """The start-up profile of the config's target on this machine (the cached one, else measured now)."""
-    import asyncio
-
     from spind.coordinator.profile import load_or_measure
     from spind.coordinator.transport.local import LocalEngine
 
@@ -109,7 +107,6 @@ def machine_profile(cfg: SpindConfig) -> SystemProfile:
         return engine.loop.run_until_complete(load_or_measure(engine.pool, engine.cfg, 600.0))
     finally:
         engine.close()
-        asyncio.set_event_loop(None)
 
 
 def run_replay_bench(cfg: SpindConfig, s: ReplaySettings) -> dict:

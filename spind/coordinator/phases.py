@@ -33,7 +33,7 @@ from spind.coordinator.request import RequestState, SpecStats, output_logprobs
 from spind.coordinator.scheduler import KVBudget, num_admissible, plan_prefill, visible_len
 from spind.coordinator.selection.protocol import (AUTO, PLAIN, PLAIN_ARM, Arm, Capacity, RequestInfo, Selector,
                                                   SlotFeedback)
-from spind.coordinator.selection.shadow import FREE_KINDS, SHADOW_K, SHADOWED_PER_SLOT, ShadowDrafts
+from spind.coordinator.selection.shadow import FREE_KINDS, SHADOW_K, ShadowDrafts, is_shadow_turn
 from spind.coordinator.transport.pool import WorkerDied, WorkerError, WorkerPool
 from spind.tokenizer import Tokenizer
 
@@ -239,7 +239,6 @@ class SlotPhases:
         # every B-th, so their cost (~0.1 ms a request: the lookups, resolving them, learning from them) stays one
         # request's a slot, not the batch's (at batch 4 on alpaca, where nearly every slot decodes plainly, it cost
         # `spin` ~5% of `none`'s speed); the calibration they feed is the drafters', not the request's
-        turn = max(1, -(-len(ready) // SHADOWED_PER_SLOT))
         self._shadow_turn += 1
         for i, (st, arm) in enumerate(zip(ready, arms)):  # a worker's own limit, over all the drafters it hosts
             if arm.drafter is not None:
@@ -249,7 +248,7 @@ class SlotPhases:
                     arm = PLAIN_ARM
             out.arms[st.req_id] = arm
             st.min_confidence = self.selector.confidence_floor(st.req_id) if arm.drafter is not None else 0.0
-            if st.seq.params.is_greedy and st.req.drafter == AUTO and (self._shadow_turn + i) % turn == 0 \
+            if st.seq.params.is_greedy and st.req.drafter == AUTO and is_shadow_turn(self._shadow_turn, i, len(ready)) \
                     and self.selector.wants_shadow(st.req_id):
                 st.shadow = list(self.shadowed)  # its own drafter's too: all SHADOW_K positions, past a cut draft
             hint = self.selector.precompute_hint(st.req_id)

@@ -29,7 +29,7 @@ from spind.config import SelectionConfig
 from spind.coordinator.profile import SystemProfile
 from spind.coordinator.selection.baselines import build_selector
 from spind.coordinator.selection.protocol import AUTO, Arm, Capacity, RequestInfo, SlotFeedback
-from spind.coordinator.selection.shadow import SHADOW_K, SHADOWED_PER_SLOT, ShadowDrafts
+from spind.coordinator.selection.shadow import SHADOW_K, ShadowDrafts, is_shadow_turn
 from spind.drafters.base import Draft, DraftInput, Drafter, cut_at
 from spind.drafters.ngram import NgramDrafter
 from spind.drafters.suffix import SuffixDrafter
@@ -49,6 +49,8 @@ class Recorded:
 @dataclass(frozen=True)
 class ReplayCosts:
     lines: dict[int, tuple[float, float]]  # batch size -> (seconds of a forward of one token each, per token more)
+    points: list[tuple[int, int, float]]  # the profile's measured forwards (SystemProfile.verify_points): the
+    #                                       selector's verify-cost prior, as the daemon gives it
     calls: dict[str, tuple[float, float]]  # drafter -> (seconds a propose call, per token it takes in)
     base_s: float = 0.15e-3  # the coordinator's own seconds a slot, every system alike
     select_s: float = 0.25e-3  # the coordinator's seconds choosing a fully selected slot's arms (LBSS, not idle)
@@ -63,7 +65,7 @@ class ReplayCosts:
                 lines[b] = (one / 1e3, max(0.0, ms - one) / 1e3 / (b * profile.k))
         if not lines:
             raise ValueError("the profile has no batch sizes with both a 1-token and a verify forward")
-        return cls(lines, dict(calls), base_s, select_s)
+        return cls(lines, profile.verify_points(), dict(calls), base_s, select_s)
 
     def verify_s(self, batch: int, tokens: int) -> float:
         """A forward of `batch` requests and `tokens` tokens: the profiled batch sizes' lines, interpolated."""
@@ -92,7 +94,6 @@ class ReplayResult:
     request_slots: int = 0
     drafted_slots: dict[str, int] = field(default_factory=dict)  # drafter -> request slots it drafted tokens in
     select_s: float = 0.0  # the selector's calls before the verify, timed (and charged)
-    learn_s: float = 0.0  # its observe calls, timed (not charged: the daemon runs them while the target computes)
     shadow_s: float = 0.0  # modelled shadow drafting
     selection: dict | None = None  # the selector's describe() at the end (learning selectors)
 
@@ -135,8 +136,7 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
     policy = Policy.parse("lbss" if system == "spin" else system)
     selector = build_selector(policy, cfg, list(drafters), k,
                               costs={d: costs.call_s(d, 1) for d in drafters},
-                              verify_points=[(b, b, one) for b, (one, _) in costs.lines.items()]
-                              + [(b, b * (k + 1), one + per * b * k) for b, (one, per) in costs.lines.items()])
+                              verify_points=costs.points)
     learns = policy.name == "lbss"
     pool = {d: make_drafter(d) for d in drafters}
     calls = _Calls(costs)
@@ -160,9 +160,9 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
         t0 = time.perf_counter()
         arms = selector.select(infos, Capacity(dict.fromkeys(drafters, 16)))
         floors = {r: selector.confidence_floor(r) if a.drafter else 0.0 for r, a in zip(ids, arms)}
-        turn = max(1, -(-len(ids) // SHADOWED_PER_SLOT))
         turn_count += 1
-        wanted = {r: learns and (turn_count + i) % turn == 0 and selector.wants_shadow(r) for i, r in enumerate(ids)}
+        wanted = {r: learns and is_shadow_turn(turn_count, i, len(ids)) and selector.wants_shadow(r)
+                  for i, r in enumerate(ids)}
         timed = time.perf_counter() - t0
         # a fully selected slot costs what the daemon's coordinator takes (modelled: the selector learns it, and its
         # decisions must not follow this process's clock); a slot selected on the fast path, what it took here
@@ -214,8 +214,7 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
                 shadow_confidence=tuple((d.drafter, d.confidence, d.accepted) for d in decided if d.confidence),
                 select_s=(select_s + shadow_s) / len(ids)))
             current[r] = arm
-        t0 = time.perf_counter()
-        selector.observe(feedback)
+        selector.observe(feedback)  # not charged: the daemon runs it while the target computes
         for r in ids:
             rec, (pos,) = running[r]
             if pos >= len(rec.output):
@@ -226,7 +225,6 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
                     d.observe_finished(r, rec.prompt + rec.output)
                     d.free_request(r)
                 del running[r]
-        out.learn_s += time.perf_counter() - t0
         for d in pool.values():
             while d.has_background_work:
                 d.background_work(1 << 20)

@@ -22,6 +22,12 @@ FREE_KINDS = ("ngram", "suffix")  # drafters with no KV: a shadow draft costs a 
 SHADOWED_PER_SLOT = 1  # requests a slot drafts shadow drafts for, in turn (`SlotPhases.select`)
 
 
+def is_shadow_turn(count: int, i: int, batch_size: int) -> bool:
+    """Whether the i-th of a slot's batch_size requests takes its turn for shadow drafts at the count-th select:
+    SHADOWED_PER_SLOT of them a slot, in turn (at batch 1 every slot, at batch B each request every B-th)."""
+    return (count + i) % max(1, -(-batch_size // SHADOWED_PER_SLOT)) == 0
+
+
 @dataclass
 class _Pending:
     drafter: str
