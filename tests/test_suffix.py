@@ -157,6 +157,30 @@ def test_a_replaced_assumed_token_rebuilds_the_requests_trie():
     assert d.local["r"].tokens == text + [5, 1, 2]
 
 
+def test_a_requests_kept_shared_nodes_answer_as_a_match_from_scratch():
+    """The shared trie's deepest continued suffix, followed token by token from the request's kept nodes, is what
+    `match` finds from scratch: through the cache taking sequences in parts, evicting the oldest, and a request's
+    assumed tokens replaced."""
+    rng = random.Random(3)
+    d = SuffixDrafter("suffix", max_depth=6, cache_mb=1)
+    d.cache.max_bytes = 600 * 290  # room for two or three of the finished sequences below: the others are evicted
+    text = [rng.randrange(12) for _ in range(60)]
+    d.add_request("r", SamplingParams())
+    seq, checked, most = [], 0, 0
+    for step in range(400):
+        seq = text[:1 + step % len(text)] if step % len(text) else text[:1]
+        if step % 37 == 5:  # a finished sequence joins the cache (in parts: the trie changes between drafts)
+            d.observe_finished(f"f{step}", [rng.randrange(12) for _ in range(40)] + seq[-8:])
+        if d.has_background_work:
+            d.background_work(16)
+        tokens = seq + [rng.randrange(12)] if step % 11 == 3 else seq  # a draft-ahead's assumed token
+        d.local["r"].sync(tokens)
+        assert d._shared_node(d.local["r"], tokens) == d.cache.trie.match(tokens)
+        checked += d.cache.trie.match(tokens) != 0
+        most = max(most, len(d.cache.entries))
+    assert checked > 50 and 2 <= most < 11  # matches were found; the cache held several, and evicted some
+
+
 def test_config_checks_suffix_entries():
     cfg = from_dict({"drafters": [{"name": "s", "kind": "suffix", "worker": "target", "cache_mb": 16}]})
     assert cfg.drafter("s").cache_mb == 16

@@ -25,11 +25,13 @@ the upgrade when that matters.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from itertools import count
 
 from spind.drafters.base import Draft, DraftInput, Drafter
 
 INSERT_CHUNK = 32  # finished tokens the shared cache takes per background step: ~1 ms at ~30 us a token
 BYTES_PER_NODE = 290  # measured (tracemalloc): a trie of 20k mixed tokens at depth 24, 461k nodes (~23 a token)
+_VERSIONS = count(1)  # a shared cache's state: a new number at each change, unique across caches
 
 
 class SuffixTrie:
@@ -89,6 +91,27 @@ class SuffixTrie:
             out.append(nxt)
         return out
 
+    def follow(self, active: list[int], token: int) -> list[int]:
+        """`step` without counting: of the suffixes in `active` (ending at the previous token), those the trie holds
+        followed by `token`, and the empty one."""
+        out = [0]
+        children, depth, max_depth = self.children, self.depth, self.max_depth
+        for node in active:
+            kids = children[node]
+            if kids is not None and depth[node] < max_depth:
+                nxt = kids.get(token)
+                if nxt is not None:
+                    out.append(nxt)
+        return out
+
+    def deepest(self, active: list[int]) -> int:
+        """Of `active`, the deepest node something followed (0: none)."""
+        best, succ, depth = 0, self.succ, self.depth
+        for node in active:
+            if succ[node] > 0 and depth[node] > depth[best]:
+                best = node
+        return best
+
     def insert(self, tokens: list[int]) -> None:
         active = [0]
         for t in tokens:
@@ -127,7 +150,8 @@ class SuffixTrie:
             self.unused.append(n)
 
     def match(self, tokens: list[int]) -> int:
-        """The deepest node equal to a suffix of `tokens` that something followed (0: none)."""
+        """The deepest node equal to a suffix of `tokens` that something followed (0: none). From scratch: a request
+        drafting on the shared trie keeps its suffixes' nodes instead (`SuffixDrafter._shared_node`)."""
         for m in range(min(self.max_depth, len(tokens)), 0, -1):
             node = 0
             for t in tokens[len(tokens) - m:]:
@@ -178,6 +202,7 @@ class SuffixCache:
         self.max_bytes = max_bytes
         self.entries: OrderedDict[str, list[int]] = OrderedDict()
         self._partial: tuple[str, list[int], int, list[int]] | None = None  # (key, tokens, inserted, active)
+        self.version = next(_VERSIONS)  # changes with the trie (nodes added or released): kept nodes are then stale
 
     @property
     def approx_bytes(self) -> int:
@@ -193,6 +218,7 @@ class SuffixCache:
         meanwhile."""
         if self.max_bytes <= 0 or not tokens:
             return 0, True
+        self.version = next(_VERSIONS)
         if self._partial is None or self._partial[0] != key or self._partial[1] is not tokens:
             self._finish_partial()
             if key in self.entries:
@@ -228,6 +254,8 @@ class _Local:
         self.trie = SuffixTrie(max_depth)
         self.active = [0]
         self.tokens: list[int] = []
+        # the shared trie's nodes of the suffixes ending at tokens[shared_len - 1], as of its `version`
+        self.shared_active, self.shared_len, self.shared_version = [0], -1, 0
 
     def sync(self, tokens: list[int]) -> None:
         """Catch up with the request's sequence. It only grows once committed; tokens a draft-ahead assumed
@@ -236,17 +264,14 @@ class _Local:
         tail = max(0, n - 34)
         if len(tokens) < n or tokens[tail:n] != self.tokens[tail:n]:
             self.trie, self.active, self.tokens, n = SuffixTrie(self.trie.max_depth), [0], [], 0
+            self.shared_len = -1
         for t in tokens[n:]:
             self.active = self.trie.step(self.active, t)
         self.tokens.extend(tokens[n:])
 
     def deepest(self) -> int:
         """The deepest suffix ending at the newest token that occurred before with a successor."""
-        best = 0
-        for node in self.active:
-            if self.trie.succ[node] > 0 and self.trie.depth[node] > self.trie.depth[best]:
-                best = node
-        return best
+        return self.trie.deepest(self.active)
 
 
 class SuffixDrafter(Drafter):
@@ -308,13 +333,27 @@ class SuffixDrafter(Drafter):
                 node = local.deepest()
                 if node:
                     best = local.trie.speculate(node, x.tokens, x.k, self.factor, self.min_prob)
-                shared = self.cache.trie.match(x.tokens)
+                shared = self._shared_node(local, x.tokens)
                 if shared:
                     other = self.cache.trie.speculate(shared, x.tokens, x.k, self.factor, self.min_prob)
                     if other[1] > best[1]:
                         best = other
             out.append(Draft(best[0], switch_s=switch_s, confidence=best[2]))
         return out
+
+    def _shared_node(self, local: _Local, tokens: list[int]) -> int:
+        """`self.cache.trie.match(tokens)`, from the request's kept nodes of the shared trie, followed over its new
+        tokens (a lookup per kept node a token, against a walk per suffix length a draft: ~10 us of a ~25 us draft
+        step); found again from the last max_depth tokens after the cache changed."""
+        trie = self.cache.trie
+        if local.shared_version != self.cache.version or not 0 <= local.shared_len <= len(tokens):
+            local.shared_active, local.shared_len = [0], max(0, len(tokens) - trie.max_depth)
+            local.shared_version = self.cache.version
+        active = local.shared_active
+        for t in tokens[local.shared_len:]:
+            active = trie.follow(active, t)
+        local.shared_active, local.shared_len = active, len(tokens)
+        return trie.deepest(active)
 
     def describe(self) -> dict:
         return {**super().describe(), "cache_requests": len(self.cache.entries),
