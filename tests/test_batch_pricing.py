@@ -310,6 +310,15 @@ def test_calibration_turns_a_drafters_confidence_into_the_floor_that_pays():
     small = Calibration(1, bins=10, window=100)
     calibrated(small, n=200)
     assert small.total[0] <= 100
+    # the curve is solved again once the tokens added since reach 1/refresh of the drafter's, not at every draft
+    lazy = Calibration(1, bins=10, min_tokens=1, refresh=4)
+    calibrated(lazy, n=40)  # 80 tokens
+    solved = lazy.curve(0)
+    for _ in range(13):  # 26 tokens: under a quarter of the 106
+        lazy.add(0, [0.95, 0.35], 0)
+    assert lazy.curve(0) is solved
+    lazy.add(0, [0.95, 0.35], 0)  # 28 of 108
+    assert lazy.curve(0) is not solved and lazy.curve(0)[9] < solved[9]  # the misses are in
 
 
 def test_lbss_cuts_a_calibrated_drafters_draft_at_its_confidence_floor():
@@ -467,7 +476,8 @@ def test_where_no_draft_token_could_pay_the_batch_decodes_plainly_without_shadow
 def test_settled_plain_slots_skip_the_selection_but_not_the_cost_model():
     """While no draft token can pay, a slot of the same requests again is plain without the full selection, and only
     every PLAIN_SAMPLE-th one's plain rewards are counted; a newcomer or a request naming its drafter takes the full
-    path, and forwards that make drafting pay again end it at once (the cost model learns from every forward)."""
+    path, and forwards that make drafting pay again end it within REPRICE_FORWARDS slots (the cost model learns from
+    every forward)."""
     from spind.coordinator.selection.lbss import PLAIN_SAMPLE
 
     points = [(1, 1, 0.004), (1, 5, 0.008), (8, 8, 0.016), (8, 40, 0.112)]
@@ -502,6 +512,28 @@ def test_settled_plain_slots_skip_the_selection_but_not_the_cost_model():
         if not sel.describe()["nothing_pays"]:
             break
     assert not sel.describe()["nothing_pays"] and sel.wants_shadow("r0")
+
+
+def test_prices_are_read_again_every_few_forwards_and_at_once_for_a_new_batch_size():
+    """What a plain slot makes per second (the price every draft token is held to) is read from the cost model again
+    after REPRICE_FORWARDS forwards, not after each one; a slot of another batch size reads its own at once."""
+    from spind.coordinator.selection.lbss import REPRICE_FORWARDS
+
+    sel = LBSSSelector(SelectionConfig(seed=0, alpha=0), ["ngram"], 4, verify_points=profile_points(),
+                       draft_s_per_token={"ngram": 1e-5})
+    cap = Capacity({"ngram": 16})
+    sel.select([info("r0", 0)], cap)
+    first = sel.describe()["plain_price"]
+    assert first == pytest.approx(1 / cpu_verify(1, 1), rel=0.01)
+    prices = []
+    for t in range(REPRICE_FORWARDS):  # the machine slowed down: each 1-token forward takes twice the profile's
+        sel.observe([SlotFeedback(req_id="r0", arm=PLAIN_ARM, num_drafted=0, num_accepted=0, num_committed=1,
+                                  draft_s=0.0, verify_s=2 * cpu_verify(1, 1), batch_size=1, batch_tokens=1)])
+        sel.select([info("r0", t + 1)], cap)
+        prices.append(sel.describe()["plain_price"])
+    assert prices[:-1] == [first] * (REPRICE_FORWARDS - 1) and prices[-1] < first
+    sel.select([info("r0", 9), info("r1", 0)], cap)
+    assert sel.describe()["plain_price"] == pytest.approx(2 / sel.cost.predict(2, 2), rel=1e-3)
 
 
 def test_without_batch_pricing_lbss_speculates_on_the_same_batch():

@@ -74,6 +74,16 @@ def test_matching_equals_brute_force_and_respects_capacity():
         used = used_per_drafter([arm_set.arms[a] for a in arms])
         assert all(used.get(d, 0) <= free[d] for d in ("a", "b"))
         assert assignment_value(weights, arms) == pytest.approx(brute_force(weights, arm_set, free))
+    # one request (batch 1, a lone newcomer) is answered without the assignment solver: its best arm on a drafter
+    # with room (a drafter absent from `free` has none), the first of equal ones
+    for _ in range(200):
+        weights = rng.integers(0, 4, (1, len(arm_set))).astype(float)
+        free = {d: int(rng.integers(0, 2)) for d in ("a", "b") if rng.random() < 0.8}
+        arms = max_weight_assignment(weights, arm_set, free)
+        allowed = [0] + [a for a in range(1, len(arm_set)) if free.get(arm_set.arms[a].drafter, 0) > 0]
+        assert arms[0] == max(allowed, key=lambda a: (weights[0, a], -a))
+        every = {None: None, "a": free.get("a", 0), "b": free.get("b", 0)}
+        assert assignment_value(weights, arms) == pytest.approx(brute_force(weights, arm_set, every))
 
 
 def test_matching_unlimited_drafter_takes_everyone():
@@ -197,6 +207,11 @@ def test_precompute_hint_names_the_next_chunks_drafter_then_the_best_other():
         arms = run_slot(sel, reqs, capacity, goodput=lambda r, a: 50.0 if a.drafter == "int8" else 10.0)
     for r, arm in zip(reqs, arms):
         assert sel.precompute_hint(r.req_id) != arm.drafter
+    # where no drafter has KV to precompute (free drafters only), there is no hint, and none is worked out
+    free = LBSSSelector(cfg, DRAFTERS, default_k=4, kv_drafters=())
+    for _ in range(2 * cfg.alpha):
+        run_slot(free, reqs, capacity)
+    assert not free.has_hints and all(free.precompute_hint(r.req_id) is None for r in reqs) and not free._hints
 
 
 def test_describe_is_json_and_counts_switches():

@@ -185,7 +185,7 @@ class Coordinator:
         self.selectable = [] if policy.name == "none" else [policy.drafter] if policy.drafter else drafters
         try:
             return build_selector(policy, self.cfg.selection, drafters, self.cfg.speculation.k, costs=costs,
-                                  verify_points=verify_points)
+                                  verify_points=verify_points, kv_drafters=sorted(ph.model_drafters))
         except ValueError as e:
             raise EngineError(str(e), 500, "bad_config") from None
 

@@ -136,7 +136,7 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
     policy = Policy.parse("lbss" if system == "spin" else system)
     selector = build_selector(policy, cfg, list(drafters), k,
                               costs={d: costs.call_s(d, 1) for d in drafters},
-                              verify_points=costs.points)
+                              verify_points=costs.points, kv_drafters=())  # free drafters: no KV
     learns = policy.name == "lbss"
     pool = {d: make_drafter(d) for d in drafters}
     calls = _Calls(costs)

@@ -187,14 +187,17 @@ class OracleSelector(_Baseline):
 
 def build_selector(policy: Policy | str, cfg: SelectionConfig, drafters: Sequence[str], default_k: int, *,
                    costs: Mapping[str, float] | None = None, oracle: GoodputTable | None = None,
-                   verify_points: Sequence[tuple[int, int, float]] = ()) -> Selector:
+                   verify_points: Sequence[tuple[int, int, float]] = (),
+                   kv_drafters: Sequence[str] | None = None) -> Selector:
     """A selector for a policy: lbss | fixed:NAME[@K] | greedy-length | epsilon-greedy | random | none | oracle
     (text is parsed with Policy.parse: ValueError when malformed). `costs` (seconds per draft token per
     drafter) is needed by greedy-length and starts lbss's draft costs, `oracle` by oracle; `verify_points`
-    (measured (requests, tokens, seconds) verify forwards) start lbss's verify-cost model."""
+    (measured (requests, tokens, seconds) verify forwards) start lbss's verify-cost model; `kv_drafters` (those
+    with KV to precompute; None: all) are what lbss's precompute hints are for."""
     p = policy if isinstance(policy, Policy) else Policy.parse(policy.strip())
     if p.name == "lbss":
-        return LBSSSelector(cfg, drafters, default_k, verify_points=verify_points, draft_s_per_token=dict(costs or {}))
+        return LBSSSelector(cfg, drafters, default_k, verify_points=verify_points, draft_s_per_token=dict(costs or {}),
+                            kv_drafters=kv_drafters)
     if p.is_plain:
         return FixedSelector(None, default_k)
     if p.is_fixed:

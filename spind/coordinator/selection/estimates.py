@@ -22,6 +22,7 @@ so its own observations take over as they accumulate; n0 = 0 is the paper's plai
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -133,14 +134,18 @@ class Calibration:
     confidence a token needs to pay it, which the drafter's worker applies to the draft itself
     (`VerifyItem.min_confidence`): unlike a request's recent survival, the confidence says which of this slot's
     tokens will survive. A drafter's counts halve when they pass `window` tokens, so the curve follows the
-    workload."""
+    workload. The curve is solved again once the tokens added since it was solved reach 1/`refresh` of the
+    drafter's total (every draft while few are known; every ~10 shadow drafts over a full window): one draft moves a
+    curve over thousands of tokens by less than its noise, and solving it after every draft (the pooling, in Python)
+    was the selector's largest cost at batch 1, where it is read three times a slot."""
 
     def __init__(self, num_drafters: int, bins: int = 20, prior: float = 2.0, window: float = 4096.0,
-                 min_tokens: float = 64.0) -> None:
-        self.bins, self.prior, self.window, self.min_tokens = bins, prior, window, min_tokens
+                 min_tokens: float = 64.0, refresh: int = 32) -> None:
+        self.bins, self.prior, self.window, self.min_tokens, self.refresh = bins, prior, window, min_tokens, refresh
         self.reached = [[0.0] * bins for _ in range(num_drafters)]
         self.survived = [[0.0] * bins for _ in range(num_drafters)]
         self.total = [0.0] * num_drafters
+        self._pending = [0] * num_drafters  # tokens added since drafter j's curve was solved
         self._curves: dict[int, list[float]] = {}
 
     def add(self, j: int, confidence: Sequence[float], num_accepted: int) -> None:
@@ -159,7 +164,9 @@ class Calibration:
             for row in (reached, survived):
                 row[:] = [v * 0.5 for v in row]
             self.total[j] *= 0.5
-        self._curves.pop(j, None)
+        self._pending[j] += len(confidence)
+        if self._pending[j] * self.refresh >= self.total[j]:
+            self._curves.pop(j, None)
 
     def known(self, j: int) -> bool:
         return self.total[j] >= self.min_tokens
@@ -178,15 +185,14 @@ class Calibration:
                 word = (b + 0.5) / self.bins
                 c.append(word if not seen else min(word, pooled[0]) if b < seen[0] else pooled[i])
             self._curves[j] = c
+            self._pending[j] = 0
         return c
 
     def floor(self, j: int, price: float) -> float:
         """The least confidence whose tokens pay `price` (tokens a draft token costs): the lower edge of the first
         bin whose rate reaches it (every bin above does too); above 1 where none does: no token of j pays."""
-        for b, q in enumerate(self.curve(j)):
-            if q >= price:
-                return b / self.bins
-        return 2.0
+        b = bisect_left(self.curve(j), price)  # the curve is non-decreasing
+        return b / self.bins if b < self.bins else 2.0
 
     def describe(self, j: int) -> list[float] | None:
         return [round(q, 3) for q in self.curve(j)] if self.known(j) else None

@@ -143,6 +143,10 @@ IDLE_SHADOW = 8  # while selecting does not pay (`_idle`): every IDLE_SHADOW-th 
 OVERHEAD_WINDOW = 33  # fully selected slots whose selecting seconds overhead_s is the median of (per batch size: a
 #                      slow first matching, or a slot the OS preempted, must not idle selection for long)
 FIT_HISTORY = 64  # verify forwards whose predicted and measured seconds describe() keeps
+REPRICE_FORWARDS = 8  # verify forwards the cost model learns from before the prices are read again (`_price_plain`;
+#                       at once where the batch size changes): they move little from one forward to the next (the
+#                       cost model's window is 500 forwards), and reading them (the verify line, the drafters'
+#                       seconds per token, the ledger) cost ~30 us a slot, run cold after each forward
 EXPLORE, EXPLOIT = "explore", "exploit"
 
 
@@ -176,10 +180,13 @@ class LBSSSelector:
 
     def __init__(self, cfg: SelectionConfig, drafters: Sequence[str], default_k: int, *,
                  verify_points: Sequence[tuple[int, int, float]] = (),
-                 draft_s_per_token: dict[str, float] | None = None) -> None:
+                 draft_s_per_token: dict[str, float] | None = None,
+                 kv_drafters: Sequence[str] | None = None) -> None:
         """verify_points: measured (B, T, seconds) verify forwards (the start-up profile), the cost model's prior;
-        draft_s_per_token: each drafter's measured seconds per draft token, until its own drafts are timed."""
+        draft_s_per_token: each drafter's measured seconds per draft token, until its own drafts are timed;
+        kv_drafters: those whose KV a precompute hint can warm (model drafters; None: all): with none, no hints."""
         self.cfg = cfg
+        self.has_hints = bool(set(drafters if kv_drafters is None else kv_drafters) & set(drafters))
         self.default_k = default_k
         self.arm_set = ArmSet(drafters, cfg.k_set)
         self.population = PopulationStats(self.arm_set, cfg.population_window)
@@ -187,7 +194,8 @@ class LBSSSelector:
         self.cost.add_prior(verify_points)
         known = draft_s_per_token or {}
         self._draft_prior = np.array([known.get(d, np.nan) for d in self.arm_set.drafters], dtype=float)  # [D]
-        self._delta: np.ndarray | None = None  # _draft_s_per_token(), until the next observe
+        self._delta: np.ndarray | None = None  # _draft_s_per_token(), until the next _price_plain
+        self._token_prices: dict[int, float] = {}  # _price_of_token(j), until the next _price_plain
         self.price = 0.0  # G: the batch's expected tokens per second at the last priced matching
         self._fit: deque[tuple[float, float]] = deque(maxlen=FIT_HISTORY)  # (predicted, measured) verify seconds
         self.rng = np.random.default_rng(cfg.seed)
@@ -207,8 +215,9 @@ class LBSSSelector:
         self.cut_slots = {"shorter": 0, "plain": 0}  # request slots whose draft the cut shortened, or removed
         self.nothing_pays = False  # at the last slot's batch size no draft token could pay, even one sure to survive
         self._plain_ids: tuple[str, ...] | None = None  # the requests of the last slot selected all plain for that
-        self._cost_seen = 0  # verify forwards the cost model has observed (nothing_pays is re-read after one)
-        self._priced_at = -1  # ... when nothing_pays was last read
+        self._cost_seen = 0  # verify forwards the cost model has observed
+        self._priced_at = -REPRICE_FORWARDS  # ... when the prices were last read (`_price_plain`)
+        self._priced_batch = 0  # ... at this batch size
         self.settled_slots = 0  # slots selected by `_still_plain`
         self._shadowed: set[int] = set()  # drafters whose acceptance shadow drafts have taught
         self.calibration = Calibration(num_drafters)  # drafters' own confidence per token, against what survived
@@ -267,7 +276,8 @@ class LBSSSelector:
             self.settled_slots += 1
             return [PLAIN_ARM] * len(reqs)
         self._batch_size = max(1, len(reqs))
-        self._price_plain()
+        if self._stale_prices():
+            self._price_plain()
         self._capacity = {d: capacity.of(d) for d in self.arm_set.drafters}
         bypass = split_bypass(reqs, self.default_k)
         free = free_capacity(capacity, self.arm_set.drafters, [a for a in bypass if a is not None])
@@ -309,15 +319,22 @@ class LBSSSelector:
             r.requested == AUTO for r in reqs) else None
         return arms
 
+    def _stale_prices(self) -> bool:
+        """Whether the prices must be read again: the batch size changed, or REPRICE_FORWARDS forwards were learned."""
+        return self._batch_size != self._priced_batch or self._cost_seen - self._priced_at >= REPRICE_FORWARDS
+
     def _price_plain(self) -> None:
         """Plain decoding's tokens per second at this batch size, whether any draft token could beat it, whether
-        selecting is worth its own cost, and which free drafters are dominated at this batch size."""
+        selecting is worth its own cost, and which free drafters are dominated at this batch size; each drafter's
+        seconds per draft token and price of a draft token are solved again at their next reading."""
+        self._delta = None
+        self._token_prices.clear()
         plain_s = self.cost.predict(self._batch_size, self._batch_size) if self.prices_batch else None
         self._plain_price = self._batch_size / plain_s if plain_s else 0.0
         self.idle = self._idle()
         self.nothing_pays = self.idle or self._nothing_pays()
         self.dominated = self.ledger.dominated(self._batch_size)
-        self._priced_at = self._cost_seen
+        self._priced_at, self._priced_batch = self._cost_seen, self._batch_size
 
     def _idle(self) -> bool:
         """Whether selecting costs the slot more than speculation is worth at this batch size: what the best drafter's
@@ -341,14 +358,15 @@ class LBSSSelector:
 
     def _still_plain(self, reqs: Sequence[RequestInfo]) -> bool:
         """Whether this slot is the last one again while no draft token can pay: the same requests, every one left to
-        selection (so all of them decode plainly, whatever the stage), and no verify forward since has made drafting
-        pay. The full selection would then return every request plain and change nothing but the slot counters (a
-        request's arm, switch count and KV bookkeeping stay as they are): at batch 4 and more on a CPU, where this is
-        nearly every slot, it cost the coordinator ~0.1 ms a slot, run cold after each forward."""
+        selection (so all of them decode plainly, whatever the stage), and the prices (read again every
+        REPRICE_FORWARDS forwards) still say no draft can pay. The full selection would then return every request plain
+        and change nothing but the slot counters (a request's arm, switch count and KV bookkeeping stay as they are):
+        at batch 4 and more on a CPU, where this is nearly every slot, it cost the coordinator ~0.1 ms a slot, run cold
+        after each forward."""
         if self._plain_ids is None or len(reqs) != len(self._plain_ids) or any(
                 r.req_id != i or r.requested != AUTO for r, i in zip(reqs, self._plain_ids)):
             return False
-        if self._priced_at != self._cost_seen:
+        if self._stale_prices():
             self._price_plain()
         return self.nothing_pays
 
@@ -360,7 +378,6 @@ class LBSSSelector:
         learn = not (self.nothing_pays and self.num_slots % PLAIN_SAMPLE
                      and all(fb.arm == PLAIN_ARM and not fb.shadow and not fb.switch_s for fb in feedback))
         if learn:
-            self._delta = None
             for st in self._reqs.values():
                 st.expected.clear()
         slot_s = 0.0
@@ -472,8 +489,8 @@ class LBSSSelector:
 
     def precompute_hint(self, req_id: str) -> str | None:
         st = self._reqs.get(req_id)
-        if st is None or st.is_bypass or self.nothing_pays:  # no draft pays at this load: no KV worth precomputing
-            return None
+        if st is None or st.is_bypass or self.nothing_pays or not self.has_hints:  # no draft pays at this load, or
+            return None  # no drafter has KV: none worth precomputing
         current = st.current.drafter if st.current is not None else None
         if self.stage == EXPLORE and st.next_arm is not None:
             drafter = self.arm_set.arms[st.next_arm].drafter
@@ -657,7 +674,7 @@ class LBSSSelector:
 
     def _draft_s_per_token(self) -> np.ndarray:
         """[D] each drafter's seconds per draft token: measured, else the profile's; nan where neither is known.
-        Read many times a slot; solved once after each observe."""
+        Read many times a slot; solved at the first reading after each `_price_plain`."""
         if self._delta is None:
             delta = self.population.draft_s_per_token()
             self._delta = np.where(np.isnan(delta), self._draft_prior, delta)
@@ -713,9 +730,15 @@ class LBSSSelector:
 
     def _price_of_token(self, j: int) -> float:
         """What one of drafter j's tokens costs the batch, in tokens: the seconds it adds (verify at this batch
-        size, and drafting) at plain decoding's rate for this batch, with the margin (`_token_price`)."""
-        delta = float(self._draft_s_per_token()[j])
-        return self._token_price(self.cost.seconds_per_token_at(self._batch_size) + (0.0 if delta != delta else delta))
+        size, and drafting) at plain decoding's rate for this batch, with the margin (`_token_price`). Read several
+        times a slot: kept until the next `_price_plain`."""
+        price = self._token_prices.get(j)
+        if price is None:
+            delta = float(self._draft_s_per_token()[j])
+            price = self._token_price(self.cost.seconds_per_token_at(self._batch_size)
+                                      + (0.0 if delta != delta else delta))
+            self._token_prices[j] = price
+        return price
 
     def _token_price(self, seconds: float) -> float:
         """What a draft token that adds these seconds to the slot must be worth, in tokens: what plain decoding makes
@@ -859,7 +882,9 @@ class LBSSSelector:
         if newcomers:
             remaining = self.stage_slots - self.slot_in_stage
             states = [self._reqs[r.req_id] for r in newcomers]
-            estimates = [self.estimate(st) for st in states]
+            # the estimates name each request's best other drafter (its precompute hint), and price the matching
+            # without batch pricing
+            estimates = [self.estimate(st) if self.has_hints or not self.prices_batch else None for st in states]
             if self.prices_batch:
                 others = [*bypass, *((self._reqs[r.req_id], self.arm_set.arms[self._assigned[r.req_id]])
                                      for r in auto if r.req_id in self._assigned)]
@@ -869,7 +894,8 @@ class LBSSSelector:
                 chosen = max_weight_assignment(weights, self.arm_set, room)
             for r, g, a in zip(newcomers, estimates, chosen):
                 self._assigned[r.req_id] = int(a)
-                self._hints[r.req_id] = self._best_other_drafter(g, self.arm_set.arms[a].drafter)
+                if g is not None:
+                    self._hints[r.req_id] = self._best_other_drafter(g, self.arm_set.arms[a].drafter)
         return {r.req_id: self._assigned[r.req_id] for r in auto}
 
     # -- bookkeeping ---------------------------------------------------------------------------------------

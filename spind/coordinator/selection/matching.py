@@ -22,10 +22,14 @@ def max_weight_assignment(weights: np.ndarray, arm_set: ArmSet, free: dict[str |
     n = weights.shape[0]
     if n == 0:
         return np.zeros(0, dtype=np.int64)
+    if n == 1:  # one request (batch 1, or one newcomer): its best arm on a drafter with room, the first of ties
+        allowed = [PLAIN_INDEX] + [a for a in range(len(arm_set)) if arm_set.drafter_of[a] >= 0
+                                   and _room(free, arm_set.drafters[arm_set.drafter_of[a]]) > 0]
+        row = weights[0]
+        return np.array([max(allowed, key=lambda a: (row[a], -a))], dtype=np.int64)
     columns = [np.full(n, PLAIN_INDEX)] * n  # plain decoding: one replica per request
     for j, drafter in enumerate(arm_set.drafters):
-        room = free.get(drafter, 0)
-        replicas = n if room is None else min(room, n)
+        replicas = min(_room(free, drafter), n)
         if replicas <= 0:
             continue
         arm_ids = np.flatnonzero(arm_set.drafter_of == j)
@@ -37,6 +41,12 @@ def max_weight_assignment(weights: np.ndarray, arm_set: ArmSet, free: dict[str |
     out = np.empty(n, dtype=np.int64)
     out[rows] = arm_of_col[rows, cols]
     return out
+
+
+def _room(free: dict[str | None, int | None], drafter: str) -> float:
+    """Requests drafter `drafter` may take (None: unlimited; absent: none)."""
+    room = free.get(drafter, 0)
+    return float("inf") if room is None else room
 
 
 def assignment_value(weights: np.ndarray, arms: np.ndarray) -> float:
