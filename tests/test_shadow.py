@@ -11,7 +11,7 @@ import numpy as np
 from spind.config import SelectionConfig
 from spind.coordinator.selection.lbss import LBSSSelector
 from spind.coordinator.selection.protocol import PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
-from spind.coordinator.selection.shadow import SHADOW_K, Decided, ShadowDrafts
+from spind.coordinator.selection.shadow import SHADOW_K, Decided, ShadowDrafts, is_shadow_turn
 from spind.ngram_index import NgramIndex
 
 
@@ -36,6 +36,17 @@ def test_incremental_index_equals_the_direct_search_at_every_length():
             index.extend([tok])
             for k in (1, 4, 8):
                 assert index.lookup(k) == direct_lookup(tokens[:i + 1], k, 3, 1)
+
+
+def test_shadow_turns_come_to_one_request_a_slot_and_to_each_at_most_every_2nd_slot():
+    for batch in (1, 2, 3, 4, 16):
+        turns = [[is_shadow_turn(count, i, batch) for i in range(batch)] for count in range(1, 49)]
+        period = max(2, batch)
+        for i in range(batch):  # each request in turn, every period-th slot
+            mine = [count for count, row in enumerate(turns) if row[i]]
+            assert len(mine) == 48 // period and all(b - a == period for a, b in zip(mine, mine[1:]))
+        assert all(sum(row) <= 1 for row in turns)  # one request's shadow drafts a slot at most
+        assert sum(map(sum, turns)) == 48 // period * batch
 
 
 def test_shadow_drafts_are_decided_by_the_committed_tokens():

@@ -235,10 +235,10 @@ class SlotPhases:
             capacity = Capacity({d: max(0, b - taken.get(d, 0)) for d, b in capacity.per_drafter.items()})
         arms = self.selector.select(infos, capacity) if infos else []
         out = Selection()
-        # shadow drafts for SHADOWED_PER_SLOT of the requests, in turn: at batch 1 every slot, at batch B each request
-        # every B-th, so their cost (~0.1 ms a request: the lookups, resolving them, learning from them) stays one
-        # request's a slot, not the batch's (at batch 4 on alpaca, where nearly every slot decodes plainly, it cost
-        # `spin` ~5% of `none`'s speed); the calibration they feed is the drafters', not the request's
+        # shadow drafts for SHADOWED_PER_SLOT of the requests, in turn (`is_shadow_turn`: at batch 1 every 2nd slot,
+        # at batch B each request every B-th), so their cost (~0.1 ms a request: the lookups, resolving them, learning
+        # from them) stays one request's a slot, not the batch's (at batch 4 on alpaca, where nearly every slot decodes
+        # plainly, it cost `spin` ~5% of `none`'s speed); the calibration they feed is the drafters', not the request's
         self._shadow_turn += 1
         for i, (st, arm) in enumerate(zip(ready, arms)):  # a worker's own limit, over all the drafters it hosts
             if arm.drafter is not None:

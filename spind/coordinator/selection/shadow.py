@@ -20,12 +20,17 @@ from typing import NamedTuple
 SHADOW_K = 8  # tokens per shadow draft: acceptance is per position, so one length serves every k up to it
 FREE_KINDS = ("ngram", "suffix")  # drafters with no KV: a shadow draft costs a lookup
 SHADOWED_PER_SLOT = 1  # requests a slot drafts shadow drafts for, in turn (`SlotPhases.select`)
+MIN_SHADOW_TURN = 2  # ... and a request's turn comes at most every this many slots
 
 
 def is_shadow_turn(count: int, i: int, batch_size: int) -> bool:
     """Whether the i-th of a slot's batch_size requests takes its turn for shadow drafts at the count-th select:
-    SHADOWED_PER_SLOT of them a slot, in turn (at batch 1 every slot, at batch B each request every B-th)."""
-    return (count + i) % max(1, -(-batch_size // SHADOWED_PER_SLOT)) == 0
+    SHADOWED_PER_SLOT of them a slot, in turn, each request every MIN_SHADOW_TURN-th slot at most (at batch 1 every
+    2nd slot, at batch B each request every B-th). At batch 1 a shadow draft on every slot cost the coordinator
+    ~80 us a slot (the worker's lookups, resolving them, learning from them: 1% of a slot of the default model on a
+    2-core CPU), and selection replayed with one every 2nd slot chose as well (the calibration and the ledger are
+    everyone's, over thousands of tokens; a request's own drafts are read at a stage's start)."""
+    return (count + i) % max(MIN_SHADOW_TURN, -(-batch_size // SHADOWED_PER_SLOT)) == 0
 
 
 @dataclass
