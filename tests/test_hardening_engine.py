@@ -110,6 +110,13 @@ def test_b2_a_request_that_still_breaks_a_verify_fails_alone(tmp_path, monkeypat
     """Past the door (a NaN the checks cannot foresee) the slot is bisected: the culprit fails alone."""
     monkeypatch.setattr(tc, "ScriptedWorker", NanTarget)
     env = Env(tmp_path, make_cfg())
+    outcomes = []  # what each verify pass told the slot's update: the split one is several forwards, of no one shape
+    update = env.coordinator.phases.update
+
+    def recorded(outcome, *args):
+        outcomes.append((outcome.num_forwards, outcome.num_tokens))
+        return update(outcome, *args)
+    monkeypatch.setattr(env.coordinator.phases, "update", recorded)
 
     async def go(c):
         # the culprit slips past the checks: its temperature is changed once it is queued
@@ -124,6 +131,8 @@ def test_b2_a_request_that_still_breaks_a_verify_fails_alone(tmp_path, monkeypat
     out, nan = serve(env, go)
     assert nan[-1].finish_reason == "abort" and "probability tensor" in nan[-1].usage.finish_detail
     assert_bystanders_untouched(out)
+    split = [tokens for forwards, tokens in outcomes if forwards > 1]
+    assert split and split == [0] * len(split)  # no verify-cost point is learned from a split pass
 
 
 # -- restarts and health ----------------------------------------------------------------------------------------

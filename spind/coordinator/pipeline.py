@@ -251,8 +251,8 @@ class Pipeline:
                             Stage.SELECTED if st.cycle_arm is not None else Stage.READY)
             return
         live = [(st, r) for st, r in zip(outcome.batch, outcome.results) if st.status == "running"]
-        ph.update(VerifyOutcome([st for st, _ in live], [r for _, r in live], outcome.verify_s,
-                                shadow_s=outcome.shadow_s), vp.arms, vp.drafts)
+        ph.update(VerifyOutcome([st for st, _ in live], [r for _, r in live], outcome.verify_s, outcome.num_forwards,
+                                outcome.shadow_s), vp.arms, vp.drafts)
         now = time.perf_counter()
         ph.record_slot(now - self._last_pass_end, self._overhead_s)
         self._last_pass_end, self._overhead_s = now, 0.0
