@@ -26,10 +26,10 @@ MIN_SHADOW_TURN = 2  # ... and a request's turn comes at most every this many sl
 def is_shadow_turn(count: int, i: int, batch_size: int) -> bool:
     """Whether the i-th of a slot's batch_size requests takes its turn for shadow drafts at the count-th select:
     SHADOWED_PER_SLOT of them a slot, in turn, each request every MIN_SHADOW_TURN-th slot at most (at batch 1 every
-    2nd slot, at batch B each request every B-th). At batch 1 a shadow draft on every slot cost the coordinator
-    ~80 us a slot (the worker's lookups, resolving them, learning from them: 1% of a slot of the default model on a
-    2-core CPU), and selection replayed with one every 2nd slot chose as well (the calibration and the ledger are
-    everyone's, over thousands of tokens; a request's own drafts are read at a stage's start)."""
+    2nd slot, at batch B each request every B-th). At batch 1 a shadow draft cost ~70 us (the worker's lookups,
+    resolving them, learning from them: ~1% of a default-model slot on a 2-core CPU), and selection replayed with
+    one every 2nd slot chose as well or better (the calibration and the ledger are everyone's, over thousands of
+    tokens; a request's own recent drafts are read at a stage's start)."""
     return (count + i) % max(MIN_SHADOW_TURN, -(-batch_size // SHADOWED_PER_SLOT)) == 0
 
 
