@@ -110,7 +110,7 @@ struct Weights {
 //   D = 2 (`gguf-q16`): base 255, |digits| <= 127 (what AVX2's maddubs bounds need), a 15-bit copy (1 in 65024);
 //   D = 3 (`gguf` on AVX-512 VNNI): base 256, a 23-bit fixed-point copy, as fine as fp32's 24-bit significand for
 //         the block's largest entry.
-// Scalar code: every build quantizes identically.
+// The same code on every build (AVX2 vectors, which AVX-512 builds have too): every build quantizes identically.
 template <int D>
 struct Digits {
   static constexpr int32_t kBase = D == 3 ? 256 : 255;
@@ -121,43 +121,73 @@ struct Digits {
   std::vector<float> scale;        // [M][G]
   std::vector<float> sum;          // [M][G] sum of the block's x (fp32, k increasing), for Q4_1's m term
   std::vector<int32_t> digit_sum;  // [M][G][D], for Q8_0's +128 offset on VNNI
+#ifndef SPIND_VNNI
   std::vector<int16_t> q16;        // D = 2: [M][G][32] the value kBase a + b itself (AVX2 dots it in one vpmaddwd)
+#endif
 
   Digits(const float* x, int64_t M, int64_t K)
-      : rows(M), groups(K / kBlock), digits(M * K * D), scale(M * groups), sum(M * groups), digit_sum(M * groups * D),
-        q16(D == 2 ? M * K : 0) {
+      : rows(M), groups(K / kBlock), digits(M * K * D), scale(M * groups), sum(M * groups), digit_sum(M * groups * D)
+#ifndef SPIND_VNNI
+      , q16(D == 2 ? M * K : 0)
+#endif
+  {
     parallel_for(0, M * groups, 256, [&](int64_t begin, int64_t end) {
-      for (int64_t rg = begin; rg < end; ++rg) quantize_block(x + rg * kBlock, rg);
+      int64_t rg = begin;
+      for (; rg + kSumLanes <= end; rg += kSumLanes) quantize_blocks<kSumLanes>(x, rg);
+      for (; rg < end; ++rg) quantize_blocks<1>(x, rg);
     });
   }
 
-  // Exact integer steps after one fp32 multiply, in AVX2 vectors on both builds (AVX-512 implies AVX2), so every
-  // build gets the same digits: q = round-to-nearest-even(x inv) (vcvtps2dq, as lrintf), clamped; then per digit,
-  // least significant last, base 256: ((q + 128) & 255) - 128; base 255: q - 255 round(q / 255), the division in
-  // fp32 exact here (|q| <= 32512, and q / 255 is never within 0.002 of a half-integer). The block's sum stays a
-  // sequential scalar fp32 sum (its order is part of the result).
-  // the D x 32 digits of row r's block g
+  // The D x 32 digits of row r's block g
   const int8_t* at(int64_t r, int64_t g) const { return digits.data() + (g * rows + r) * D * kBlock; }
 
-  void quantize_block(const float* xb, int64_t rg) {
-    float amax = 0.0f, s = 0.0f;
-    for (int k = 0; k < kBlock; ++k) {
-      amax = std::max(amax, std::fabs(xb[k]));
-      s += xb[k];
+ private:
+  // Blocks whose sums are computed side by side (N independent chains: one block's sequential sum was a chain of
+  // 32 dependent fp32 adds, the quantizer's critical path)
+  static constexpr int kSumLanes = 8;
+
+  // Blocks rg .. rg + N of x (consecutive blocks are consecutive in memory, across rows too)
+  template <int N>
+  SPIND_INLINE void quantize_blocks(const float* x, int64_t rg) {
+    const float* xb = x + rg * kBlock;
+    // Each block's sum in fp32, k increasing (the order is part of the result); the N blocks' chains interleaved
+    float s[N];
+    for (int i = 0; i < N; ++i) s[i] = 0.0f;
+    for (int k = 0; k < kBlock; ++k)
+#pragma GCC unroll 8
+      for (int i = 0; i < N; ++i) s[i] += xb[i * kBlock + k];
+    for (int i = 0; i < N; ++i) {
+      sum[rg + i] = s[i];
+      quantize_block(xb + i * kBlock, rg + i);
     }
-    sum[rg] = s;
+  }
+
+  // Exact integer steps after one fp32 multiply: q = round-to-nearest-even(x inv) (vcvtps2dq, as lrintf), clamped;
+  // then per digit, least significant last, base 256: ((q + 128) & 255) - 128; base 255: q - 255 round(q / 255), the
+  // division in fp32 exact here (|q| <= 32512, and q / 255 is never within 0.002 of a half-integer). The digits are
+  // narrowed to int8 by saturating packs (exact: every digit fits) and the digit sums added in int32 (exact).
+  SPIND_INLINE void quantize_block(const float* xb, int64_t rg) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 xv[4], m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      xv[j] = _mm256_loadu_ps(xb + 8 * j);
+      m = _mm256_max_ps(m, _mm256_and_ps(xv[j], abs_mask));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));  // a maximum: any order is exact
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
     scale[rg] = amax / kLimit;
     const __m256 inv = _mm256_set1_ps(amax > 0.0f ? kLimit / amax : 0.0f);
     const __m256i hi = _mm256_set1_epi32(kLimit), lo = _mm256_set1_epi32(-kLimit);
-    alignas(32) int32_t digit[D][kBlock];
-    for (int k = 0; k < kBlock; k += 8) {
-      __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + k), inv));
+    __m256i digit[D][4];
+    for (int j = 0; j < 4; ++j) {
+      __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(xv[j], inv));
       q = _mm256_min_epi32(_mm256_max_epi32(q, lo), hi);
-      if constexpr (D == 2) {
-        alignas(32) int32_t v[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(v), q);
-        for (int i = 0; i < 8; ++i) q16[rg * kBlock + k + i] = static_cast<int16_t>(v[i]);
-      }
+#ifndef SPIND_VNNI
+      if constexpr (D == 2)  // |q| <= 32512: the saturating pack is exact; lanes back in order
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q16.data() + rg * kBlock + 8 * j),
+                         _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
+#endif
       for (int e = D - 1; e >= 0; --e) {
         __m256i d;
         if constexpr (kBase == 256) {
@@ -169,17 +199,21 @@ struct Digits {
           d = _mm256_sub_epi32(q, _mm256_mullo_epi32(a, _mm256_set1_epi32(255)));
           q = a;
         }
-        _mm256_store_si256(reinterpret_cast<__m256i*>(digit[e] + k), d);
+        digit[e][j] = d;
       }
     }
     int8_t* out = digits.data() + ((rg % groups) * rows + rg / groups) * D * kBlock;  // at(r, g)
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // the packs' 4-byte groups back in k order
     for (int e = 0; e < D; ++e) {
-      int32_t dsum = 0;
-      for (int k = 0; k < kBlock; ++k) {
-        out[e * kBlock + k] = static_cast<int8_t>(digit[e][k]);
-        dsum += digit[e][k];
-      }
-      digit_sum[rg * D + e] = dsum;
+      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(digit[e][0], digit[e][1]),
+                                                _mm256_packs_epi32(digit[e][2], digit[e][3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + e * kBlock), _mm256_permutevar8x32_epi32(packed, order));
+      const __m256i t = _mm256_add_epi32(_mm256_add_epi32(digit[e][0], digit[e][1]),
+                                         _mm256_add_epi32(digit[e][2], digit[e][3]));
+      __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+      digit_sum[rg * D + e] = _mm_cvtsi128_si32(t4);
     }
   }
 };
