@@ -361,6 +361,51 @@ SPIND_INLINE void dot16_rows(const uint8_t* codes, bool q4, const int16_t* const
 }
 #endif
 
+#ifdef SPIND_VNNI
+// MR rows' exact block dots with one column, as the integers combine_digits forms from the D digit dots: lead =
+// kBase dot_0 + dot_1 (D = 2), dot_0 (D = 1), 256 dot_0 + dot_1 with tail = dot_2 (D = 3); Q8_0's +128 code offset
+// still in (the caller takes it off). quads: row r0's digits at the block, row r0 + r's at + r D 8. Integer sums are
+// exact, so the order of the vpdpbusd is free, and it is chosen for the 2 a cycle that Intel's server cores (and
+// Zen 4) issue against their 5-cycle latency: each code vector's vpdpbusd run over all MR rows before the next
+// vector's, two chains a row (D = 2: one per digit; D = 1: even and odd code vectors; D = 3: the first two digits
+// into one sum, multiplied by the base between them, and the third apart), so 2 MR chains are in flight. Each row
+// used to be two dependent chains of 4 per digit, one row after the other: 16- and 64-row GEMMs ~25 % slower at
+// 1 thread on a Xeon (Emerald Rapids, AVX-512 VNNI).
+template <int MR, int D>
+SPIND_INLINE void lead_dots(const Column& col, const int32_t* quads, vi* lead, vi* tail) {
+  auto q = [&](int r, int e, int p) { return iset1(quads[(r * D + e) * 8 + p]); };
+  vi other[MR];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) lead[r] = other[r] = tail[r] = izero();
+  if constexpr (D < 3) {
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; p += (D == 1 ? 2 : 1))
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        lead[r] = dpbusd(lead[r], col.wq[p], q(r, 0, p));
+        other[r] = D == 1 ? dpbusd(other[r], col.wq[p + 1], q(r, 0, p + 1)) : dpbusd(other[r], col.wq[p], q(r, 1, p));
+      }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+      lead[r] = D == 1 ? iadd(lead[r], other[r]) : iadd(isub(_mm512_slli_epi32(lead[r], 8), lead[r]), other[r]);
+  } else {
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p)
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        lead[r] = dpbusd(lead[r], col.wq[p], q(r, 0, p));
+        tail[r] = dpbusd(tail[r], col.wq[p], q(r, 2, p));
+      }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) lead[r] = _mm512_slli_epi32(lead[r], 8);
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p)
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) lead[r] = dpbusd(lead[r], col.wq[p], q(r, 1, p));
+  }
+}
+#endif
+
 // y[r0 + r, unit] for MR rows. Per output, blocks in increasing order: D exact int32 dots combined into T
 // (block_dot), then acc = fma(T, d * scale, acc) (and acc = fma(m, sum, acc) for Q4_x).
 template <int MR, int D>
@@ -392,11 +437,44 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
     }
     for (int c = 0; c < kCols; ++c) vstore(y + c * kLanes, acc[c]);
     return;
+  } else {
+    // Many rows (verify, batch, prefill): one column at a time over every block, each row's dots by lead_dots.
+    for (int c = 0; c < kCols; ++c) {
+      const int64_t row = row0 + c * kLanes;
+      vf acc[MR];
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) acc[r] = vzero();
+      for (int64_t g = 0; g < w.groups; ++g) {
+        const uint8_t* blk = w.block(pair, g);
+        if (c == 0) w.prefetch_l2(pair, g, pass);
+        Column col;
+        col.load(w.codes(blk, row / 16) + (row % 16) * 4, q4);
+        vi lead[MR], tail[MR];
+        lead_dots<MR, D>(col, reinterpret_cast<const int32_t*>(a.at(r0, g)), lead, tail);
+        const vf d = load_f16(w.d(blk) + row);
+        const vf m = q4 ? load_f16(w.m(blk) + row) : vzero();
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r) {
+          const int64_t rg = (r0 + r) * w.groups + g;
+          if (!q4) {
+            const int32_t* ds = &a.digit_sum[rg * D];
+            const int32_t lead_sum = D == 1 ? ds[0] : (D == 2 ? 255 : 256) * ds[0] + ds[D > 1 ? 1 : 0];
+            lead[r] = isub(lead[r], iset1(128 * lead_sum));
+            if constexpr (D > 2) tail[r] = isub(tail[r], iset1(128 * ds[D > 2 ? 2 : 0]));
+          }
+          const vf t = D > 2 ? vfma(to_float(lead[r]), vset1(256.0f), to_float(tail[r])) : to_float(lead[r]);
+          acc[r] = vfma(t, vmul(d, vset1(a.scale[rg])), acc[r]);
+          if (q4) acc[r] = vfma(m, vset1(a.sum[rg]), acc[r]);
+        }
+      }
+      for (int r = 0; r < MR; ++r) vstore(y + r * ldy + c * kLanes, acc[r]);
+    }
+    return;
   }
-#endif
-  // One column at a time over every block: MR accumulators, the column's unpacked codes and the dots' temporaries fit
-  // the vector registers (both columns' 2 MR accumulators did not: the compiler spilled them to the stack in every
-  // block, and with the row loop unrolled, the codes too).
+#else
+  // AVX2: one column at a time over every block: MR accumulators, the column's unpacked codes and the dots'
+  // temporaries fit the vector registers (both columns' 2 MR accumulators did not: the compiler spilled them to the
+  // stack in every block, and with the row loop unrolled, the codes too).
   for (int c = 0; c < kCols; ++c) {
     const int64_t row = row0 + c * kLanes;  // 0..31 within the pair: tile row / 16, lane row % 16
     vf acc[MR];
@@ -405,7 +483,6 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
     for (int64_t g = 0; g < w.groups; ++g) {
       const uint8_t* blk = w.block(pair, g);
       if (c == 0) w.prefetch_l2(pair, g, pass);
-#ifndef SPIND_VNNI
       if constexpr (D == 2) {
         const int16_t* q[MR];
         for (int r = 0; r < MR; ++r) q[r] = a.q16.data() + ((r0 + r) * w.groups + g) * kBlock;
@@ -421,7 +498,6 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
         }
         continue;
       }
-#endif
       Column col;
       col.load(w.codes(blk, row / 16) + (row % 16) * 4, q4);
       const vf d = load_f16(w.d(blk) + row);
@@ -429,8 +505,7 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         const int64_t rg = (r0 + r) * w.groups + g;
-        // D exact int32 dots combined (block_dot): for D = 2 one rounding of the exact 255 hi + lo, the very value
-        // AVX2's single 16-bit dot converts
+        // D = 1 (D = 2 is the 16-bit dot above; D = 3 is VNNI's only)
         const int32_t* quads = reinterpret_cast<const int32_t*>(a.at(r0 + r, g));
         const vf t = block_dot<D>(col, quads, &a.digit_sum[rg * D]);
         acc[r] = vfma(t, vmul(d, vset1(a.scale[rg])), acc[r]);
@@ -439,13 +514,14 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
     }
     for (int r = 0; r < MR; ++r) vstore(y + r * ldy + c * kLanes, acc[r]);
   }
+#endif
 }
 
 template <int D>
 struct IntPath {
   using Inputs = Digits<D>;
 #ifdef SPIND_VNNI
-  static constexpr int kRows = D == 3 ? 5 : 8;  // rows sharing each unpacked weight vector (registers: 2 kRows acc)
+  static constexpr int kRows = D == 3 ? 5 : 7;  // rows sharing each unpacked code vector (registers: 3 a row)
 #else
   static constexpr int kRows = 4;
 #endif
