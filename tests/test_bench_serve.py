@@ -53,6 +53,19 @@ def test_summarize_one_level() -> None:
     assert row["num_slots"] == 40
     assert row["slot_ms"] == pytest.approx((140 * 60.0 - 100 * 50.0) / 40)
     assert row["overhead_ms_per_slot"] == pytest.approx((140 * 0.75 - 100 * 1.0) / 40)
+    assert row["prefill_ms_per_slot"] is row["verify_ms_per_slot"] is None  # a daemon that reports no busy time
+
+
+def test_a_slot_s_prefill_and_verify_are_the_workers_busy_time_over_the_level_s_slots() -> None:
+    before = {"num_slots": 10, "mean_slot_ms": 20.0, "mean_overhead_ms": 1.0,
+              "busy_s": {"prefill": 0.5, "verify": 1.0, "draft": 0.2}}
+    after = {"num_slots": 30, "mean_slot_ms": 25.0, "mean_overhead_ms": 1.0,
+             "busy_s": {"prefill": 0.7, "verify": 1.3, "draft": 0.2, "precompute": 0.1}}
+    row = summarize(Level("spind", 64, 8, "none"), [record(0.1, 1.0, 40, 20, 1.0)], 1.0, before, after)
+    assert row["prefill_ms_per_slot"] == pytest.approx(200 / 20) and row["verify_ms_per_slot"] == pytest.approx(15)
+    fresh = summarize(Level("spind", 64, 8, "none"), [record(0.1, 1.0, 40, 20, 1.0)], 1.0,
+                      {"num_slots": 0}, {"num_slots": 4, "busy_s": {"verify": 0.02}})
+    assert fresh["prefill_ms_per_slot"] == 0.0 and fresh["verify_ms_per_slot"] == pytest.approx(5)
 
 
 def test_structured_output_rows_count_valid_outputs_and_the_grammars_cost_per_token() -> None:

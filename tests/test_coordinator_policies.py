@@ -53,6 +53,14 @@ def test_slot_times():
     t.record(0.3, 0.003)
     d = t.describe()
     assert d["num_slots"] == 2 and d["mean_slot_ms"] == pytest.approx(200) and d["last_overhead_ms"] == pytest.approx(3)
+    assert d["busy_s"] == {}
+    t.record_busy("prefill", 0.02)
+    t.record_busy("verify", 0.05)
+    t.record_busy("prefill", 0.01)
+    t.record_busy("verify", -1e-6)  # a clock that stepped back counts nothing
+    assert t.describe()["busy_s"] == {"prefill": pytest.approx(0.03), "verify": pytest.approx(0.05)}
+    d["busy_s"]["prefill"] = 9.0  # a snapshot: reading it changes nothing
+    assert t.describe()["busy_s"]["prefill"] == pytest.approx(0.03)
 
 
 def test_worker_plan_and_thread_shares():

@@ -7,8 +7,9 @@ each level every drafter runs in turn on every spind daemon (the request's `"spi
 every peer once (it has one mode; its rows' drafter is `peer`), with the same client code, so that all servers
 see the same machine state. Per request: TTFT (first non-empty content chunk), end-to-end latency, completion
 tokens (the usage chunk), the output text and spind's mean accepted length. The coordinator's overhead per time
-slot comes from the `slots` counters of /v1/spind/state, read before and after each spind level; a peer is only
-asked for /v1/models (its model name, sent as "model": vLLM rejects another).
+slot, and the workers' prefill and verify time per slot (where a slot goes as load grows: at many clients the
+newcomers' prefill takes a growing share), come from the `slots` counters of /v1/spind/state, read before and after
+each spind level; a peer is only asked for /v1/models (its model name, sent as "model": vLLM rejects another).
 
 Prompts, fair to servers that cache across requests (vLLM's prefix cache; its suffix decoding drafts a response
 it has seen before almost perfectly): every level takes its own disjoint slice of the prompt list, and prompt 0
@@ -171,6 +172,14 @@ def _slot_totals(slots: dict) -> tuple[float, float, float]:
     return n, slots.get("mean_slot_ms", 0.0) * n, slots.get("mean_overhead_ms", 0.0) * n
 
 
+def _busy_ms_per_slot(before: dict, after: dict, kind: str, num_slots: int) -> float | None:
+    """The workers' busy ms of `kind` per slot between two reads of the `slots` entry (None: no slots, or a daemon
+    that does not report busy time)."""
+    if not num_slots or "busy_s" not in after:
+        return None
+    return (after["busy_s"].get(kind, 0.0) - before.get("busy_s", {}).get(kind, 0.0)) * 1e3 / num_slots
+
+
 def summarize(level: Level, records: list[RequestRecord], wall_s: float, slots_before: dict,
               slots_after: dict) -> dict:
     """One summary row of a level; failed requests are counted, not measured. A peer has no slot counters (pass
@@ -199,6 +208,9 @@ def summarize(level: Level, records: list[RequestRecord], wall_s: float, slots_b
         "num_slots": num_slots,
         "slot_ms": (slot1 - slot0) / num_slots if num_slots else None,
         "overhead_ms_per_slot": (over1 - over0) / num_slots if num_slots else None,
+        # the target's prefill and verify (summed over workers by kind) per slot: where a slot's time goes
+        "prefill_ms_per_slot": _busy_ms_per_slot(slots_before, slots_after, "prefill", num_slots),
+        "verify_ms_per_slot": _busy_ms_per_slot(slots_before, slots_after, "verify", num_slots),
         "speedup_vs_none": None,
         "same_as_none": None,
         # structured output: outputs that follow their schema, and the target's grammar work per committed token
@@ -296,6 +308,8 @@ def median_rows(rows: list[dict]) -> list[dict]:
                     "mean_accepted_length": _spread([r["mean_accepted_length"] for r in runs])[0],
                     "slot_ms": _spread([r["slot_ms"] for r in runs])[0],
                     "overhead_ms_per_slot": _spread([r["overhead_ms_per_slot"] for r in runs])[0],
+                    "prefill_ms_per_slot": _spread([r.get("prefill_ms_per_slot") for r in runs])[0],
+                    "verify_ms_per_slot": _spread([r.get("verify_ms_per_slot") for r in runs])[0],
                     "speedup_vs_none": x, "speedup_vs_none_min": x_lo, "speedup_vs_none_max": x_hi,
                     "same_as_none": (f"{sum(int(v.split('/')[0]) for v in same)}/"
                                      f"{sum(int(v.split('/')[1]) for v in same)}") if same else None})
@@ -585,13 +599,14 @@ def render_table(results: dict) -> str:
     repeats = s.get("repeats", 1)
     header = ["daemon", "max tok", "drafter", "conc", *(["run"] if repeats > 1 else []), "reqs", "err", "TTFT p50 ms",
               "TTFT p90 ms", "lat p50 s", "lat p90 s", "tok/s", "tok/s/req p50", "acc len", "slot ms",
-              "overhead ms/slot", "x none", "= none"]
+              "prefill ms/slot", "verify ms/slot", "overhead ms/slot", "x none", "= none"]
     rows = [[r["daemon"], str(r["max_tokens"]), r["drafter"], str(r["concurrency"]),
              *([str(r.get("repeat", 0) + 1)] if repeats > 1 else []), str(r["num_requests"]),
              str(r["num_errors"]), fmt(r["ttft_p50_ms"], 0), fmt(r["ttft_p90_ms"], 0), fmt(r["latency_p50_s"]),
              fmt(r["latency_p90_s"]), fmt(r["tokens_per_s"], 1), fmt(r["request_tokens_per_s_p50"], 1),
-             fmt(r["mean_accepted_length"]), fmt(r["slot_ms"], 1), fmt(r["overhead_ms_per_slot"], 3),
-             fmt(r["speedup_vs_none"]), r["same_as_none"] or "-"]
+             fmt(r["mean_accepted_length"]), fmt(r["slot_ms"], 1), fmt(r.get("prefill_ms_per_slot"), 1),
+             fmt(r.get("verify_ms_per_slot"), 1), fmt(r["overhead_ms_per_slot"], 3), fmt(r["speedup_vs_none"]),
+             r["same_as_none"] or "-"]
             for r in results["rows"]]
     if any(r.get("schema_valid") for r in results["rows"]):
         header += ["valid", "grammar ms/tok"]

@@ -7,7 +7,7 @@ Label `drafter` is a drafter name or "none"; `worker` a worker name; `kind` what
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
@@ -62,7 +62,9 @@ class EngineMetrics:
 
 @dataclass
 class SlotTimes:
-    """Time-slot wall time and the coordinator's own share of it (not waiting on workers)."""
+    """Time-slot wall time, the coordinator's own share of it (not waiting on workers), and the workers' busy time
+    by kind (prefill, verify, draft, precompute: summed over workers), so that a client can tell where a slot's time
+    goes as load grows (`spind bench serve`'s per-slot prefill and verify)."""
 
     num_slots: int = 0
     last_slot_s: float = 0.0
@@ -71,6 +73,7 @@ class SlotTimes:
     total_overhead_s: float = 0.0
     grammar_s: float = 0.0  # the target's structured-output work (Verified.grammar_s)
     grammar_tokens: int = 0  # tokens committed to requests with a grammar
+    busy_s: dict[str, float] = field(default_factory=dict)  # kind -> the workers' busy seconds
 
     def record(self, slot_s: float, overhead_s: float) -> None:
         self.num_slots += 1
@@ -78,9 +81,12 @@ class SlotTimes:
         self.total_slot_s += slot_s
         self.total_overhead_s += overhead_s
 
+    def record_busy(self, kind: str, seconds: float) -> None:
+        self.busy_s[kind] = self.busy_s.get(kind, 0.0) + max(0.0, seconds)
+
     def describe(self) -> dict:
         n = max(self.num_slots, 1)
         return {"num_slots": self.num_slots, "last_slot_ms": self.last_slot_s * 1e3,
                 "mean_slot_ms": self.total_slot_s / n * 1e3, "last_overhead_ms": self.last_overhead_s * 1e3,
                 "mean_overhead_ms": self.total_overhead_s / n * 1e3, "grammar_s": self.grammar_s,
-                "grammar_tokens": self.grammar_tokens}
+                "grammar_tokens": self.grammar_tokens, "busy_s": dict(self.busy_s)}

@@ -141,6 +141,7 @@ class SlotPhases:
     def on_busy(self, worker: str, b: P.BusyInterval) -> None:
         """A worker reported what it was busy with (the pool's hook)."""
         self.metrics.busy.labels(worker=worker, kind=b.kind).inc(max(0.0, b.end - b.start))
+        self.times.record_busy(b.kind, b.end - b.start)
         self.history.add_busy(worker, b)
 
     async def await_workers(self, aw):
