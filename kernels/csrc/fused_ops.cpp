@@ -49,13 +49,12 @@ at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& w, double eps) {
 
 // silu(gate) * up for gu = [gate | up] along the last dim: [T, 2I] -> [T, I]
 inline vf silu(vf x) {
-  // sigmoid via e = exp(-|x|) <= 1: x >= 0 -> 1 / (1 + e), x < 0 -> e / (1 + e)
+  // sigmoid via e = exp(-|x|) <= 1: x >= 0 -> 1 / (1 + e), x < 0 -> e / (1 + e); the numerator chosen before the one
+  // division (a vector division is the slowest instruction here: two of them were ~half of silu_mul's time)
   const vf ax = vmax(x, vsub(vzero(), x));
   const vf e = vexp_nonpositive(vsub(vzero(), ax));
   const vf one = vset1(1.0f);
-  const vf pos = vmul(x, vdiv(one, vadd(one, e)));
-  const vf neg = vmul(x, vdiv(e, vadd(one, e)));
-  return vselect_nonnegative(x, pos, neg);
+  return vmul(x, vdiv(vselect_nonnegative(x, one, e), vadd(one, e)));
 }
 
 at::Tensor silu_mul_impl(const at::Tensor& gu) {
