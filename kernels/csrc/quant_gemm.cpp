@@ -406,8 +406,47 @@ SPIND_INLINE void lead_dots(const Column& col, const int32_t* quads, vi* lead, v
 }
 #endif
 
+// use(r, t) for r < MR in order, t the exact block dot of row r0 + r at block g with one column's codes as the one
+// fp32 value combine_digits makes of it (the same value on every build and path)
+template <int MR, int D, class Use>
+SPIND_INLINE void rows_block_dots(const uint8_t* codes, bool q4, const Digits<D>& a, int64_t r0, int64_t g,
+                                  const Use& use) {
+  Column col;
+#ifdef SPIND_VNNI
+  col.load(codes, q4);
+  vi lead[MR], tail[MR];
+  lead_dots<MR, D>(col, reinterpret_cast<const int32_t*>(a.at(r0, g)), lead, tail);
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    if (!q4) {  // Q8_0's +128 code offset, from the digit sums (wrapping int32 arithmetic of an exact result)
+      const int32_t* ds = &a.digit_sum[((r0 + r) * a.groups + g) * D];
+      const int32_t lead_sum = D == 1 ? ds[0] : (D == 2 ? 255 : 256) * ds[0] + ds[D > 1 ? 1 : 0];
+      lead[r] = isub(lead[r], iset1(128 * lead_sum));
+      if constexpr (D > 2) tail[r] = isub(tail[r], iset1(128 * ds[D > 2 ? 2 : 0]));
+    }
+    use(r, D > 2 ? vfma(to_float(lead[r]), vset1(256.0f), to_float(tail[r])) : to_float(lead[r]));
+  }
+#else
+  if constexpr (D == 2) {  // one 16-bit dot a row: round(exact sum), as VNNI's two digits combined
+    const int16_t* q[MR];
+    for (int r = 0; r < MR; ++r) q[r] = a.q16.data() + ((r0 + r) * a.groups + g) * kBlock;
+    vi dots[MR];
+    dot16_rows<MR>(codes, q4, q, dots);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) use(r, to_float(dots[r]));
+  } else {  // D = 1 (D = 3 is VNNI's only)
+    col.load(codes, q4);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const int64_t rg = (r0 + r) * a.groups + g;
+      use(r, block_dot<D>(col, reinterpret_cast<const int32_t*>(a.at(r0 + r, g)), &a.digit_sum[rg * D]));
+    }
+  }
+#endif
+}
+
 // y[r0 + r, unit] for MR rows. Per output, blocks in increasing order: D exact int32 dots combined into T
-// (block_dot), then acc = fma(T, d * scale, acc) (and acc = fma(m, sum, acc) for Q4_x).
+// (block_dot, rows_block_dots), then acc = fma(T, d * scale, acc) (and acc = fma(m, sum, acc) for Q4_x).
 template <int MR, int D>
 void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r0, float* y, int64_t ldy,
                    int pass) {
@@ -437,44 +476,10 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
     }
     for (int c = 0; c < kCols; ++c) vstore(y + c * kLanes, acc[c]);
     return;
-  } else {
-    // Many rows (verify, batch, prefill): one column at a time over every block, each row's dots by lead_dots.
-    for (int c = 0; c < kCols; ++c) {
-      const int64_t row = row0 + c * kLanes;
-      vf acc[MR];
-#pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r) acc[r] = vzero();
-      for (int64_t g = 0; g < w.groups; ++g) {
-        const uint8_t* blk = w.block(pair, g);
-        if (c == 0) w.prefetch_l2(pair, g, pass);
-        Column col;
-        col.load(w.codes(blk, row / 16) + (row % 16) * 4, q4);
-        vi lead[MR], tail[MR];
-        lead_dots<MR, D>(col, reinterpret_cast<const int32_t*>(a.at(r0, g)), lead, tail);
-        const vf d = load_f16(w.d(blk) + row);
-        const vf m = q4 ? load_f16(w.m(blk) + row) : vzero();
-#pragma GCC unroll 16
-        for (int r = 0; r < MR; ++r) {
-          const int64_t rg = (r0 + r) * w.groups + g;
-          if (!q4) {
-            const int32_t* ds = &a.digit_sum[rg * D];
-            const int32_t lead_sum = D == 1 ? ds[0] : (D == 2 ? 255 : 256) * ds[0] + ds[D > 1 ? 1 : 0];
-            lead[r] = isub(lead[r], iset1(128 * lead_sum));
-            if constexpr (D > 2) tail[r] = isub(tail[r], iset1(128 * ds[D > 2 ? 2 : 0]));
-          }
-          const vf t = D > 2 ? vfma(to_float(lead[r]), vset1(256.0f), to_float(tail[r])) : to_float(lead[r]);
-          acc[r] = vfma(t, vmul(d, vset1(a.scale[rg])), acc[r]);
-          if (q4) acc[r] = vfma(m, vset1(a.sum[rg]), acc[r]);
-        }
-      }
-      for (int r = 0; r < MR; ++r) vstore(y + r * ldy + c * kLanes, acc[r]);
-    }
-    return;
   }
-#else
-  // AVX2: one column at a time over every block: MR accumulators, the column's unpacked codes and the dots'
-  // temporaries fit the vector registers (both columns' 2 MR accumulators did not: the compiler spilled them to the
-  // stack in every block, and with the row loop unrolled, the codes too).
+#endif
+  // Many rows (verify, batch, prefill; every call on AVX2): one column at a time over every block, MR accumulators
+  // (both columns' 2 MR accumulators did not fit the registers: the compiler spilled them in every block).
   for (int c = 0; c < kCols; ++c) {
     const int64_t row = row0 + c * kLanes;  // 0..31 within the pair: tile row / 16, lane row % 16
     vf acc[MR];
@@ -483,38 +488,16 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
     for (int64_t g = 0; g < w.groups; ++g) {
       const uint8_t* blk = w.block(pair, g);
       if (c == 0) w.prefetch_l2(pair, g, pass);
-      if constexpr (D == 2) {
-        const int16_t* q[MR];
-        for (int r = 0; r < MR; ++r) q[r] = a.q16.data() + ((r0 + r) * w.groups + g) * kBlock;
-        vi dots[MR];
-        dot16_rows<MR>(w.codes(blk, row / 16) + (row % 16) * 4, q4, q, dots);
-        const vf d = load_f16(w.d(blk) + row);
-        const vf m = q4 ? load_f16(w.m(blk) + row) : vzero();
-#pragma GCC unroll 16
-        for (int r = 0; r < MR; ++r) {
-          const int64_t rg = (r0 + r) * w.groups + g;
-          acc[r] = vfma(to_float(dots[r]), vmul(d, vset1(a.scale[rg])), acc[r]);  // round(exact sum), as VNNI's
-          if (q4) acc[r] = vfma(m, vset1(a.sum[rg]), acc[r]);
-        }
-        continue;
-      }
-      Column col;
-      col.load(w.codes(blk, row / 16) + (row % 16) * 4, q4);
       const vf d = load_f16(w.d(blk) + row);
       const vf m = q4 ? load_f16(w.m(blk) + row) : vzero();
-#pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r) {
+      rows_block_dots<MR, D>(w.codes(blk, row / 16) + (row % 16) * 4, q4, a, r0, g, [&](int r, vf t) {
         const int64_t rg = (r0 + r) * w.groups + g;
-        // D = 1 (D = 2 is the 16-bit dot above; D = 3 is VNNI's only)
-        const int32_t* quads = reinterpret_cast<const int32_t*>(a.at(r0 + r, g));
-        const vf t = block_dot<D>(col, quads, &a.digit_sum[rg * D]);
         acc[r] = vfma(t, vmul(d, vset1(a.scale[rg])), acc[r]);
         if (q4) acc[r] = vfma(m, vset1(a.sum[rg]), acc[r]);
-      }
+      });
     }
     for (int r = 0; r < MR; ++r) vstore(y + r * ldy + c * kLanes, acc[r]);
   }
-#endif
 }
 
 template <int D>
