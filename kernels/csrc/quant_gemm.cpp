@@ -374,10 +374,10 @@ SPIND_INLINE void dot16_rows(const uint8_t* codes, bool q4, const int16_t* const
 template <int MR, int D>
 SPIND_INLINE void lead_dots(const Column& col, const int32_t* quads, vi* lead, vi* tail) {
   auto q = [&](int r, int e, int p) { return iset1(quads[(r * D + e) * 8 + p]); };
-  vi other[MR];
-#pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r) lead[r] = other[r] = tail[r] = izero();
   if constexpr (D < 3) {
+    vi other[MR];  // D = 2: dot_1; D = 1: dot_0's odd code vectors
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) lead[r] = other[r] = izero();
 #pragma GCC unroll 8
     for (int p = 0; p < 8; p += (D == 1 ? 2 : 1))
 #pragma GCC unroll 16
@@ -389,6 +389,8 @@ SPIND_INLINE void lead_dots(const Column& col, const int32_t* quads, vi* lead, v
     for (int r = 0; r < MR; ++r)
       lead[r] = D == 1 ? iadd(lead[r], other[r]) : iadd(isub(_mm512_slli_epi32(lead[r], 8), lead[r]), other[r]);
   } else {
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) lead[r] = tail[r] = izero();
 #pragma GCC unroll 8
     for (int p = 0; p < 8; ++p)
 #pragma GCC unroll 16
@@ -411,8 +413,8 @@ SPIND_INLINE void lead_dots(const Column& col, const int32_t* quads, vi* lead, v
 template <int MR, int D, class Use>
 SPIND_INLINE void rows_block_dots(const uint8_t* codes, bool q4, const Digits<D>& a, int64_t r0, int64_t g,
                                   const Use& use) {
-  Column col;
 #ifdef SPIND_VNNI
+  Column col;
   col.load(codes, q4);
   vi lead[MR], tail[MR];
   lead_dots<MR, D>(col, reinterpret_cast<const int32_t*>(a.at(r0, g)), lead, tail);
@@ -420,11 +422,15 @@ SPIND_INLINE void rows_block_dots(const uint8_t* codes, bool q4, const Digits<D>
   for (int r = 0; r < MR; ++r) {
     if (!q4) {  // Q8_0's +128 code offset, from the digit sums (wrapping int32 arithmetic of an exact result)
       const int32_t* ds = &a.digit_sum[((r0 + r) * a.groups + g) * D];
-      const int32_t lead_sum = D == 1 ? ds[0] : (D == 2 ? 255 : 256) * ds[0] + ds[D > 1 ? 1 : 0];
-      lead[r] = isub(lead[r], iset1(128 * lead_sum));
-      if constexpr (D > 2) tail[r] = isub(tail[r], iset1(128 * ds[D > 2 ? 2 : 0]));
+      if constexpr (D == 1) {
+        lead[r] = isub(lead[r], iset1(128 * ds[0]));
+      } else {
+        lead[r] = isub(lead[r], iset1(128 * (Digits<D>::kBase * ds[0] + ds[1])));
+        if constexpr (D == 3) tail[r] = isub(tail[r], iset1(128 * ds[2]));
+      }
     }
-    use(r, D > 2 ? vfma(to_float(lead[r]), vset1(256.0f), to_float(tail[r])) : to_float(lead[r]));
+    if constexpr (D == 3) use(r, vfma(to_float(lead[r]), vset1(256.0f), to_float(tail[r])));
+    else use(r, to_float(lead[r]));
   }
 #else
   if constexpr (D == 2) {  // one 16-bit dot a row: round(exact sum), as VNNI's two digits combined
@@ -435,6 +441,7 @@ SPIND_INLINE void rows_block_dots(const uint8_t* codes, bool q4, const Digits<D>
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) use(r, to_float(dots[r]));
   } else {  // D = 1 (D = 3 is VNNI's only)
+    Column col;
     col.load(codes, q4);
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
