@@ -531,11 +531,14 @@ def test_repeated_runs_end_to_end_each_on_its_own_prompts() -> None:
             return await run_serve_bench({"s": spind_url}, prompts, settings, peers={"vllm": peer_url})
 
     results = asyncio.run(asyncio.wait_for(main(), 60))
+    # run 2 takes the rows in reverse order: over the two runs each row ran first once and last once
     assert [(r["daemon"], r["drafter"], r["repeat"]) for r in results["rows"]] == [
-        ("s", "none", 0), ("s", "auto", 0), ("vllm", PEER, 0), ("s", "none", 1), ("s", "auto", 1), ("vllm", PEER, 1)]
-    timed = [p for _, _, p in spind.sent[len(settings.drafters):]]
-    assert sorted(timed[:4]) == ["prompt 1", "prompt 1", "prompt 2", "prompt 2"]  # run 1: none, auto
-    assert sorted(timed[4:]) == ["prompt 3", "prompt 3", "prompt 4", "prompt 4"]  # run 2: its own prompts
+        ("s", "none", 0), ("s", "auto", 0), ("vllm", PEER, 0), ("vllm", PEER, 1), ("s", "auto", 1), ("s", "none", 1)]
+    timed = spind.sent[len(settings.drafters):]
+    assert sorted(p for _, _, p in timed[:4]) == ["prompt 1", "prompt 1", "prompt 2", "prompt 2"]  # run 1
+    assert [d for _, d, _ in timed[:4]] == ["none", "none", "auto", "auto"]
+    assert sorted(p for _, _, p in timed[4:]) == ["prompt 3", "prompt 3", "prompt 4", "prompt 4"]  # its own prompts
+    assert [d for _, d, _ in timed[4:]] == ["auto", "auto", "none", "none"]
     peer_sent = sorted(b["messages"][0]["content"] if "messages" in b else b["prompt"] for b in peer.bodies[1:])
     assert peer_sent == ["prompt 1", "prompt 2", "prompt 3", "prompt 4"]
     medians = {(m["daemon"], m["drafter"]): m for m in results["medians"]}

@@ -138,8 +138,9 @@ def add_parsers(sub: argparse._SubParsersAction,
                    help="generate exactly --max-tokens tokens per request (default: on)")
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--repeats", type=int, default=1,
-                   help="runs of each level in a row, each on its own prompts; the table adds each row's median "
-                        "over them, its x none the median of the runs' own ratios (a shared VM drifts by 5-25%%)")
+                   help="runs of each level in a row, each on its own prompts, odd runs in reverse row order (use "
+                        "an even N); the table adds each row's median over them, its x none the median of the runs' "
+                        "own ratios (a shared VM drifts by 5-25%%)")
     s.add_argument("--url", action="append", default=None, metavar="[LABEL=]URL",
                    help="a running daemon's HTTP base URL; repeat to compare daemons side by side "
                         "(default: start one, stop it after)")

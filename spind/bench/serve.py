@@ -31,7 +31,8 @@ in the row order (Zen 4, 2 cores): `auto` read 1.07-1.09x `none` in one order an
 
 Noise: a shared VM's speed drifts by 5-25% from one minute to the next, more than the effects worth measuring.
 `--repeats N` runs each level N times in a row, each run with its own prompts (for the caches, as above) and every
-row of the level in it, so a row and the rows it is compared with always ran on the same prompts minutes apart. A
+row of the level in it, so a row and the rows it is compared with always ran on the same prompts minutes apart;
+odd runs take the rows in reverse order (`run_order`), so with an even N no row is always first or last. A
 ratio (`x none`, spind against a peer) is then taken within each run and its median over the runs reported
 (`medians`, with the runs' least and greatest), which cancels the drift a median of each row's tokens/s alone
 would keep.
@@ -534,6 +535,13 @@ async def _check_peer(session: aiohttp.ClientSession, name: str, url: str, promp
     return model
 
 
+def run_order(rows: list[Level], repeat: int) -> list[Level]:
+    """A run's rows in the order they run: as listed in even runs, reversed in odd ones (A B, B A, ...), so that
+    over an even number of runs each row runs first as often as last and a steady drift (a VM slowing for
+    minutes, a server's caches warming) weighs on both sides of a ratio alike."""
+    return rows[::-1] if repeat % 2 else rows
+
+
 async def run_serve_bench(daemons: dict[str, str], prompts: list[Prompt], settings: ServeSettings,
                           headers: dict[str, str] | None = None, peers: dict[str, str] | None = None) -> dict:
     """Every level on every spind daemon and peer ({label: base URL}), interleaved so that all see the same
@@ -543,8 +551,8 @@ async def run_serve_bench(daemons: dict[str, str], prompts: list[Prompt], settin
     check_prompts(settings, prompts)
     slices = prompt_slices(settings)
     levels = [lv for n in settings.max_tokens for c in settings.concurrency for rep in range(settings.repeats)
-              for lv in [*(Level(label, n, c, d, rep) for d in settings.drafters for label in daemons),
-                         *(Level(name, n, c, PEER, rep) for name in peers)]]
+              for lv in run_order([*(Level(label, n, c, d, rep) for d in settings.drafters for label in daemons),
+                                   *(Level(name, n, c, PEER, rep) for name in peers)], rep)]
     progress = Progress(total=sum(settings.requests_at(lv.concurrency) for lv in levels))
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     # spind's API key goes to spind only: a peer gets a session without it
