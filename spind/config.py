@@ -65,6 +65,7 @@ class RuntimeConfig:
     gpu_memory_utilization: float = 0.9  # kv_num_blocks = 0 on CUDA: the share of the GPU spind may fill
     max_batch_size: int = 16  # requests per forward
     max_prefill_tokens: int = 256  # prompt tokens prefilled per time slot, shared by new requests (chunked prefill)
+    prefix_caching: bool = True  # a prompt reuses the target's KV of a prefix an earlier prompt prefilled
     attention: str = "packed"  # verification attention mode, one of ATTENTION_BACKENDS
     kv_cache_dtype: str = "auto"  # the target's KV cache, one of KV_CACHE_DTYPES (runner.resolve_kv_dtype)
     cuda_graphs: bool = False  # replay captured verify forwards for bucketed shapes (a CUDA target, triton-* modes)

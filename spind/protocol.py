@@ -148,8 +148,9 @@ class FreeRequests(_Msg, tag="free_requests"):
 
 
 class ForgetFinished(_Msg, tag="forget_finished"):
-    """Drop what the hosted drafters keep from finished requests (suffix decoding's shared cache of their
-    sequences): POST /v1/spind/reset_cache, for a bench that sends one prompt to several drafters in turn."""
+    """Drop what the worker keeps from finished requests (suffix decoding's shared cache of their sequences, the
+    target's prefix cache): POST /v1/spind/reset_cache, for a bench that sends one prompt to several drafters in
+    turn."""
 
     seq: int
 
@@ -191,6 +192,14 @@ class Ready(_Msg, tag="ready", kw_only=True):
 
 class Ack(_Msg, tag="ack"):
     seq: int
+    busy: list[BusyInterval] = []
+
+
+class Prefilled(_Msg, tag="prefilled"):
+    """Prefill's reply: per item, how many of its tokens the target's prefix cache held (reused, not computed)."""
+
+    seq: int
+    reused: list[Count]
     busy: list[BusyInterval] = []
 
 
@@ -315,6 +324,7 @@ class UsageRecord(_Rec):
     drafters: dict[str, dict[str, int]] = {}  # per drafter: {"drafted": n, "accepted": n}
     num_steps: int = 0
     mean_accepted_length: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the target's prefix cache
 
 
 class Logprob(_Rec):
@@ -367,7 +377,7 @@ class ClientError(_Msg, tag="client_error"):
 
 WorkerOp = Union[AddRequest, Prefill, Propose, Verify, Precompute, FreeRequests, ForgetFinished, Profile, Ping,
                  Shutdown]
-WorkerReply = Union[Ready, Ack, Proposed, Verified, Profiled, WorkerStats, ErrorReply]
+WorkerReply = Union[Ready, Ack, Prefilled, Proposed, Verified, Profiled, WorkerStats, ErrorReply]
 ClientIn = Union[ClientRequest, ClientAbort]
 ClientOut = Union[ClientChunk, ClientReply, ClientError]
 CLIENT_TYPES: tuple[type, ...] = (*ClientIn.__args__, *ClientOut.__args__)  # type: ignore[attr-defined]

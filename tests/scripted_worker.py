@@ -101,7 +101,7 @@ class ScriptedWorker:
             for it in msg.items:
                 assert 0 < it.num_tokens and self.kv_len[it.req_id] + it.num_tokens < len(self.mirrors[it.req_id])
                 self.kv_len[it.req_id] += it.num_tokens
-            return P.Ack(msg.seq, [P.BusyInterval("prefill", 0.0, 0.001, len(msg.items))])
+            return P.Prefilled(msg.seq, [0] * len(msg.items), [P.BusyInterval("prefill", 0.0, 0.001, len(msg.items))])
         if isinstance(msg, P.Propose):
             out = []
             for it in msg.items:

@@ -267,7 +267,8 @@ def test_chat_stream_chunks_have_openai_shape():
     assert [c["choices"][0]["delta"] for c in last[:2]] == [{"content": "lo"}, {}]
     assert last[1]["choices"][0]["finish_reason"] == "stop" and last[1]["spind"] == USAGE.spind_json()
     assert last[2]["choices"] == [] and last[2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4,
-                                                             "total_tokens": 7}
+                                                             "total_tokens": 7,
+                                                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert last[2]["spind"]["drafters"] == {"ngram": {"drafted": 6, "accepted": 2}}
     assert all(c["id"] == "chatcmpl-1" and c["created"] == 7 and c["model"] == "spind" for c in [role, *mid, *last])
 
@@ -332,7 +333,8 @@ def test_n_choices_are_indexed_with_their_own_offsets_and_usage_merges():
         [Choice("a", "stop"), Choice("bc", "length")], Usage.merge([USAGE, USAGE]))
     assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in response["choices"]] == [
         (0, "a", "stop"), (1, "bc", "length")]
-    assert response["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}  # prompt once
+    assert response["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11,  # prompt once
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
     assert response["spind"]["drafters"] == {"ngram": {"drafted": 12, "accepted": 4}}
     assert response["spind"]["time_slots"] == 4 and response["spind"]["mean_accepted_length"] == 2.0
     assert parse({"prompt": "hi", "n": 4}).n == 4 and parse({"prompt": "hi"}).n == 1

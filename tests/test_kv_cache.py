@@ -213,3 +213,133 @@ def test_an_fp16_cache_serves_the_model_close_to_fp32(attention: str) -> None:
     (dtype16, rows16), (dtype32, rows32) = verify("float16"), verify("float32")
     assert (dtype16, dtype32) == (torch.float16, torch.float32)
     assert 0 < (rows16 - rows32).abs().max() < 1e-2 * rows32.abs().max()  # 11-bit K/V: close, not equal
+
+
+# ---- prefix caching ---------------------------------------------------------------------------------------------
+def _cached(num_blocks: int = 6) -> KVCache:
+    kv = _tiny(num_blocks)
+    kv.prefix_caching = True
+    return kv
+
+
+def _prefilled(kv: KVCache, req_id: str, tokens: list[int]) -> int:
+    """What a target's prefill does: reuse what it can, write the rest, publish it all. Returns the reused count."""
+    kv.allocate(req_id)
+    reused = kv.reuse_prefix(req_id, tokens)
+    kv.reserve(req_id, len(tokens))
+    kv.make_writable(req_id, reused, len(tokens))
+    kv.commit(req_id, len(tokens) - reused)
+    kv.publish(req_id, tokens)
+    return reused
+
+
+def test_a_prompt_reuses_the_whole_blocks_of_its_longest_published_prefix() -> None:
+    kv = _cached()
+    a = list(range(1, 3 * BLOCK + 2))  # 3 whole blocks and a partial one
+    assert _prefilled(kv, "a", a) == 0 and kv.num_cached_blocks == 3  # the partial block is not published
+    b = a[:2 * BLOCK] + [99] * (BLOCK + 1)  # the first 2 blocks equal, then it differs
+    assert _prefilled(kv, "b", b) == 2 * BLOCK
+    assert kv.seqs["b"].block_table[:2] == kv.seqs["a"].block_table[:2]
+    assert kv.seqs["b"].block_table[2] != kv.seqs["a"].block_table[2] and kv.num_shared_blocks("b") == 2
+    # a block's content is its whole chain: the same tokens after a different first block match nothing
+    kv.allocate("c")
+    assert kv.reuse_prefix("c", [99] * BLOCK + a[BLOCK:2 * BLOCK] + [5]) == 0
+    # never the last token: a prompt of exactly the cached blocks reuses all but the block holding it
+    kv.allocate("d")
+    assert kv.reuse_prefix("d", a[:2 * BLOCK]) == BLOCK
+    with pytest.raises(ValueError, match="already has KV"):
+        kv.reuse_prefix("d", a)
+
+
+def test_without_prefix_caching_nothing_is_published_or_reused() -> None:
+    kv = _tiny(num_blocks=6)
+    a = list(range(1, 2 * BLOCK + 2))
+    assert _prefilled(kv, "a", a) == 0 and kv.num_cached_blocks == 0
+    assert _prefilled(kv, "b", a) == 0
+
+
+def test_cached_blocks_count_as_free_and_are_evicted_least_recently_released_first() -> None:
+    kv = _cached(num_blocks=4)
+    a = list(range(1, 2 * BLOCK + 1))
+    _prefilled(kv, "a", a)
+    kv.free("a")
+    assert kv.num_free_blocks == 4 and kv.num_cached_blocks == 2  # held by nobody, still cached
+    kv.allocate("x")
+    kv.reserve("x", 3 * BLOCK)  # takes the 2 free blocks, then evicts a's last block (released first)
+    assert kv.num_cached_blocks == 1 and kv.num_free_blocks == 1  # the cached first block, still takeable
+    kv.allocate("a2")
+    assert kv.reuse_prefix("a2", a + [7]) == BLOCK  # the first block is still there
+    kv.free("x")
+    kv.free("a2")
+    assert kv.num_free_blocks == 4
+
+
+def test_a_reused_block_is_copied_before_a_write_and_an_overwritten_one_leaves_the_cache() -> None:
+    kv = _cached()
+    a = list(range(1, 2 * BLOCK + 2))
+    _prefilled(kv, "a", a)
+    _prefilled(kv, "b", a)  # reuses both whole blocks
+    kv.truncate("b", BLOCK)  # b rewrites its second block: a copy of its own, the cached one stays a's
+    kv.reserve("b", 2 * BLOCK)
+    kv.make_writable("b", BLOCK, 2 * BLOCK)
+    assert kv.seqs["b"].block_table[1] != kv.seqs["a"].block_table[1] and kv.num_cached_blocks == 2
+    kv.free("b")
+    kv.truncate("a", 2)  # a alone holds its first block, cut inside it: rewriting it in place unpublishes it
+    kv.reserve("a", 3)
+    kv.make_writable("a", 2, 3)
+    assert kv.seqs["a"].block_table[0] not in kv._key_of and kv.num_cached_blocks == 1
+    kv.allocate("c")
+    assert kv.reuse_prefix("c", a) == 0  # the chain's head is gone: its second block, still cached, matches nothing
+
+
+def test_reset_forgets_every_prefix_and_frees_what_no_sequence_holds() -> None:
+    kv = _cached(num_blocks=4)
+    a = list(range(1, 2 * BLOCK + 1))
+    _prefilled(kv, "a", a)
+    _prefilled(kv, "b", list(range(50, 50 + BLOCK + 1)))
+    kv.free("a")
+    kv.reset_prefix_cache()
+    assert kv.num_cached_blocks == 0 and kv.num_free_blocks == 2 and len(kv._free_blocks) == 2
+    kv.allocate("c")
+    assert kv.reuse_prefix("c", a + [1]) == 0
+    kv.free("b")
+    assert len(kv._free_blocks) == 4 and kv.num_cached_blocks == 0  # b's published block went free, not cached
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_a_prompt_on_a_reused_prefix_computes_the_same_bits_as_one_prefilled_whole(engine: LocalEngine, tokenizer,
+                                                                                  chunk: int) -> None:
+    """The real target (its configured attention: the CPU kernels are batch-invariant): a second prompt sharing the
+    first's opening takes its whole blocks from the cache, in chunks smaller than the cached part too, and its
+    verify logits and KV equal those of a target without the cache. The coordinator's chunks still count every
+    prompt token; `prefill` says how many it skipped."""
+    from spind.params import SamplingParams
+    from spind.worker.target import TargetVerifier
+
+    model, attention = engine.target.runner.model, engine.target.runner.attention
+    system = tokenizer.encode("You are a careful assistant. Answer in one short sentence and name your source. " * 2)
+    a = system + tokenizer.encode(" What is the capital of France?")
+    b = system + tokenizer.encode(" Name three prime numbers.")
+    draft = tokenizer.encode(" Two, three")
+    expected = len(system) // 16 * 16
+    assert expected >= 32
+
+    def run(prefix_caching: bool) -> tuple[int, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        target = TargetVerifier(ModelRunner(model, 32, 16, attention, prefix_caching=prefix_caching))
+        target.add_request("a", a, SamplingParams())
+        assert target.prefill([("a", len(a) - 1)]) == [0]
+        target.add_request("b", b, SamplingParams())
+        reused, left = 0, len(b) - 1
+        while left:
+            n = min(chunk, left)
+            reused += sum(target.prefill([("b", n)]))
+            left -= n
+        assert target.num_pending("b") == 1
+        logits = target.runner.forward([ForwardItem("b", [b[-1], *draft], 1 + len(draft))])[0]
+        return reused, logits, _kv_rows(target.runner, "b")
+
+    (reused, logits, kv), (plain_reused, plain_logits, plain_kv) = run(True), run(False)
+    assert (reused, plain_reused) == (expected, 0)
+    assert torch.equal(logits, plain_logits)
+    for got, want in zip(kv, plain_kv):
+        assert torch.equal(got, want)

@@ -31,6 +31,7 @@ SAMPLES = [
     (P.WorkerReply, P.Ready(name="target", pid=1234, is_target=True, drafters=["ngram"], max_model_len=2048,
                             num_threads=1, device="cpu", dtype="float32")),
     (P.WorkerReply, P.Ack(8, BUSY)),
+    (P.WorkerReply, P.Prefilled(8, [32, 0], BUSY)),
     (P.WorkerReply, P.Proposed(9, [P.DraftRecord(req_id="r1", tokens=[4, 5], has_probs=True, slot=17, draft_s=0.07,
                                                 switch_s=0.01), P.DraftRecord("r2", [])], BUSY)),
     (P.WorkerReply, P.Verified(10, [P.VerifyResult("r1", 3, 2, [1, 2, 9], 0.001)], 0.09, BUSY)),

@@ -40,10 +40,12 @@ class Usage:
     draft_s: float = 0.0  # seconds of drafting and of verification this request took part in
     verify_s: float = 0.0
     arms: list[str] = field(default_factory=list)  # the arm of every slot, in order (benches; not sent to clients)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (OpenAI's prompt_tokens_details)
 
     def to_json(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     @staticmethod
     def merge(usages: list["Usage"]) -> "Usage":
@@ -62,7 +64,7 @@ class Usage:
                      num_steps=num_steps, mean_accepted_length=committed / num_steps if num_steps else 0.0,
                      finish_detail="; ".join(dict.fromkeys(u.finish_detail for u in usages if u.finish_detail)),
                      draft_s=sum(u.draft_s for u in usages), verify_s=sum(u.verify_s for u in usages),
-                     arms=[a for u in usages for a in u.arms])
+                     arms=[a for u in usages for a in u.arms], cached_tokens=usages[0].cached_tokens)
 
     def spind_json(self) -> dict:
         out = {"drafters": self.drafters, "time_slots": self.num_steps,

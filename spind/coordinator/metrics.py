@@ -26,6 +26,8 @@ class EngineMetrics:
         self.prompt_tokens = Counter("spind_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.shared_prompt_tokens = Counter("spind_shared_prompt_tokens", "Prompt tokens whose KV a completion (n > 1) "
                                             "shares with the completion that prefilled it", registry=r)
+        self.prefix_hit_tokens = Counter("spind_prefix_cache_hit_tokens", "Prompt tokens whose KV the target's prefix "
+                                         "cache held from an earlier prompt (reused, not prefilled)", registry=r)
         self.generation_tokens = Counter("spind_generation_tokens", "Generated (committed) tokens", registry=r)
         self.latency = Histogram("spind_request_latency_seconds", "Arrival to last token", buckets=LATENCY_BUCKETS,
                                  registry=r)

@@ -87,6 +87,7 @@ class SlotPhases:
         self.times = SlotTimes()
         # until the workers say what they hold (kv_num_blocks = 0: each sizes its pools), the config's number
         self.budget = KVBudget(configured_kv_blocks(cfg), cfg.runtime.kv_block_size)
+        self.prefix_hit_tokens = 0  # prompt tokens the target's prefix cache held (reused, not prefilled)
         self.max_batch_size = cfg.runtime.max_batch_size
         self.requests: dict[str, RequestState] = {}  # waiting + running
         self.waiting: deque[RequestState] = deque()
@@ -275,11 +276,16 @@ class SlotPhases:
         items = [P.PrefillItem(st.req_id, n) for st, n in chunks]
         return self.pool.cast(TARGET_WORKER, P.Prefill(0, items, threads))
 
-    def prefilled(self, chunks: Chunks) -> None:
-        """The target wrote these chunks' KV. A request whose prefill this completes gives its KV to the completions
-        of its prompt waiting for it (n > 1), before any verify can add to it."""
-        for st, n in chunks:
+    def prefilled(self, chunks: Chunks, reply: P.Prefilled | None) -> None:
+        """The target wrote these chunks' KV (`reply` says how much of it its prefix cache held). A request whose
+        prefill this completes gives its KV to the completions of its prompt waiting for it (n > 1), before any
+        verify can add to it."""
+        reused = reply.reused if reply is not None else [0] * len(chunks)
+        for (st, n), r in zip(chunks, reused):
             st.num_target_kv += n
+            st.num_cached_tokens += r
+            self.prefix_hit_tokens += r
+            self.metrics.prefix_hit_tokens.inc(r)
             if st.forks and st.is_prefilled:
                 self._fork(st)
 
@@ -345,7 +351,7 @@ class SlotPhases:
         *parts, prefilled = await self.await_workers(asyncio.gather(
             *(self.propose(w, items) for w, items in proposes.items()), prefill, return_exceptions=True))
         if not isinstance(prefilled, BaseException):
-            self.prefilled(chunks)
+            self.prefilled(chunks, prefilled)
         drafts: dict[str, P.DraftRecord] = {}
         for part in parts:
             if isinstance(part, BaseException):
@@ -365,8 +371,7 @@ class SlotPhases:
     async def prefill_then_verify(self, chunks: Chunks, batch: list[RequestState], arms: dict[str, Arm],
                                   drafts: dict[str, P.DraftRecord], threads: int = 0) -> VerifyOutcome:
         """The pipeline's target pass: the chunks' prefill, then the batch's verify."""
-        await self.await_workers(self.prefill(chunks, threads))
-        self.prefilled(chunks)
+        self.prefilled(chunks, await self.await_workers(self.prefill(chunks, threads)))
         return await self.verify_isolating(batch, arms, drafts, threads) if batch else VerifyOutcome()
 
     async def _verify(self, batch: list[RequestState], arms: dict[str, Arm], drafts: dict[str, P.DraftRecord],
@@ -552,7 +557,8 @@ class SlotPhases:
                       drafters={n: {"drafted": c.num_drafted, "accepted": c.num_accepted}
                                 for n, c in st.per_drafter.items()},
                       num_steps=s.num_steps, mean_accepted_length=s.mean_accepted_length,
-                      finish_detail=st.finish_detail, draft_s=st.draft_s, verify_s=st.verify_s, arms=st.arms_used)
+                      finish_detail=st.finish_detail, draft_s=st.draft_s, verify_s=st.verify_s, arms=st.arms_used,
+                      cached_tokens=st.num_cached_tokens)
         self._emit(st, Delta(token_ids or [], self._text_delta(st, len(st.seq.text)), st.seq.finish_reason, usage,
                              logprobs))
         self.metrics.requests.labels(status=st.seq.finish_reason).inc()

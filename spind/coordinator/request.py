@@ -217,6 +217,7 @@ class RequestState:
     status: str = "waiting"  # waiting | running | finished
     arm: Arm | None = None  # arm of the last slot it ran in
     num_target_kv: int = 0  # committed tokens whose KV the target holds (all but the newest once prefilled)
+    num_cached_tokens: int = 0  # of its prompt, tokens whose KV the target's prefix cache held (not prefilled)
     synced: dict[str, int] = field(default_factory=dict)  # worker -> committed tokens its mirror holds
     precomputed: set[str] = field(default_factory=set)  # drafters asked to precompute this request's KV
     shadow: list[str] = field(default_factory=list)  # free drafters its next verify drafts shadow drafts of

@@ -23,7 +23,8 @@ def build_state(ph: SlotPhases, *, model_name: str, accepting: bool, loop: dict 
         num_waiting=len(ph.waiting), num_running=len(ph.running), workers=_workers(ph, now), requests=_requests(ph),
         drafters=_drafters(ph), selection=_selection(ph, described), selector=described,
         throughput=ph.history.throughput(now), latency=ph.history.latency(), slots=ph.times.describe(),
-        kv={"num_blocks": ph.budget.num_blocks, "num_reserved": ph.budget.num_reserved},
+        kv={"num_blocks": ph.budget.num_blocks, "num_reserved": ph.budget.num_reserved,
+            "prefix_hit_tokens": ph.prefix_hit_tokens},
         profile=ph.profile.to_json() if ph.profile else None,
         pipeline=loop)
 

@@ -135,9 +135,10 @@ class ApiServer:
         return web.Response(text=self.engine.render_metrics(), headers={"Content-Type": PROMETHEUS_TYPE})
 
     async def reset_cache(self, request: web.Request) -> web.Response:
-        """Forget the answers the drafters keep from finished requests (vLLM's /reset_prefix_cache, for what spind
-        keeps across requests): a bench that sends the same prompts to several drafters in turn calls it between
-        them, so that none drafts another's answer to the very prompt it serves."""
+        """Forget what spind keeps across requests (vLLM's /reset_prefix_cache): the answers the drafters keep from
+        finished requests and the target's prefix cache. A bench that sends the same prompts to several drafters in
+        turn calls it between them, so that none drafts another's answer to the very prompt it serves or skips the
+        prefill of a prompt the one before it prefilled."""
         if self.status != "ok":
             raise ApiError(503, f"the server is {self.status}", code="unavailable")
         try:

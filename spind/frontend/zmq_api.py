@@ -64,7 +64,7 @@ def split_frames(frames: list[bytes]) -> tuple[Envelope, bytes] | None:
 
 def usage_record(u: Usage) -> P.UsageRecord:
     return P.UsageRecord(u.prompt_tokens, u.completion_tokens, {k: dict(v) for k, v in u.drafters.items()},
-                         u.num_steps, float(u.mean_accepted_length))
+                         u.num_steps, float(u.mean_accepted_length), u.cached_tokens)
 
 
 def client_prompt(msg: P.ClientRequest, limits: ApiLimits) -> tuple[str | list[int] | None, list[dict] | None]:

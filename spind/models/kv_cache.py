@@ -10,6 +10,16 @@ n completions of one prompt share its prefilled KV), and `make_writable` copies 
 writes into it (copy on write), so no sequence ever sees another's tokens. A block returns to the free list when
 its last sequence lets it go.
 
+Prefix caching (vLLM's automatic prefix caching, SGLang's radix cache, at block granularity): a full block of
+committed tokens can be published under its content, the exact chain of tokens from position 0 to its end
+(`publish`), and a new sequence whose tokens begin the same way takes those blocks instead of computing their KV
+again (`reuse_prefix`). A key is (the previous block's serial, this block's tokens): exact, never a hash that could
+collide, and a serial is never reused, so a block evicted from a chain leaves nothing that could match wrongly
+below it. Published blocks that no sequence holds stay cached, least recently released first out, and count as
+free: `_take` evicts one only when no block is free, so the cache never costs a request its KV. A KV row depends
+only on the tokens up to it (the CPU kernels are batch-invariant: the same bits in any batch or chunk), so a
+reused prefix gives the same output as computing it.
+
 Block tables live in one host tensor `tables: [rows, max_blocks_per_seq]` int32, a row per sequence,
 updated incrementally as blocks are reserved and freed, so a forward gathers its batch's tables with one
 `index_select` instead of rebuilding them from lists. Entries past a sequence's blocks are 0.
@@ -17,6 +27,7 @@ updated incrementally as blocks are reserved and freed, so a forward gathers its
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -33,12 +44,14 @@ class SeqKV:
     row: int  # this sequence's row of `tables`
     block_table: list[int] = field(default_factory=list)
     length: int = 0  # tokens whose KV is written
+    num_published: int = 0  # leading blocks published or reused (the prefix cache knows their content)
+    last_serial: int = 0  # the prefix cache's serial of the content of block num_published - 1 (0: none)
 
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 max_model_len: int = 2048) -> None:
+                 max_model_len: int = 2048, prefix_caching: bool = False) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -54,11 +67,24 @@ class KVCache:
         self.tables = torch.zeros(INITIAL_ROWS, self.max_blocks_per_seq, dtype=torch.int32)
         self._free_rows = list(range(INITIAL_ROWS - 1, -1, -1))
         self.seqs: dict[str, SeqKV] = {}
+        # the prefix cache: (previous block's serial, block tokens) -> block, and back
+        self.prefix_caching = prefix_caching
+        self._cached: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._key_of: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._serial_of: dict[int, int] = {}
+        self._next_serial = 1
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, held by no sequence; oldest first
 
     # ---- accounting -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_blocks)
+        """Blocks a sequence can take: the free ones and the cached ones no sequence holds (evicted on demand)."""
+        return len(self._free_blocks) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks the prefix cache knows the content of (held by sequences or not)."""
+        return len(self._key_of)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -109,6 +135,77 @@ class KVCache:
         n = len(s.block_table)
         self.tables[d.row, :n] = self.tables[s.row, :n]
 
+    def reuse_prefix(self, req_id: str, tokens: list[int]) -> int:
+        """Give a sequence that has no KV yet the cached blocks that begin `tokens` (its whole sequence): returns
+        how many tokens' KV it now has (whole blocks, and never the last token: a forward must compute the logits
+        that follow it). 0 without prefix caching."""
+        seq = self.seqs[req_id]
+        if seq.length or seq.block_table:
+            raise ValueError(f"{req_id}: reuse_prefix on a sequence that already has KV")
+        if not self.prefix_caching:
+            return 0
+        bs, parent, found = self.block_size, 0, []
+        for i in range((len(tokens) - 1) // bs):
+            b = self._cached.get((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+            if b is None:
+                break
+            found.append(b)
+            parent = self._serial_of[b]
+        for b in found:
+            if self._refs[b] == 0:
+                del self._evictable[b]
+            self._refs[b] += 1
+        if found:
+            self.tables[seq.row, :len(found)] = torch.tensor(found, dtype=torch.int32)
+        seq.block_table = found
+        seq.length = len(found) * bs
+        seq.num_published, seq.last_serial = len(found), parent
+        return seq.length
+
+    def publish(self, req_id: str, tokens: list[int]) -> None:
+        """The sequence's first len(tokens) tokens are `tokens`, their KV written and final (committed, never
+        rolled back): publish its full blocks among them, so later sequences beginning the same way reuse them. A
+        block whose content is cached already (another sequence computed it) stays this sequence's own."""
+        if not self.prefix_caching:
+            return
+        seq, bs = self.seqs[req_id], self.block_size
+        if len(tokens) > seq.length:
+            raise ValueError(f"{req_id}: publish of {len(tokens)} tokens with KV of {seq.length}")
+        parent = seq.last_serial
+        for i in range(seq.num_published, len(tokens) // bs):
+            key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
+            b = self._cached.get(key)
+            if b is None:
+                b = seq.block_table[i]
+                if b in self._key_of:  # a block a fork shares that another content chain published first
+                    break
+                self._cached[key], self._key_of[b] = b, key
+                self._serial_of[b] = self._next_serial
+                self._next_serial += 1
+            parent = self._serial_of[b]
+            seq.num_published, seq.last_serial = i + 1, parent
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: blocks no sequence holds are free again; held ones stay their sequences'."""
+        self._free_blocks.extend(reversed(self._evictable))
+        self._evictable.clear()
+        self._cached.clear()
+        self._key_of.clear()
+        self._serial_of.clear()
+        for seq in self.seqs.values():
+            seq.num_published, seq.last_serial = 0, 0
+
+    @staticmethod
+    def _unpublish_from(seq: SeqKV, block: int) -> None:
+        """Its blocks from `block` on are no longer known to be what was published: `publish` walks its chain
+        again from the start (finding its own blocks where they are still cached)."""
+        if seq.num_published > block:
+            seq.num_published, seq.last_serial = 0, 0
+
+    def _uncache(self, b: int) -> None:
+        del self._cached[self._key_of.pop(b)]
+        del self._serial_of[b]
+
     def num_shared_blocks(self, req_id: str) -> int:
         return sum(self._refs[b] > 1 for b in self.seqs[req_id].block_table)
 
@@ -119,6 +216,9 @@ class KVCache:
         for i in range(start // self.block_size, min(len(seq.block_table), self.blocks_for(end))):
             old = seq.block_table[i]
             if self._refs[old] == 1:
+                if old in self._key_of:  # its content changes: no longer what the cache says it is
+                    self._uncache(old)
+                    self._unpublish_from(seq, i)
                 continue
             if not self._free_blocks:
                 raise KVCacheFullError(f"KV cache full: no block free to copy {req_id}'s shared block into")
@@ -131,7 +231,11 @@ class KVCache:
             self.tables[seq.row, i] = new
 
     def _take(self) -> int:
-        b = self._free_blocks.pop()
+        if self._free_blocks:
+            b = self._free_blocks.pop()
+        else:  # the least recently released cached block (a chain's last blocks go first: released in reverse)
+            b = self._evictable.popitem(last=False)[0]
+            self._uncache(b)
         self._refs[b] = 1
         return b
 
@@ -139,7 +243,10 @@ class KVCache:
         for b in reversed(blocks):
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free_blocks.append(b)
+                if b in self._key_of:
+                    self._evictable[b] = None
+                else:
+                    self._free_blocks.append(b)
 
     def commit(self, req_id: str, num_tokens: int) -> None:
         """KV of num_tokens more positions has been written."""
@@ -152,6 +259,7 @@ class KVCache:
             raise ValueError(f"truncate to {length} > length {seq.length}")
         seq.length = length
         keep = self.blocks_for(length)
+        self._unpublish_from(seq, length // self.block_size)
         if len(seq.block_table) > keep:
             self.tables[seq.row, keep:len(seq.block_table)] = 0
             self._release(seq.block_table[keep:])

@@ -91,11 +91,12 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, attention: str = "packed",
                  max_model_len: int | None = None, max_batch: int = 16, max_tokens: int = 512,
                  cuda_graphs: bool = False, graph_query_lens: tuple[int, ...] = (1, 3, 5, 9),
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", prefix_caching: bool = False) -> None:
         self.model = model
         self.max_model_len = min(max_model_len or model.args.max_position, model.args.max_position)
         self.kv: KVCache = model.new_kv_cache(num_blocks, block_size, self.max_model_len,
                                               resolve_kv_dtype(kv_cache_dtype, model, attention))
+        self.kv.prefix_caching = prefix_caching
         a = model.args
         self.attention = attention
         self.attn = get_backend(attention)(a.num_heads, a.num_kv_heads, a.head_dim, model.device)
@@ -136,6 +137,17 @@ class ModelRunner:
     def fork(self, src: str, dst: str) -> None:
         """A new request holding `src`'s KV, its blocks shared (copied on write)."""
         self.kv.fork(src, dst)
+
+    def reuse_prefix(self, req_id: str, tokens: list[int]) -> int:
+        """A new request takes the cached KV of the longest published prefix of `tokens`: tokens now in its KV."""
+        return self.kv.reuse_prefix(req_id, tokens)
+
+    def publish(self, req_id: str, tokens: list[int]) -> None:
+        """`tokens` begin the request's committed sequence, their KV final: cache its full blocks for others."""
+        self.kv.publish(req_id, tokens)
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()
 
     def has_request(self, req_id: str) -> bool:
         return self.kv.has(req_id)

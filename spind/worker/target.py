@@ -11,6 +11,11 @@ A request with a grammar (structured output, spind/grammar.py) has its draft cut
 before acceptance; logprobs read the raw logits. `fork` starts one of a prompt's n completions on another's
 prefilled KV.
 
+Prefix caching (the runner's KV cache, spind/models/kv_cache.py): a new request takes the cached KV of the longest
+prompt prefix that an earlier one published, and each prefill publishes the full blocks it completed. The
+coordinator still plans chunks over the whole prompt; a chunk's tokens that were reused are skipped, not computed
+(`prefill` says how many). Off beside a feature-level draft head, which reads every prompt token's features.
+
 `verify` is transactional: if one request's verification fails (its data, not the model), every request's
 KV is rolled back to where it was and `RequestFailed` names the culprits, so the caller can fail them alone
 and rerun the others: one bad request never costs another its slot.
@@ -64,6 +69,8 @@ class TargetVerifier:
         self.grammars = grammars  # structured output: requests with a grammar (None: this target cannot)
         self.grammar_s = 0.0  # seconds the last verify spent on grammars
         self.pending: dict[str, list[int]] = {}
+        self.reused: dict[str, int] = {}  # leading pending tokens whose KV came from the prefix cache
+        self.prompts: dict[str, list[int]] = {}  # a request's whole sequence while it prefills (what it publishes)
         # the features of committed tokens, where a feature-level draft head (spind/drafters/eagle.py) reads them
         self.features: FeatureStore | None = None
         self.params: dict[str, SamplingParams] = {}
@@ -85,6 +92,9 @@ class TargetVerifier:
         self.runner.add_request(req_id)
         if self.features is not None:
             self.features.add(req_id)
+        elif self.runner.kv.prefix_caching:
+            self.reused[req_id] = self.runner.reuse_prefix(req_id, tokens)
+            self.prompts[req_id] = list(tokens)
         self.pending[req_id] = list(tokens)
         self.params[req_id] = params
         self.generators[req_id] = make_generator(params.seed)
@@ -110,7 +120,7 @@ class TargetVerifier:
             self.grammars.free(req_id)
         if self.features is not None:
             self.features.free(req_id)
-        for d in (self.pending, self.params, self.generators):
+        for d in (self.pending, self.params, self.generators, self.reused, self.prompts):
             d.pop(req_id, None)
 
     def has_request(self, req_id: str) -> bool:
@@ -119,20 +129,36 @@ class TargetVerifier:
     def num_pending(self, req_id: str) -> int:
         return len(self.pending[req_id])
 
-    def prefill(self, chunks: list[tuple[str, int]]) -> None:
-        """Write KV for the next `n` pending tokens of each (req_id, n); at least one token stays pending."""
-        items = []
+    def prefill(self, chunks: list[tuple[str, int]]) -> list[int]:
+        """Write KV for the next `n` pending tokens of each (req_id, n); at least one token stays pending. Returns
+        per chunk how many of its tokens the prefix cache held already (skipped, not computed)."""
+        items, reused = [], []
         for req_id, n in chunks:
-            if not 0 < n < len(self.pending[req_id]):
-                raise ValueError(f"{req_id}: prefill of {n} tokens with {len(self.pending[req_id])} pending")
-            items.append(ForwardItem(req_id, self.pending[req_id][:n], 0))
+            pending = self.pending[req_id]
+            if not 0 < n < len(pending):
+                raise ValueError(f"{req_id}: prefill of {n} tokens with {len(pending)} pending")
+            r = min(self.reused.get(req_id, 0), n)
+            reused.append(r)
+            if r < n:  # the cached tokens come first: the KV ends where the computed ones begin
+                items.append(ForwardItem(req_id, pending[r:n], 0))
         if self.features is None:
             self.runner.forward(items)
         else:
             for it, rows in zip(items, self.runner.forward_features(items, self.features.layers)[1]):
                 self.features.append(it.req_id, rows)
-        for req_id, n in chunks:
+        for (req_id, n), r in zip(chunks, reused):
             del self.pending[req_id][:n]
+            if req_id in self.reused:
+                self.reused[req_id] -= r
+                prompt = self.prompts[req_id]
+                self.runner.publish(req_id, prompt[:len(prompt) - len(self.pending[req_id])])
+                if len(self.pending[req_id]) == 1:  # prefilled: the rest is the verify's
+                    del self.prompts[req_id], self.reused[req_id]
+        return reused
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prefixes (requests keep the KV they hold)."""
+        self.runner.reset_prefix_cache()
 
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
         proposed = {it.req_id: len(it.draft) for it in items}

@@ -246,10 +246,11 @@ class LeaderRunner(ModelRunner):
 
     def __init__(self, group: TargetGroup, model, num_blocks: int, block_size: int, attention: str = "packed",
                  max_model_len: int | None = None, max_batch: int = 16, max_tokens: int = 512,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", prefix_caching: bool = False) -> None:
         # CUDA graphs stay off: a graph would capture the collectives of one rank only (see the module docstring)
         kwargs = dict(num_blocks=num_blocks, block_size=block_size, attention=attention, max_model_len=max_model_len,
-                      max_batch=max_batch, max_tokens=max_tokens, kv_cache_dtype=kv_cache_dtype)
+                      max_batch=max_batch, max_tokens=max_tokens, kv_cache_dtype=kv_cache_dtype,
+                      prefix_caching=prefix_caching)
         self.group = group
         group.send("runner", kwargs)
         super().__init__(model, cuda_graphs=False, **kwargs)
@@ -265,6 +266,18 @@ class LeaderRunner(ModelRunner):
     def fork(self, src: str, dst: str) -> None:
         self.group.post("fork", src, dst)
         super().fork(src, dst)
+
+    def reuse_prefix(self, req_id: str, tokens: list[int]) -> int:  # every rank's cache decides alike
+        self.group.post("reuse", req_id, list(tokens))
+        return super().reuse_prefix(req_id, tokens)
+
+    def publish(self, req_id: str, tokens: list[int]) -> None:
+        self.group.post("publish", req_id, list(tokens))
+        super().publish(req_id, tokens)
+
+    def reset_prefix_cache(self) -> None:
+        self.group.post("reset_prefix_cache")
+        super().reset_prefix_cache()
 
     def truncate(self, req_id: str, length: int) -> None:
         self.group.post("truncate", req_id, length)
@@ -288,6 +301,12 @@ def _apply(runner: ModelRunner | None, verb: str, args: list, model) -> ModelRun
         runner.fork(args[0], args[1])
     elif verb == "truncate":
         runner.truncate(args[0], args[1])
+    elif verb == "reuse":
+        runner.reuse_prefix(args[0], args[1])
+    elif verb == "publish":
+        runner.publish(args[0], args[1])
+    elif verb == "reset_prefix_cache":
+        runner.reset_prefix_cache()
     elif verb == "forward":
         runner._forward([ForwardItem(r, list(t), n) for r, t, n in args[0]], tuple(args[1]))
     else:

@@ -134,12 +134,13 @@ class Worker:
             ks = sorted({cfg.speculation.k, *cfg.selection.k_set})
             if self.group is not None:
                 runner = LeaderRunner(self.group, target, num_blocks, r.kv_block_size, r.attention,
-                                      cfg.model.max_model_len, r.max_batch_size, kv_cache_dtype=r.kv_cache_dtype)
+                                      cfg.model.max_model_len, r.max_batch_size, kv_cache_dtype=r.kv_cache_dtype,
+                                      prefix_caching=r.prefix_caching)
             else:
                 runner = ModelRunner(target, num_blocks, r.kv_block_size, r.attention, cfg.model.max_model_len,
                                      r.max_batch_size, cuda_graphs=r.cuda_graphs,
                                      graph_query_lens=tuple(sorted({1, *(k + 1 for k in ks)})),
-                                     kv_cache_dtype=r.kv_cache_dtype)
+                                     kv_cache_dtype=r.kv_cache_dtype, prefix_caching=r.prefix_caching)
             self.target = TargetVerifier(runner,
                                          Grammars(model_dir / "tokenizer.json", target.args.vocab_size,
                                                   sorted(tokenizer.eos_token_ids)))
@@ -195,8 +196,8 @@ class Worker:
             return self._ack(msg.seq)
         if isinstance(msg, P.Prefill):
             self._use_threads(msg.threads)
-            self.prefill(msg.items)
-            return self._ack(msg.seq)
+            reused = self.prefill(msg.items)
+            return P.Prefilled(msg.seq, reused, self._take_busy())
         if isinstance(msg, P.Propose):
             return P.Proposed(msg.seq, self.propose(msg.slot, msg.items), self._take_busy())
         if isinstance(msg, P.Verify):
@@ -213,6 +214,8 @@ class Worker:
         if isinstance(msg, P.ForgetFinished):
             for drafter in self.drafters.values():
                 drafter.forget_finished()
+            if self.target is not None:
+                self.target.reset_prefix_cache()
             return self._ack(msg.seq)
         if isinstance(msg, P.Profile):
             return self.profile(msg)
@@ -304,12 +307,14 @@ class Worker:
             self.drafter_reqs[drafter].add(req_id)
 
     # ---- ops ------------------------------------------------------------------------------------
-    def prefill(self, items: list[P.PrefillItem]) -> None:
+    def prefill(self, items: list[P.PrefillItem]) -> list[int]:
+        """The chunks' KV; per item, the tokens of it the prefix cache held (not computed)."""
         target = self._target()
         for it in items:
             if not target.has_request(it.req_id):
                 raise ValueError(f"{it.req_id}: unknown request on the target")
-        self._timed("prefill", len(items), lambda: target.prefill([(it.req_id, it.num_tokens) for it in items]))
+        return self._timed("prefill", len(items),
+                           lambda: target.prefill([(it.req_id, it.num_tokens) for it in items]))
 
     def _draft(self, name: str, inputs: list[DraftInput]):
         """One drafter's batch -> (drafts, seconds)."""
