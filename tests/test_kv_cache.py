@@ -343,3 +343,32 @@ def test_a_prompt_on_a_reused_prefix_computes_the_same_bits_as_one_prefilled_who
     assert torch.equal(logits, plain_logits)
     for got, want in zip(kv, plain_kv):
         assert torch.equal(got, want)
+
+
+def test_the_next_turn_of_a_chat_reuses_the_answer_its_request_generated(engine: LocalEngine, tokenizer) -> None:
+    """A finished request publishes its whole committed sequence, the answer too: a prompt that goes on from it
+    (the next turn) prefills only what is new, with the bits of a target without the cache."""
+    from spind.params import SamplingParams
+    from spind.worker.target import TargetVerifier, VerifyItem
+
+    model, attention = engine.target.runner.model, engine.target.runner.attention
+    first = tokenizer.encode("Write one sentence about the sea, then one about the mountains.")
+
+    def run(prefix_caching: bool) -> tuple[int, list[int], torch.Tensor]:
+        target = TargetVerifier(ModelRunner(model, 32, 16, attention, prefix_caching=prefix_caching))
+        target.add_request("turn1", first, SamplingParams())
+        target.prefill([("turn1", len(first) - 1)])
+        answer: list[int] = []
+        while len(answer) < 24:
+            answer += target.verify([VerifyItem("turn1", [])])[0].tokens
+        target.free_request("turn1")
+        second = first + answer + tokenizer.encode(" Now a third about the sky.")
+        target.add_request("turn2", second, SamplingParams())
+        reused = sum(target.prefill([("turn2", len(second) - 1)]))
+        logits = target.runner.forward([ForwardItem("turn2", [second[-1]], 1)])[0]
+        return reused, answer, logits
+
+    (reused, answer, logits), (plain_reused, plain_answer, plain_logits) = run(True), run(False)
+    assert answer == plain_answer and plain_reused == 0
+    assert reused == (len(first) + len(answer) - 1) // 16 * 16 > len(first)  # the answer's blocks too
+    assert torch.equal(logits, plain_logits)

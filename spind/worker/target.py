@@ -12,7 +12,8 @@ before acceptance; logprobs read the raw logits. `fork` starts one of a prompt's
 prefilled KV.
 
 Prefix caching (the runner's KV cache, spind/models/kv_cache.py): a new request takes the cached KV of the longest
-prompt prefix that an earlier one published, and each prefill publishes the full blocks it completed. The
+prompt prefix that an earlier one published; each prefill publishes the full blocks it completed, and a request
+that ends publishes the rest of its committed sequence (its answer: the next turn of a chat begins with it). The
 coordinator still plans chunks over the whole prompt; a chunk's tokens that were reused are skipped, not computed
 (`prefill` says how many). Off beside a feature-level draft head, which reads every prompt token's features.
 
@@ -70,7 +71,7 @@ class TargetVerifier:
         self.grammar_s = 0.0  # seconds the last verify spent on grammars
         self.pending: dict[str, list[int]] = {}
         self.reused: dict[str, int] = {}  # leading pending tokens whose KV came from the prefix cache
-        self.prompts: dict[str, list[int]] = {}  # a request's whole sequence while it prefills (what it publishes)
+        self.sequences: dict[str, list[int]] = {}  # with prefix caching, each request's committed tokens
         # the features of committed tokens, where a feature-level draft head (spind/drafters/eagle.py) reads them
         self.features: FeatureStore | None = None
         self.params: dict[str, SamplingParams] = {}
@@ -94,7 +95,7 @@ class TargetVerifier:
             self.features.add(req_id)
         elif self.runner.kv.prefix_caching:
             self.reused[req_id] = self.runner.reuse_prefix(req_id, tokens)
-            self.prompts[req_id] = list(tokens)
+            self.sequences[req_id] = list(tokens)
         self.pending[req_id] = list(tokens)
         self.params[req_id] = params
         self.generators[req_id] = make_generator(params.seed)
@@ -110,17 +111,22 @@ class TargetVerifier:
         if self.grammars is not None:
             self.grammars.fork(src, dst)
         self.pending[dst] = list(self.pending[src])
+        if src in self.sequences:
+            self.sequences[dst] = list(self.sequences[src])
         self.params[dst] = params
         self.generators[dst] = make_generator(params.seed)
 
     def free_request(self, req_id: str) -> None:
+        sequence = self.sequences.pop(req_id, None)
         if self.runner.has_request(req_id):
+            if sequence is not None:  # what its KV holds (all but the newest token), for a later prompt to reuse
+                self.runner.publish(req_id, sequence[:self.runner.length(req_id)])
             self.runner.free_request(req_id)
         if self.grammars is not None:
             self.grammars.free(req_id)
         if self.features is not None:
             self.features.free(req_id)
-        for d in (self.pending, self.params, self.generators, self.reused, self.prompts):
+        for d in (self.pending, self.params, self.generators, self.reused):
             d.pop(req_id, None)
 
     def has_request(self, req_id: str) -> bool:
@@ -148,12 +154,10 @@ class TargetVerifier:
                 self.features.append(it.req_id, rows)
         for (req_id, n), r in zip(chunks, reused):
             del self.pending[req_id][:n]
-            if req_id in self.reused:
+            if req_id in self.sequences:
                 self.reused[req_id] -= r
-                prompt = self.prompts[req_id]
-                self.runner.publish(req_id, prompt[:len(prompt) - len(self.pending[req_id])])
-                if len(self.pending[req_id]) == 1:  # prefilled: the rest is the verify's
-                    del self.prompts[req_id], self.reused[req_id]
+                sequence = self.sequences[req_id]
+                self.runner.publish(req_id, sequence[:len(sequence) - len(self.pending[req_id])])
         return reused
 
     def reset_prefix_cache(self) -> None:
@@ -204,6 +208,8 @@ class TargetVerifier:
             if features is not None:  # the rows of what it committed: its pending tokens and accepted drafts
                 self.features.append(it.req_id, features[i][:len(self.pending[it.req_id]) + num_accepted])
             self.pending[it.req_id] = tokens[-1:]
+            if it.req_id in self.sequences:
+                self.sequences[it.req_id] += tokens
             if it.req_id in allowed:
                 self.grammars.commit(it.req_id, tokens)
             num_top = self.params[it.req_id].logprobs
