@@ -149,7 +149,7 @@ def test_peer_urls_take_names() -> None:
 
 def serve_args(**overrides: object) -> argparse.Namespace:
     args = {"concurrency": "1,4", "drafters": "none,int8", "dataset": "mt_bench", "max_tokens": "64",
-            "num_requests": None, "ignore_eos": True, "temperature": 0.0, "seed": 0, "repeats": 1}
+            "num_requests": None, "ignore_eos": True, "temperature": 0.0, "seed": 0, "repeats": 1, "system_prompt": ""}
     return argparse.Namespace(**(args | overrides))
 
 
@@ -157,6 +157,7 @@ def test_serve_settings_take_mix_and_reject_repeats() -> None:
     settings = serve_settings(serve_args(dataset="mix", seed=3))
     assert (settings.dataset, settings.seed, settings.concurrency, settings.repeats) == ("mix", 3, (1, 4), 1)
     assert serve_settings(serve_args(repeats=3)).repeats == 3
+    assert serve_settings(serve_args(system_prompt="Be brief.")).system_prompt == "Be brief."
     with pytest.raises(ValueError, match="--repeats must be >= 1"):
         serve_settings(serve_args(repeats=0))
     with pytest.raises(ValueError, match="unknown dataset"):
@@ -390,7 +391,10 @@ class FakePeer:
             await send({"choices": [{"index": 0, "delta": {"content": f"w{i} "}} if chat else
                                     {"index": 0, "text": f"w{i} "}], "usage": None})
         if "NOUSAGE" not in prompt and body["stream_options"]["include_usage"]:
-            await send({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": body["max_tokens"]}})
+            usage = {"prompt_tokens": 3, "completion_tokens": body["max_tokens"]}
+            if chat and body["messages"][0]["role"] == "system":  # a server that caches the shared system turn
+                usage["prompt_tokens_details"] = {"cached_tokens": 2}
+            await send({"choices": [], "usage": usage})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -574,3 +578,26 @@ def test_a_row_starts_once_the_machine_is_quiet() -> None:
     sample, state = sampler([0.9])
     assert asyncio.run(wait_for_quiet(0.0, sample, window_s=0.01)) < 0.01 and state["i"] == 1  # 0: no wait
     assert cpu_times() is None or cpu_times()[1] > 0
+
+
+def test_a_system_prompt_goes_before_every_chat_prompt_and_the_cached_share_is_read_from_usage() -> None:
+    settings = ServeSettings((2,), ("none",), num_requests=4, max_tokens=(3,), quiet_timeout_s=0,
+                             system_prompt="You are terse.")
+    prompts = [Prompt("t", f"prompt {i}", i != 3) for i in range(prompts_needed(settings))]  # one raw completion
+
+    async def main() -> dict:
+        async with serving(FakePeer(["smol"]).app()) as url:
+            return await run_serve_bench({}, prompts, settings, peers={"fake": url})
+
+    results = asyncio.run(asyncio.wait_for(main(), 60))
+    chats = [r for r in results["requests"] if r["index"] >= 0 and prompts[1 + r["index"]].is_chat]
+    assert len(chats) == 3 and all(r["cached_tokens"] == 2 and r["prompt_tokens"] == 3 for r in chats)
+    raw = [r for r in results["requests"] if r["index"] >= 0 and not prompts[1 + r["index"]].is_chat]
+    assert [r["cached_tokens"] for r in raw] == [None]  # the server said nothing: not counted as 0
+    assert results["rows"][0]["cached_share"] == pytest.approx(2 / 3)
+    assert "cached %" in render_table(results) and "66.7" in render_table(results)
+
+
+def test_no_cached_share_where_no_server_reports_it() -> None:
+    rows = summarize(Level("vllm", 64, 1, PEER), [record(0.1, 1.0, 8)], 1.0, {}, {})
+    assert rows["cached_share"] is None

@@ -141,6 +141,9 @@ def add_parsers(sub: argparse._SubParsersAction,
                    help="runs of each level in a row, each on its own prompts, odd runs in reverse row order (use "
                         "an even N); the table adds each row's median over them, its x none the median of the runs' "
                         "own ratios (a shared VM drifts by 5-25%%)")
+    s.add_argument("--system-prompt", default="", metavar="TEXT",
+                   help="a system message sent before every chat prompt, as an application sends its own: the "
+                        "prefix a server's prefix cache can reuse across requests (the table's cached %%)")
     s.add_argument("--url", action="append", default=None, metavar="[LABEL=]URL",
                    help="a running daemon's HTTP base URL; repeat to compare daemons side by side "
                         "(default: start one, stop it after)")
@@ -363,7 +366,8 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
         raise ValueError(f"{PEER!r} names the rows of --peer servers, not a drafter")
     return ServeSettings(concurrency=concurrency, drafters=drafters, dataset=args.dataset,
                          num_requests=args.num_requests, max_tokens=max_tokens, ignore_eos=args.ignore_eos,
-                         temperature=args.temperature, seed=args.seed, repeats=args.repeats)
+                         temperature=args.temperature, seed=args.seed, repeats=args.repeats,
+                         system_prompt=args.system_prompt)
 
 
 def daemon_urls(urls: list[str] | None) -> dict[str, str]:

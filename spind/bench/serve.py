@@ -81,6 +81,7 @@ class ServeSettings:
     seed: int = 0  # of the mix's draw; a named dataset takes evenly spaced records
     repeats: int = 1  # runs of each level, each on its own prompts (ratios: the median of the runs')
     quiet_timeout_s: float = 15.0  # the most a row waits for the machine to be idle before it starts (0: not at all)
+    system_prompt: str = ""  # a system message before every chat prompt (an application's: what prefix caches reuse)
 
     def requests_at(self, concurrency: int) -> int:
         return self.num_requests or max(4, 2 * concurrency)
@@ -112,6 +113,8 @@ class RequestRecord:
     ttft_s: float | None = None
     latency_s: float = 0.0
     completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server reports it
     time_slots: int = 0
     mean_accepted_length: float = 0.0
     error: str | None = None
@@ -199,6 +202,8 @@ def summarize(level: Level, records: list[RequestRecord], wall_s: float, slots_b
         "daemon": level.daemon, "max_tokens": level.max_tokens, "drafter": level.drafter,
         "concurrency": level.concurrency, "repeat": level.repeat, "num_requests": len(records),
         "num_errors": len(records) - len(ok), "completion_tokens": tokens, "wall_s": wall_s,
+        # the share of prompt tokens the server's prefix cache held (None where it does not say)
+        "cached_share": _cached_share(ok),
         "ttft_p50_ms": percentile(ttfts_ms, 0.5), "ttft_p90_ms": percentile(ttfts_ms, 0.9),
         "latency_p50_s": percentile(latencies, 0.5), "latency_p90_s": percentile(latencies, 0.9),
         "tokens_per_s": tokens / wall_s if wall_s > 0 else None,
@@ -218,6 +223,12 @@ def summarize(level: Level, records: list[RequestRecord], wall_s: float, slots_b
         "schema_valid": f"{sum(checked)}/{len(checked)}" if checked else None,
         "grammar_ms_per_token": grammar_ms / grammar_tokens if grammar_tokens else None,
     }
+
+
+def _cached_share(ok: list[RequestRecord]) -> float | None:
+    told = [r for r in ok if r.cached_tokens is not None]
+    prompt = sum(r.prompt_tokens for r in told)
+    return sum(r.cached_tokens for r in told) / prompt if told and prompt else None
 
 
 def _cell(r: dict) -> tuple:
@@ -385,7 +396,8 @@ async def send_request(session: aiohttp.ClientSession, url: str, prompt: Prompt,
     if model is not None:
         body["model"] = model
     if prompt.is_chat:
-        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt.text}]
+        system = [{"role": "system", "content": settings.system_prompt}] if settings.system_prompt else []
+        path, body["messages"] = "/v1/chat/completions", [*system, {"role": "user", "content": prompt.text}]
     else:
         path, body["prompt"] = "/v1/completions", prompt.text
     start = time.perf_counter()
@@ -435,7 +447,12 @@ async def _read_stream(resp: aiohttp.ClientResponse, is_chat: bool, start: float
                 rec.ttft_s = time.perf_counter() - start
         if chunk.get("usage"):
             spind = chunk.get("spind") or {}
-            rec.completion_tokens = chunk["usage"]["completion_tokens"]
+            usage = chunk["usage"]
+            rec.completion_tokens = usage["completion_tokens"]
+            rec.prompt_tokens = usage.get("prompt_tokens") or 0
+            details = usage.get("prompt_tokens_details")  # OpenAI's; vLLM sends it where enabled, else null
+            if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                rec.cached_tokens = details["cached_tokens"]
             rec.time_slots = spind.get("time_slots", 0)
             rec.mean_accepted_length = spind.get("mean_accepted_length", 0.0)
             rec.latency_s = time.perf_counter() - start
@@ -606,11 +623,12 @@ def render_table(results: dict) -> str:
              f"{s['temperature']}, closed-loop clients")
     repeats = s.get("repeats", 1)
     header = ["daemon", "max tok", "drafter", "conc", *(["run"] if repeats > 1 else []), "reqs", "err", "TTFT p50 ms",
-              "TTFT p90 ms", "lat p50 s", "lat p90 s", "tok/s", "tok/s/req p50", "acc len", "slot ms",
+              "TTFT p90 ms", "cached %", "lat p50 s", "lat p90 s", "tok/s", "tok/s/req p50", "acc len", "slot ms",
               "prefill ms/slot", "verify ms/slot", "overhead ms/slot", "x none", "= none"]
     rows = [[r["daemon"], str(r["max_tokens"]), r["drafter"], str(r["concurrency"]),
              *([str(r.get("repeat", 0) + 1)] if repeats > 1 else []), str(r["num_requests"]),
-             str(r["num_errors"]), fmt(r["ttft_p50_ms"], 0), fmt(r["ttft_p90_ms"], 0), fmt(r["latency_p50_s"]),
+             str(r["num_errors"]), fmt(r["ttft_p50_ms"], 0), fmt(r["ttft_p90_ms"], 0),
+             fmt(None if r.get("cached_share") is None else 100 * r["cached_share"], 1), fmt(r["latency_p50_s"]),
              fmt(r["latency_p90_s"]), fmt(r["tokens_per_s"], 1), fmt(r["request_tokens_per_s_p50"], 1),
              fmt(r["mean_accepted_length"]), fmt(r["slot_ms"], 1), fmt(r.get("prefill_ms_per_slot"), 1),
              fmt(r.get("verify_ms_per_slot"), 1), fmt(r["overhead_ms_per_slot"], 3), fmt(r["speedup_vs_none"]),
