@@ -274,6 +274,19 @@ def test_cached_blocks_count_as_free_and_are_evicted_least_recently_released_fir
     assert kv.num_free_blocks == 4
 
 
+def test_a_copy_on_write_evicts_a_cached_block_when_no_block_is_free() -> None:
+    kv = _cached(num_blocks=3)
+    _prefilled(kv, "old", list(range(1, BLOCK + 2)))  # its whole first block is published
+    kv.free("old")
+    kv.allocate("a")
+    kv.reserve("a", BLOCK + 2)  # the two free blocks; the cached one stays
+    kv.commit("a", BLOCK + 2)
+    kv.fork("a", "b")
+    assert len(kv._free_blocks) == 0 and kv.num_free_blocks == 1 and kv.num_cached_blocks == 1
+    kv.make_writable("b", BLOCK + 2, BLOCK + 3)  # b writes into the partial block it shares: a copy of its own
+    assert kv.seqs["b"].block_table[1] != kv.seqs["a"].block_table[1] and kv.num_cached_blocks == 0
+
+
 def test_a_reused_block_is_copied_before_a_write_and_an_overwritten_one_leaves_the_cache() -> None:
     kv = _cached()
     a = list(range(1, 2 * BLOCK + 2))

@@ -220,7 +220,7 @@ class KVCache:
                     self._uncache(old)
                     self._unpublish_from(seq, i)
                 continue
-            if not self._free_blocks:
+            if not self.num_free_blocks:  # (a cached block no one holds is evicted for it)
                 raise KVCacheFullError(f"KV cache full: no block free to copy {req_id}'s shared block into")
             new = self._take()
             lo, hi, at = old * self.block_size, (old + 1) * self.block_size, new * self.block_size
