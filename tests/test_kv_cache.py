@@ -385,3 +385,18 @@ def test_the_next_turn_of_a_chat_reuses_the_answer_its_request_generated(engine:
     assert answer == plain_answer and plain_reused == 0
     assert reused == (len(first) + len(answer) - 1) // 16 * 16 > len(first)  # the answer's blocks too
     assert torch.equal(logits, plain_logits)
+
+
+def test_requests_admitted_together_reuse_what_the_first_prefilled_in_an_earlier_slot() -> None:
+    """The lookup is at a request's first prefill chunk, not when it is added: of prompts that arrive together, the
+    ones whose prefill starts after the first one's publish its blocks reuse them; ones in the same forward do not."""
+    from spind.params import SamplingParams
+    from spind.worker.target import TargetVerifier
+
+    system = list(range(1, 33))  # two 16-token blocks
+    target = TargetVerifier(ModelRunner(tiny_model(), 32, 16, "packed", prefix_caching=True))
+    for r, tail in (("a", [40, 41]), ("b", [42, 43, 44]), ("c", [45, 46])):
+        target.add_request(r, system + tail, SamplingParams())
+    assert target.prefill([("a", 33)]) == [0]  # the first slot: only a's chunk
+    assert target.prefill([("b", 34), ("c", 33)]) == [32, 32]  # the next slot: both take a's two blocks
+    assert target.runner.kv.num_shared_blocks("b") == 2

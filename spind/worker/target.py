@@ -11,8 +11,9 @@ A request with a grammar (structured output, spind/grammar.py) has its draft cut
 before acceptance; logprobs read the raw logits. `fork` starts one of a prompt's n completions on another's
 prefilled KV.
 
-Prefix caching (the runner's KV cache, spind/models/kv_cache.py): a new request takes the cached KV of the longest
-prompt prefix that an earlier one published; each prefill publishes the full blocks it completed, and a request
+Prefix caching (the runner's KV cache, spind/models/kv_cache.py): at its first prefill chunk a request takes the
+cached KV of the longest prompt prefix published by then (not at admission: requests admitted together reuse what
+the first of them prefilled in an earlier slot); each prefill publishes the full blocks it completed, and a request
 that ends publishes the rest of its committed sequence (its answer: the next turn of a chat begins with it). The
 coordinator still plans chunks over the whole prompt; a chunk's tokens that were reused are skipped, not computed
 (`prefill` says how many). Off beside a feature-level draft head, which reads every prompt token's features.
@@ -70,7 +71,8 @@ class TargetVerifier:
         self.grammars = grammars  # structured output: requests with a grammar (None: this target cannot)
         self.grammar_s = 0.0  # seconds the last verify spent on grammars
         self.pending: dict[str, list[int]] = {}
-        self.reused: dict[str, int] = {}  # leading pending tokens whose KV came from the prefix cache
+        self.reused: dict[str, int] = {}  # leading pending tokens whose KV came from the prefix cache (looked up
+        # at a request's first prefill chunk: absent until then)
         self.sequences: dict[str, list[int]] = {}  # with prefix caching, each request's committed tokens
         # the features of committed tokens, where a feature-level draft head (spind/drafters/eagle.py) reads them
         self.features: FeatureStore | None = None
@@ -94,7 +96,6 @@ class TargetVerifier:
         if self.features is not None:
             self.features.add(req_id)
         elif self.runner.kv.prefix_caching:
-            self.reused[req_id] = self.runner.reuse_prefix(req_id, tokens)
             self.sequences[req_id] = list(tokens)
         self.pending[req_id] = list(tokens)
         self.params[req_id] = params
@@ -143,6 +144,8 @@ class TargetVerifier:
             pending = self.pending[req_id]
             if not 0 < n < len(pending):
                 raise ValueError(f"{req_id}: prefill of {n} tokens with {len(pending)} pending")
+            if req_id in self.sequences and req_id not in self.reused:  # its first chunk: what is cached by now
+                self.reused[req_id] = self.runner.reuse_prefix(req_id, self.sequences[req_id])
             r = min(self.reused.get(req_id, 0), n)
             reused.append(r)
             if r < n:  # the cached tokens come first: the KV ends where the computed ones begin
