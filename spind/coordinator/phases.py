@@ -283,9 +283,10 @@ class SlotPhases:
         reused = reply.reused if reply is not None else [0] * len(chunks)
         for (st, n), r in zip(chunks, reused):
             st.num_target_kv += n
-            st.num_cached_tokens += r
-            self.prefix_hit_tokens += r
-            self.metrics.prefix_hit_tokens.inc(r)
+            if r:
+                st.num_cached_tokens += r
+                self.prefix_hit_tokens += r
+                self.metrics.prefix_hit_tokens.inc(r)
             if st.forks and st.is_prefilled:
                 self._fork(st)
 

@@ -67,11 +67,10 @@ class KVCache:
         self.tables = torch.zeros(INITIAL_ROWS, self.max_blocks_per_seq, dtype=torch.int32)
         self._free_rows = list(range(INITIAL_ROWS - 1, -1, -1))
         self.seqs: dict[str, SeqKV] = {}
-        # the prefix cache: (previous block's serial, block tokens) -> block, and back
+        # the prefix cache: (previous block's serial, block tokens) -> block, and block -> (its key, its serial)
         self.prefix_caching = prefix_caching
         self._cached: dict[tuple[int, tuple[int, ...]], int] = {}
-        self._key_of: dict[int, tuple[int, tuple[int, ...]]] = {}
-        self._serial_of: dict[int, int] = {}
+        self._entry: dict[int, tuple[tuple[int, tuple[int, ...]], int]] = {}
         self._next_serial = 1
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, held by no sequence; oldest first
 
@@ -84,7 +83,12 @@ class KVCache:
     @property
     def num_cached_blocks(self) -> int:
         """Blocks the prefix cache knows the content of (held by sequences or not)."""
-        return len(self._key_of)
+        return len(self._entry)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks no sequence holds: counted free, evicted when no other block is."""
+        return len(self._evictable)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -150,7 +154,7 @@ class KVCache:
             if b is None:
                 break
             found.append(b)
-            parent = self._serial_of[b]
+            parent = self._entry[b][1]
         for b in found:
             if self._refs[b] == 0:
                 del self._evictable[b]
@@ -177,12 +181,11 @@ class KVCache:
             b = self._cached.get(key)
             if b is None:
                 b = seq.block_table[i]
-                if b in self._key_of:  # a block a fork shares that another content chain published first
+                if b in self._entry:  # a block a fork shares that another content chain published first
                     break
-                self._cached[key], self._key_of[b] = b, key
-                self._serial_of[b] = self._next_serial
+                self._cached[key], self._entry[b] = b, (key, self._next_serial)
                 self._next_serial += 1
-            parent = self._serial_of[b]
+            parent = self._entry[b][1]
             seq.num_published, seq.last_serial = i + 1, parent
 
     def reset_prefix_cache(self) -> None:
@@ -190,8 +193,7 @@ class KVCache:
         self._free_blocks.extend(reversed(self._evictable))
         self._evictable.clear()
         self._cached.clear()
-        self._key_of.clear()
-        self._serial_of.clear()
+        self._entry.clear()
         for seq in self.seqs.values():
             seq.num_published, seq.last_serial = 0, 0
 
@@ -203,8 +205,7 @@ class KVCache:
             seq.num_published, seq.last_serial = 0, 0
 
     def _uncache(self, b: int) -> None:
-        del self._cached[self._key_of.pop(b)]
-        del self._serial_of[b]
+        del self._cached[self._entry.pop(b)[0]]
 
     def num_shared_blocks(self, req_id: str) -> int:
         return sum(self._refs[b] > 1 for b in self.seqs[req_id].block_table)
@@ -216,7 +217,7 @@ class KVCache:
         for i in range(start // self.block_size, min(len(seq.block_table), self.blocks_for(end))):
             old = seq.block_table[i]
             if self._refs[old] == 1:
-                if old in self._key_of:  # its content changes: no longer what the cache says it is
+                if old in self._entry:  # its content changes: no longer what the cache says it is
                     self._uncache(old)
                     self._unpublish_from(seq, i)
                 continue
@@ -243,7 +244,7 @@ class KVCache:
         for b in reversed(blocks):
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                if b in self._key_of:
+                if b in self._entry:
                     self._evictable[b] = None
                 else:
                     self._free_blocks.append(b)
