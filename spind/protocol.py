@@ -157,13 +157,15 @@ class ForgetFinished(_Msg, tag="forget_finished"):
 
 class Profile(_Msg, tag="profile"):
     """Measure what this worker's models cost: each hosted drafter per draft token, the target's verify
-    forward at each batch size (k + 1 tokens per request over `context` tokens of KV)."""
+    forward at each batch size (k + 1 tokens for `drafting` of the requests, all of them where 0, one for the
+    others; over `context` tokens of KV)."""
 
     seq: int
     k: Count
     batch_sizes: list[Count]
     context: Count
     reps: Count
+    drafting: Count = 0
 
 
 class Ping(_Msg, tag="ping"):

@@ -88,6 +88,31 @@ def test_each_batch_size_has_its_own_token_cost_the_profiles_chord_refined_by_it
     assert described["1"]["per_token_ms"] == pytest.approx(2.4, rel=0.1) and described["1"]["observations"] > 100
 
 
+def test_past_batch_one_a_token_costs_what_one_requests_drafts_add_to_a_plain_batch():
+    """The profile's forward with one request drafting k (T = B + k) sets each B's line: its chord from the plain
+    forward, not the all-drafting one's, which spreads each extra row tile over every request (on a 2-core CPU one
+    request's drafts cost up to 1.6x a token what every request's do). Batch 1 has no such point: its one request is
+    every request."""
+    plain, lone, every = {1: 0.006, 16: 0.022}, {16: 0.0296}, {1: 0.0096, 16: 0.080}
+    points = ([(b, b, s) for b, s in plain.items()] + [(b, b + 4, s) for b, s in lone.items()]
+              + [(b, 5 * b, s) for b, s in every.items()])
+    cost = VerifyCost()
+    cost.add_prior(points)
+    assert cost.seconds_per_token_at(16) == pytest.approx((0.0296 - 0.022) / 4)  # 1.9 ms, not (80 - 22) / 64
+    assert cost.seconds_per_token_at(1) == pytest.approx((0.0096 - 0.006) / 4)
+    assert cost.predict(16, 18) == pytest.approx(0.022 + 2 * 0.0019)
+    # at 16 a draft token now costs more than the plain token it could add (22 ms / 16): nothing is drafted
+    sel = LBSSSelector(SelectionConfig(seed=0, alpha=4), ["ngram"], 4, verify_points=points,
+                       draft_s_per_token={"ngram": 1e-5})
+    cap = Capacity({"ngram": 16})
+    assert sel.select([info(f"r{i}", 0) for i in range(16)], cap) == [PLAIN_ARM] * 16
+    assert sel.describe()["nothing_pays"]
+    without = LBSSSelector(SelectionConfig(seed=0, alpha=4), ["ngram"], 4, verify_points=[
+        p for p in points if p[1] != p[0] + 4], draft_s_per_token={"ngram": 1e-5})
+    without.select([info(f"r{i}", 0) for i in range(16)], cap)
+    assert not without.describe()["nothing_pays"]  # the all-drafting chord: 0.9 ms a token, drafts could pay
+
+
 def test_a_batch_size_without_a_profile_learns_its_slope_from_two_token_counts():
     cost = VerifyCost()
     for _ in range(5):
@@ -590,8 +615,12 @@ def test_profile_gives_verify_points_with_and_without_drafts_and_round_trips():
     assert again == prof
     assert sorted(again.verify_points()) == [(1, 1, 0.006), (1, 5, 0.010), (8, 8, 0.012), (8, 40, 0.040)]
     old = prof.to_json()
-    del old["decode_batch_ms"]  # a profile cached before the batch decode points: still read
-    assert SystemProfile.from_json(old).decode_batch_ms == {}
+    del old["decode_batch_ms"], old["lone_verify_ms"]  # a profile cached before those points: still read
+    assert SystemProfile.from_json(old).decode_batch_ms == {} == SystemProfile.from_json(old).lone_verify_ms
+    lone = SystemProfile(4, {}, {1: 10.0, 8: 40.0}, 1.0, 6.0, {1: 6.0, 8: 12.0}, {8: 16.0})
+    assert SystemProfile.from_json(lone.to_json()) == lone and (8, 12, 0.016) in lone.verify_points()
+    slow = SystemProfile(4, {}, {1: 10.0, 8: 40.0}, 1.0, 6.0, {1: 6.0, 8: 12.0}, {8: 120.0})
+    assert "8 requests and 12 tokens took 120.0 ms" in slow.implausible()  # slower than its 12 tokens one by one
 
 
 def test_a_verify_outcome_reports_its_forwards_tokens_unless_it_was_split():

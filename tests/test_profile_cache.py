@@ -47,6 +47,8 @@ class Pool:
         if msg.k == 0:  # the decode pass closes a measurement
             self.profiles.pop(0)
             return P.Profiled(msg.seq, {}, dict(p.decode_batch_ms))
+        if msg.drafting:  # one request of each batch drafting
+            return P.Profiled(msg.seq, {}, {b: p.lone_verify_ms[b] for b in msg.batch_sizes if b in p.lone_verify_ms})
         return P.Profiled(msg.seq, dict(p.draft_ms_per_token), dict(p.verify_ms))
 
 
@@ -73,7 +75,7 @@ def test_loaded_twice_serves_the_measurement_uncached_and_a_bad_cache_is_replace
     path = next((tmp_path / "profiles").glob("*.json"))
     path.write_text(json.dumps(LOADED.to_json()))  # a cache written by an older spind, under load
     pool = Pool([AT_REST])
-    assert asyncio.run(load_or_measure(pool, cfg, 10.0)).verify_ms == AT_REST.verify_ms and pool.calls == 2
+    assert asyncio.run(load_or_measure(pool, cfg, 10.0)).verify_ms == AT_REST.verify_ms and pool.calls == 3
     assert json.loads(path.read_text())["verify_ms"]["1"] == 14.6
 
 
@@ -95,4 +97,8 @@ def test_the_verify_probe_prefills_once_and_frees_every_block(tmp_path):
     assert sorted(ms) == [1, 2, 8] and all(v > 0 for v in ms.values())
     assert widths[0] == [40] and all(w == [5] * len(w) for w in widths[1:])  # the one prefill, then verifies only
     assert sorted({len(w) for w in widths[1:]}) == [1, 2, 8]
+    assert runner.kv.num_free_blocks == free and not runner.kv.seqs
+    widths.clear()
+    assert sorted(time_verify(runner, [2, 8], context=40, k=4, reps=1, drafting=1)) == [2, 8]
+    assert widths[1:] and all(w == [5] + [1] * (len(w) - 1) for w in widths[1:])  # one request drafts, the rest not
     assert runner.kv.num_free_blocks == free and not runner.kv.seqs

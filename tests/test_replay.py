@@ -29,13 +29,25 @@ def recording() -> list[Recorded]:
 
 def test_the_cost_model_follows_the_profile():
     costs = ReplayCosts.from_profile(PROFILE, CALLS, base_s=0.0)
-    assert costs.lines[1] == pytest.approx((0.004, 0.001)) and costs.lines[4] == pytest.approx((0.007, 0.0005625))
+    assert costs.curves[1] == ((0, 0.004), (4, 0.008)) and costs.curves[4] == ((0, 0.007), (16, 0.016))
     assert costs.verify_s(1, 5) == pytest.approx(0.008)  # the profile's own verify
     assert costs.verify_s(3, 3) == pytest.approx(0.006)  # between 2 and 4 requests
     assert costs.verify_s(8, 8) == pytest.approx(0.014)  # past the largest: its line, scaled
     assert costs.call_s("suffix", 2) == pytest.approx(75e-6) and costs.call_s("other", 3) == 0.0
     with pytest.raises(ValueError, match="no batch sizes"):
         ReplayCosts.from_profile(SystemProfile(4, {}, {1: 8.0}), CALLS)
+
+
+def test_a_batch_with_one_request_drafting_is_a_point_of_its_curve():
+    """Where the profile timed a batch with one request drafting k (T = B + k), the forward's seconds follow it up to
+    there and the all-drafting forward beyond: one request's drafts cost what they were measured to."""
+    profile = SystemProfile(4, {}, {1: 8.0, 4: 16.0}, decode_batch_ms={1: 4.0, 4: 7.0}, lone_verify_ms={4: 11.0})
+    costs = ReplayCosts.from_profile(profile, CALLS, base_s=0.0)
+    assert costs.curves[4] == ((0, 0.007), (4, 0.011), (16, 0.016))
+    assert costs.verify_s(4, 6) == pytest.approx(0.009)  # 1 ms a token up to T = B + k
+    assert costs.verify_s(4, 14) == pytest.approx(0.011 + 6 * 0.005 / 12)  # then the slope to every one drafting
+    assert costs.verify_s(4, 24) == pytest.approx(0.016 + 4 * 0.005 / 12)  # and past it
+    assert costs.verify_s(1, 3) == pytest.approx(0.006)  # batch 1's one request is every request
 
 
 def test_plain_decoding_is_one_token_a_forward_and_every_system_commits_the_recording():

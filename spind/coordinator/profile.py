@@ -25,9 +25,11 @@ from spind.progress import about, say
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4  # 4: forwards with one request drafting (`lone_verify_ms`)
 CONTEXT = 128  # tokens of KV each probe request holds
 REPS = 3
+LONE_REPS = 9  # the forward with one request drafting: its chord from the plain one spans k tokens, not B k, so its
+#                slope reads a forward's noise B times as loud (at B = 16, medians of 3 were seen 0.6-1.0 ms a token)
 PROFILE_S = 3  # what profiling the default model and its drafters takes on 2 cores (said before it starts)
 
 
@@ -39,10 +41,14 @@ class SystemProfile:
     measured_at: float = 0.0
     decode_ms: float | None = None  # ms of the target's 1-token step at batch 1 (plain decoding)
     decode_batch_ms: dict[int, float] = field(default_factory=dict)  # batch size -> ms of a 1-token step
+    # batch size (> 1) -> ms of a forward in which one request carries k + 1 tokens and the others one each: what one
+    # request's drafts add to a batch that decodes plainly, the case selection prices at B > 1 (see cost.py)
+    lone_verify_ms: dict[int, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {**asdict(self), "verify_ms": {str(b): ms for b, ms in self.verify_ms.items()},
-                "decode_batch_ms": {str(b): ms for b, ms in self.decode_batch_ms.items()}}
+                "decode_batch_ms": {str(b): ms for b, ms in self.decode_batch_ms.items()},
+                "lone_verify_ms": {str(b): ms for b, ms in self.lone_verify_ms.items()}}
 
     @classmethod
     def from_json(cls, raw: dict) -> "SystemProfile":
@@ -50,12 +56,14 @@ class SystemProfile:
         return cls(int(raw["k"]), {str(n): float(v) for n, v in raw["draft_ms_per_token"].items()},
                    {int(b): float(v) for b, v in raw["verify_ms"].items()}, float(raw.get("measured_at", 0.0)),
                    None if decode is None else float(decode),
-                   {int(b): float(v) for b, v in raw.get("decode_batch_ms", {}).items()})
+                   {int(b): float(v) for b, v in raw.get("decode_batch_ms", {}).items()},
+                   {int(b): float(v) for b, v in raw.get("lone_verify_ms", {}).items()})
 
     def verify_points(self) -> list[tuple[int, int, float]]:
         """(requests, tokens, seconds) of every verify forward measured: the verify-cost model's prior."""
         return ([(b, b * (self.k + 1), ms / 1e3) for b, ms in self.verify_ms.items()]
-                + [(b, b, ms / 1e3) for b, ms in self.decode_batch_ms.items()])
+                + [(b, b, ms / 1e3) for b, ms in self.decode_batch_ms.items()]
+                + [(b, b + self.k, ms / 1e3) for b, ms in self.lone_verify_ms.items()])
 
     def dominated_drafters(self, min_k: int) -> list[str]:
         """Drafters that cannot beat plain decoding whatever they draft. A request's slot with drafter j at draft
@@ -77,12 +85,11 @@ class SystemProfile:
         machine; cached, that profile kept LBSS from speculating at all, run after run)."""
         if not self.decode_ms:
             return None
-        for tokens_each, measured in ((self.k + 1, self.verify_ms), (1, self.decode_batch_ms)):
-            for b, ms in measured.items():
-                one_by_one = b * tokens_each * self.decode_ms
-                if ms > slack * one_by_one:
-                    return (f"a forward of {b} x {tokens_each} tokens took {ms:.1f} ms, more than {slack}x the "
-                            f"{one_by_one:.1f} ms of {b * tokens_each} single-token steps")
+        for b, tokens, seconds in self.verify_points():
+            one_by_one = tokens * self.decode_ms
+            if seconds * 1e3 > slack * one_by_one:
+                return (f"a forward of {b} requests and {tokens} tokens took {seconds * 1e3:.1f} ms, more than "
+                        f"{slack}x the {one_by_one:.1f} ms of {tokens} single-token steps")
         return None
 
 
@@ -196,11 +203,16 @@ async def _measure(pool, cfg: SpindConfig, max_model_len: int, timeout_s: float)
     context = probe_context(max_model_len, k)
     replies = await asyncio.gather(*(pool.call(name, P.Profile(0, k, sizes if name == TARGET_WORKER else [], context,
                                                                 REPS), timeout_s) for name in pool.names))
-    # plain decoding's step: the same probe with no draft (k = 0), on the target alone
+    # past batch 1, the batch with one request drafting k; and plain decoding's step: the same probe with no draft
+    # (k = 0); on the target alone
+    lone = [b for b in sizes if b > 1]
+    one = (await pool.call(TARGET_WORKER, P.Profile(0, k, lone, context, LONE_REPS, drafting=1), timeout_s)
+           if lone else None)
     decode = await pool.call(TARGET_WORKER, P.Profile(0, 0, sizes, context, REPS), timeout_s)
     return SystemProfile(k, {n: ms for r in replies for n, ms in r.draft_ms_per_token.items()},
                          dict(next(r.verify_ms for name, r in zip(pool.names, replies) if name == TARGET_WORKER)),
-                         time.time(), decode.verify_ms.get(1), dict(decode.verify_ms))
+                         time.time(), decode.verify_ms.get(1), dict(decode.verify_ms),
+                         dict(one.verify_ms) if one is not None else {})
 
 
 def _write(path: Path, profile: SystemProfile, fields: dict) -> None:

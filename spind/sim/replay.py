@@ -7,7 +7,8 @@ request is fully determined by its prompt and that recorded output: each slot, t
 selector's confidence floors, the draft is accepted up to its first token that differs from the recording, and the
 selector learns from the feedback, shadow drafts included, exactly as the coordinator feeds it (`SlotPhases`). Only
 the seconds are modelled: a verify forward of B requests and T tokens from the machine's start-up profile (per batch
-size, a 1-token forward and the seconds per extra token), and each drafter call as a fixed part and a part per token
+size, its profiled forwards joined by straight lines: one token each, one request with k more, every request with k
+more), and each drafter call as a fixed part and a part per token
 the drafter took in since its last call (suffix decoding inserts them into the request's trie), measured on this
 machine before the replay (`measure_call_costs`); a fully selected slot's selecting, as a fixed cost (`select_s`: the
 daemon's coordinator, measured there). The selector learns only modelled seconds, so two replays of one recording
@@ -48,7 +49,8 @@ class Recorded:
 
 @dataclass(frozen=True)
 class ReplayCosts:
-    lines: dict[int, tuple[float, float]]  # batch size -> (seconds of a forward of one token each, per token more)
+    curves: dict[int, tuple[tuple[int, float], ...]]  # batch size -> (tokens past one each, seconds) of its
+    #                                                   profiled forwards, the fewest first
     points: list[tuple[int, int, float]]  # the profile's measured forwards (SystemProfile.verify_points): the
     #                                       selector's verify-cost prior, as the daemon gives it
     calls: dict[str, tuple[float, float]]  # drafter -> (seconds a propose call, per token it takes in)
@@ -58,30 +60,40 @@ class ReplayCosts:
     @classmethod
     def from_profile(cls, profile: SystemProfile, calls: dict[str, tuple[float, float]],
                      base_s: float = 0.15e-3, select_s: float = 0.25e-3) -> ReplayCosts:
-        lines = {}
-        for b, ms in sorted(profile.verify_ms.items()):
-            one = profile.decode_batch_ms.get(b)
-            if one is not None:
-                lines[b] = (one / 1e3, max(0.0, ms - one) / 1e3 / (b * profile.k))
-        if not lines:
+        by_batch: dict[int, dict[int, float]] = {}
+        for b, t, seconds in profile.verify_points():
+            by_batch.setdefault(b, {})[t - b] = seconds
+        curves = {b: tuple(sorted(c.items())) for b, c in sorted(by_batch.items()) if 0 in c and len(c) > 1}
+        if not curves:
             raise ValueError("the profile has no batch sizes with both a 1-token and a verify forward")
-        return cls(lines, profile.verify_points(), dict(calls), base_s, select_s)
+        return cls(curves, profile.verify_points(), dict(calls), base_s, select_s)
 
     def verify_s(self, batch: int, tokens: int) -> float:
-        """A forward of `batch` requests and `tokens` tokens: the profiled batch sizes' lines, interpolated."""
-        sizes = sorted(self.lines)
+        """A forward of `batch` requests and `tokens` tokens: each profiled batch size's forwards joined by straight
+        lines in the tokens past one each (past its last, the last line's slope), interpolated between batch
+        sizes."""
+        sizes = sorted(self.curves)
         lo = max([b for b in sizes if b <= batch] or [sizes[0]])
         hi = min([b for b in sizes if b >= batch] or [sizes[-1]])
         w = 0.0 if hi == lo else (batch - lo) / (hi - lo)
-        one = (1 - w) * self.lines[lo][0] + w * self.lines[hi][0]
-        per_token = (1 - w) * self.lines[lo][1] + w * self.lines[hi][1]
-        if batch > sizes[-1]:  # past the largest profiled batch: its line, scaled
+        extra = max(0, tokens - batch)
+        one = (1 - w) * self.curves[lo][0][1] + w * self.curves[hi][0][1]
+        more = (1 - w) * _along(self.curves[lo], extra) + w * _along(self.curves[hi], extra)
+        if batch > sizes[-1]:  # past the largest profiled batch: its one-token forward, scaled
             one *= batch / sizes[-1]
-        return one + per_token * max(0, tokens - batch)
+        return one + more
 
     def call_s(self, drafter: str, taken_in: int) -> float:
         fixed, per_token = self.calls.get(drafter, (0.0, 0.0))
         return fixed + per_token * taken_in
+
+
+def _along(curve: tuple[tuple[int, float], ...], extra: int) -> float:
+    """Seconds the curve's forwards add over its first (extra = 0) for `extra` tokens: linear between its points."""
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if extra <= x1 or (x1, y1) == curve[-1]:
+            return y0 - curve[0][1] + (y1 - y0) * (extra - x0) / (x1 - x0)
+    return 0.0
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """What a worker's models cost, measured on the worker itself (at start-up, or cached by the coordinator):
 - each hosted drafter: median ms per draft token at batch 1 in steady state;
 - the target: median ms of a verify forward at several batch sizes (k + 1 new tokens per request over a
-  fixed context), the throughput profile the pipeline's micro-batch heuristic reads.
+  fixed context, or for one of the requests only), the throughput profile the pipeline's micro-batch heuristic and
+  the selection's verify-cost model read.
 
 Probes run on throw-away requests whose ids cannot clash with real ones, and are freed afterwards. Times come from
 a DeviceClock (each drafter's own, the runner's device's), so a GPU's queued kernels are waited for.
@@ -50,9 +51,10 @@ def time_draft_tokens(drafters: dict[str, Drafter], prompt: list[int], k: int,
 
 
 def time_verify(runner: ModelRunner, batch_sizes: list[int], context: int, k: int, reps: int,
-                clock: DeviceClock | None = None) -> dict[int, float]:
-    """Median ms of one forward of k + 1 new tokens for each of B requests holding `context` tokens of KV,
-    rolled back after each rep, for each B in batch_sizes. The context is prefilled once and shared by every probe
+                clock: DeviceClock | None = None, drafting: int = 0) -> dict[int, float]:
+    """Median ms of one forward of k + 1 new tokens for each of B requests holding `context` tokens of KV (for the
+    first `drafting` of them where that is not 0, and one new token for the others), rolled back after each rep, for
+    each B in batch_sizes. The context is prefilled once and shared by every probe
     request (forked KV blocks, as `n` completions share a prompt): prefilling each of them cost the first start
     ~2 s of a 16-request profile on a 2-core CPU, for the same numbers (attention reads the same amount of KV)."""
     clock = clock or DeviceClock(runner.model.device)
@@ -73,7 +75,8 @@ def time_verify(runner: ModelRunner, batch_sizes: list[int], context: int, k: in
             samples = []
             for _ in range(reps + 1):  # the first rep warms this shape up
                 start = clock.now()
-                runner.forward([ForwardItem(rid, prompt[:k + 1], k + 1) for rid in ids[:b]])
+                runner.forward([ForwardItem(rid, prompt[:n], n) for i, rid in enumerate(ids[:b])
+                                for n in [k + 1 if not drafting or i < drafting else 1]])
                 samples.append((clock.now() - start) * 1e3)
                 for rid in ids[:b]:
                     runner.truncate(rid, context)

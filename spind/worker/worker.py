@@ -462,7 +462,8 @@ class Worker:
         prompt = probe_prompt(msg.context, vocab)
         draft = self._timed("profile", 0, lambda: time_draft_tokens(self.drafters, prompt, msg.k, msg.reps))
         verify = {} if runner is None else self._timed(
-            "profile", 0, lambda: time_verify(runner, list(msg.batch_sizes), msg.context, msg.k, msg.reps, self.clock))
+            "profile", 0, lambda: time_verify(runner, list(msg.batch_sizes), msg.context, msg.k, msg.reps, self.clock,
+                                  msg.drafting))
         return P.Profiled(msg.seq, {n: ms for n, ms in draft.items() if ms is not None}, verify, self._take_busy())
 
     def stats(self, seq: int) -> P.WorkerStats:
