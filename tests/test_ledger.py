@@ -11,7 +11,7 @@ from spind.config import SelectionConfig
 from spind.coordinator.selection import lbss
 from spind.coordinator.selection.ledger import ShadowLedger, bucket_of
 from spind.coordinator.selection.lbss import LBSSSelector
-from spind.coordinator.selection.protocol import PLAIN_ARM, Capacity, RequestInfo, SlotFeedback
+from spind.coordinator.selection.protocol import PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
 
 C0, C_REQ, C_TOK = 0.004, 0.0005, 0.002  # a CPU-like verify: 2 ms per token carried
 
@@ -141,3 +141,58 @@ def test_a_model_drafter_keeps_selection_on():
         arm = sel.select([info("r", t)], cap)[0]
         sel.observe([shadow_feedback("r", arm, 1, {"ngram": 0}, select_s=0.01)])
     assert sel.ledger.best(1) is None and not sel.idle
+
+
+def test_with_one_calibrated_drafter_left_selection_settles_on_it_without_the_matching(monkeypatch):
+    """Once the ledger leaves suffix decoding alone (n-gram dominated) and its confidence is calibrated, the stages'
+    exploration and matching could only choose among its k's and plain decoding, which its confidence floor already
+    decides slot by slot: every request runs it at the default k with its floor, no matching is drawn up, and only
+    every SETTLED_SHADOW-th shadow turn is granted. A request that names its drafter, a model drafter in the arm set,
+    or n-gram catching up on the text unsettles it."""
+    monkeypatch.setattr(lbss, "DOMINANCE_EVIDENCE", 20)
+    monkeypatch.setattr(lbss, "REPRICE_FORWARDS", 1)
+    sel = LBSSSelector(SelectionConfig(seed=0, alpha=2), ["ngram", "suffix"], 4, verify_points=profile_points(),
+                       draft_s_per_token={"ngram": 1e-5, "suffix": 1e-5}, kv_drafters=())
+    cap = Capacity({"ngram": 16, "suffix": 16})
+    t = 0
+    while sel.settled_on is None:
+        arm = sel.select([info("r", t)], cap)[0]
+        sel.observe([shadow_feedback("r", arm, 1, {"suffix": 4, "ngram": 4 if t % 4 == 0 else 0})])
+        t += 1
+        assert t < 500
+    assert sel.settled_on == "suffix" and sel.dominated == {"ngram"}
+
+    def no_matching(*_):
+        raise AssertionError("settled: no matching, no exploration")
+    monkeypatch.setattr(sel, "_exploit", no_matching)
+    monkeypatch.setattr(sel, "_explore", no_matching)
+    granted = []
+    for _ in range(4 * lbss.SETTLED_SHADOW):  # the ledger is per batch size: batch 1's settled it
+        arms = sel.select([info("r", t)], cap)
+        assert arms == [Arm("suffix", 4)] and 0 < sel.confidence_floor("r") <= 0.95
+        granted.append(sel.wants_shadow("r"))
+        sel.observe([shadow_feedback("r", arms[0], 1, {"suffix": 4, "ngram": 1})])
+        t += 1
+    assert sum(granted) == 4  # every SETTLED_SHADOW-th turn
+    state = msgspec.json.decode(msgspec.json.encode(sel.describe()))
+    assert state["settled_on"] == "suffix" and state["settled_on_slots"] >= 4 * lbss.SETTLED_SHADOW
+    named = RequestInfo(req_id="n", requested="ngram", requested_k=2, current=None, num_prompt_tokens=40,
+                        num_output_tokens=0)
+    with pytest.raises(AssertionError, match="settled"):  # a request that names its drafter: the full selection
+        sel.select([named], cap)
+    sel.remove("n")
+    monkeypatch.undo()
+    for _ in range(2000):  # the text changes: n-gram's drafts are the ones accepted now
+        arm = sel.select([info("r", t)], cap)[0]
+        sel.observe([shadow_feedback("r", arm, 1, {"suffix": 0, "ngram": 4})])
+        t += 1
+        if sel.settled_on == "ngram":
+            break
+    assert sel.settled_on == "ngram" and sel.select([info("r", t)], cap)[0] == Arm("ngram", 4)
+    costs = {"ngram": 1e-5, "suffix": 1e-5, "int8": 1e-3}
+    model = LBSSSelector(SelectionConfig(seed=0, alpha=2), list(costs), 4, verify_points=profile_points(),
+                         draft_s_per_token=costs)
+    for t in range(300):
+        arm = model.select([info("r", t)], Capacity({"ngram": 16, "suffix": 16, "int8": 16}))[0]
+        model.observe([shadow_feedback("r", arm, 1, {"suffix": 4, "ngram": 0})])
+    assert model.settled_on is None  # the ledger cannot value a model drafter: nothing is settled

@@ -56,17 +56,20 @@ class ReplayCosts:
     calls: dict[str, tuple[float, float]]  # drafter -> (seconds a propose call, per token it takes in)
     base_s: float = 0.15e-3  # the coordinator's own seconds a slot, every system alike
     select_s: float = 0.25e-3  # the coordinator's seconds choosing a fully selected slot's arms (LBSS, not idle)
+    settled_s: float = 0.12e-3  # ... a slot settled on one drafter's (`LBSSSelector._settle`: its floors alone);
+    #   through `bench e2e` (mtbench, batch 1) a settled `spin` coordinator took 0.06 ms a slot more than
+    #   fixed:suffix's, a fully selecting one 0.13 ms: select_s scaled by that
 
     @classmethod
     def from_profile(cls, profile: SystemProfile, calls: dict[str, tuple[float, float]],
-                     base_s: float = 0.15e-3, select_s: float = 0.25e-3) -> ReplayCosts:
+                     base_s: float = 0.15e-3, select_s: float = 0.25e-3, settled_s: float = 0.12e-3) -> ReplayCosts:
         by_batch: dict[int, dict[int, float]] = {}
         for b, t, seconds in profile.verify_points():
             by_batch.setdefault(b, {})[t - b] = seconds
         curves = {b: tuple(sorted(c.items())) for b, c in sorted(by_batch.items()) if 0 in c and len(c) > 1}
         if not curves:
             raise ValueError("the profile has no batch sizes with both a 1-token and a verify forward")
-        return cls(curves, profile.verify_points(), dict(calls), base_s, select_s)
+        return cls(curves, profile.verify_points(), dict(calls), base_s, select_s, settled_s)
 
     def verify_s(self, batch: int, tokens: int) -> float:
         """A forward of `batch` requests and `tokens` tokens: each profiled batch size's forwards joined by straight
@@ -176,9 +179,11 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
         wanted = {r: learns and is_shadow_turn(turn_count, i, len(ids)) and selector.wants_shadow(r)
                   for i, r in enumerate(ids)}
         timed = time.perf_counter() - t0
-        # a fully selected slot costs what the daemon's coordinator takes (modelled: the selector learns it, and its
-        # decisions must not follow this process's clock); a slot selected on the fast path, what it took here
-        select_s = costs.select_s if learns and not selector.nothing_pays else timed
+        # a fully selected slot costs what the daemon's coordinator takes, and one settled on a drafter its part of
+        # that (modelled: the selector learns it, and its decisions must not follow this process's clock); a slot
+        # selected on the plain fast path, what it took here
+        select_s = (timed if not learns or selector.nothing_pays else
+                    costs.settled_s if selector.settled_on is not None else costs.select_s)
         tokens_in_forward, draft_s, shadow_s, results = 0, {}, 0.0, {}
         for r, arm in zip(ids, arms):
             rec, (pos,) = running[r]

@@ -95,6 +95,10 @@ drafts. Two decisions follow, once every drafter has DOMINANCE_EVIDENCE drafts a
 - where even the best drafter's drafts are worth less to the batch than what selecting costs (the selector's calls
   and the shadow drafts, measured: `SlotFeedback.select_s`), selection is idle (`_idle`): plain decoding with no
   selection, as where nothing pays, and a shadow draft every IDLE_SHADOW turns to notice when that changes.
+- where every free drafter but one is dominated and that one rates its own tokens (calibrated), selection is
+  settled on it (`_settle`): its confidence floor decides each slot on the draft itself, so the stages' matching and
+  exploration, which could only choose among its k's and plain decoding, are skipped (each request runs it at the
+  default k), and only every SETTLED_SHADOW-th shadow turn is granted, which keeps the ledger current.
 Where a model drafter is selectable the ledger cannot value it, and neither decision is taken over it.
 """
 
@@ -140,6 +144,7 @@ PLAIN_SAMPLE = 8  # while no draft token can pay, plain rewards are learned on s
 DOMINANCE_WINDOW = 512  # shadow drafts per drafter the dominance ledger weighs (exponential decay)
 DOMINANCE_EVIDENCE = 64  # ... that both drafters need before one may rule the other out
 IDLE_SHADOW = 8  # while selecting does not pay (`_idle`): every IDLE_SHADOW-th shadow turn is granted
+SETTLED_SHADOW = 4  # while settled on one drafter (`_settle`): every SETTLED_SHADOW-th shadow turn is granted
 OVERHEAD_WINDOW = 33  # fully selected slots whose selecting seconds overhead_s is the median of (per batch size: a
 #                      slow first matching, or a slot the OS preempted, must not idle selection for long)
 FIT_HISTORY = 64  # verify forwards whose predicted and measured seconds describe() keeps
@@ -230,6 +235,9 @@ class LBSSSelector:
         self._overhead_median = [0.0] * NUM_BUCKETS
         self.idle = False  # selecting would cost more than it is worth at the last slot's batch size (`_nothing_pays`)
         self._idle_shadows = 0  # wants_shadow calls while idle: every IDLE_SHADOW-th is granted
+        self.settled_on: str | None = None  # the one drafter left to choose at the last slot's batch size (`_settle`)
+        self.settled_on_slots = 0  # slots selected so
+        self._settled_shadows = 0  # wants_shadow calls while settled: every SETTLED_SHADOW-th is granted
 
     def wants_shadow(self, req_id: str) -> bool:
         """Shadow drafts teach acceptance and calibration, and tell a request that decodes plainly when its drafter
@@ -243,6 +251,9 @@ class LBSSSelector:
                 return False
             self._idle_shadows += 1  # idle: what the drafts would be worth must still be learned, at a small cost
             return self._idle_shadows % IDLE_SHADOW == 0
+        if self.settled_on is not None:  # the ledger and the calibration are everyone's: a few shadow drafts keep them
+            self._settled_shadows += 1
+            return self._settled_shadows % SETTLED_SHADOW == 0
         st = self._reqs.get(req_id)
         if st is None or st.quiet_shadows < QUIET_DRAFTS:
             return True
@@ -279,6 +290,8 @@ class LBSSSelector:
         if self._stale_prices():
             self._price_plain()
         self._capacity = {d: capacity.of(d) for d in self.arm_set.drafters}
+        if self.settled_on is not None and all(r.requested == AUTO and r.requested_k is None for r in reqs):
+            return self._select_settled(reqs, capacity)
         bypass = split_bypass(reqs, self.default_k)
         free = free_capacity(capacity, self.arm_set.drafters, [a for a in bypass if a is not None])
         for d in self.dominated:  # neither exploited nor explored: another free drafter does better on the same text
@@ -334,7 +347,48 @@ class LBSSSelector:
         self.idle = self._idle()
         self.nothing_pays = self.idle or self._nothing_pays()
         self.dominated = self.ledger.dominated(self._batch_size)
+        self.settled_on = self._settle()
         self._priced_at, self._priced_batch = self._cost_seen, self._batch_size
+
+    def _settle(self) -> str | None:
+        """The drafter selection is settled on at this batch size, or None: where drafts may pay, every free drafter
+        but one is dominated (the ledger; never while a model drafter is selectable: the ledger cannot value it), and
+        that one rates its own tokens, calibrated. The matching then has one family of arms left, and the confidence
+        floor already decides each slot, on the draft itself, whether and how far it drafts (`_cut`): LBSS's stages,
+        exploration and matching would only choose among that drafter's k's and plain decoding, at ~60 us a slot
+        (with its feedback's ~45 us: ~2% of a batch-1 slot of the default model on a 2-core CPU, where suffix decoding
+        at a fixed k beat `spin` by 3-6% through `bench e2e`). Settled, each request runs the drafter at the default k
+        (what `fixed:` runs) and its floor; the shadow drafts go on, fewer (SETTLED_SHADOW), so the ledger sees
+        another drafter catch up and the next price reading (every REPRICE_FORWARDS forwards) unsettles it."""
+        if self.nothing_pays or self.has_hints:
+            return None
+        left = [d for d in self.arm_set.drafters if d not in self.dominated]
+        if len(left) != 1 or not self.dominated:
+            return None
+        j = self.arm_set.drafter_index[left[0]]
+        return left[0] if self.calibration.known(j) and j in self._shadowed else None
+
+    def _select_settled(self, reqs: Sequence[RequestInfo], capacity: Capacity) -> list[Arm]:
+        """Every request on the settled drafter at the default k, cut at its floor (`_settle`)."""
+        arms = fit_capacity([Arm(self.settled_on, self.default_k)] * len(reqs), capacity)
+        self._floors.clear()
+        out = []
+        for r, arm in zip(reqs, arms):
+            self._track(r, is_bypass=False)
+            st = self._reqs[r.req_id]
+            self._record(st, arm)
+            cut, floor = self._cut(st, arm)
+            if floor > 0.0:
+                self._floors[r.req_id] = floor
+            if cut != arm:
+                self.cut_slots["plain" if cut.drafter is None else "shorter"] += 1
+            out.append(cut)
+        self._assigned.clear()  # the next matching, when the selection unsettles, starts afresh
+        self.slot_in_stage += 1
+        self.num_slots += 1
+        self.settled_on_slots += 1
+        self._plain_ids = None
+        return out
 
     def _idle(self) -> bool:
         """Whether selecting costs the slot more than speculation is worth at this batch size: what the best drafter's
@@ -382,7 +436,8 @@ class LBSSSelector:
                 st.expected.clear()
         slot_s = 0.0
         selecting_s = sum(fb.select_s for fb in feedback)
-        if selecting_s > 0 and not self.nothing_pays:  # what a fully selected slot spends selecting (`_idle`)
+        if selecting_s > 0 and not self.nothing_pays and self.settled_on is None:  # what a fully selected slot
+            # spends selecting (`_idle`): a settled one's is less, so the median stays an upper bound
             b = bucket_of(feedback[0].batch_size)
             self._overhead[b].append(selecting_s)
             self._overhead_median[b] = statistics.median(self._overhead[b])
@@ -503,25 +558,26 @@ class LBSSSelector:
         """JSON-able state for /v1/spind/state (every float rounded; null = unknown):
 
         policy; epoch (k); stage ("explore" | "exploit"); slot_in_stage (slots of the stage selected so far) of
-        stage_slots; chunk_slots (beta);
-        arms (names, plain decoding "none" first); capacity {drafter: B_j at the last slot}; assignment {arm: requests
-        on it at the last slot}; requests {req_id: {arm, bypass, context, estimate {arm: g~ tokens/s}, tokens {arm:
-        expected tokens committed per slot}, observations {arm: own slots}}} for every request not yet removed, so
-        bounded by the running ones; population {arm: everyone's mean reward}; switch_s_per_token {drafter: learned KV
-        catch-up seconds per token}; num_slots; num_switches (drafter changes); observed_s (summed slot seconds, from
-        the feedback); switches_per_minute; switch_s (summed KV catch-up seconds fed back); batch_pricing (arms chosen
-        for the batch's goodput, `marginal.py`); price (its tokens per second at the last priced matching); plain_price
-        (the last slot's tokens per second with every request plain: what a draft token must beat); cut_slots {shorter,
-        plain} (request slots whose draft the cut shortened, or removed: `_cut`); nothing_pays (at the last slot's batch
-        size no draft token could pay: everyone decoded plainly); settled_slots (slots selected all plain without the
-        full selection while nothing paid: `_still_plain`); verify_cost (the fitted verify seconds per forward, per
-        request and per token, `cost.py`); verify_fit ([predicted, measured] ms of the last verify forwards);
-        calibration {drafter: [chance a token survives, by confidence bin], null until calibrated}; floors {req_id: the
-        confidence its draft was cut at in the last slot}; ledger {batch size: {drafter: what its shadow drafts were
-        worth a request, tokens a slot}} (`ledger.py`); dominated (free drafters left out at the last slot's batch
-        size); idle (selecting did not pay for itself there: `_idle`); overhead_ms (what a fully selected slot of the
-        last slot's batch size spends selecting); config (the SelectionConfig). A request priced in a matching also has
-        marginal {arm: its marginal gain in tokens per slot}."""
+        stage_slots; chunk_slots (beta); arms (names, plain decoding "none" first); capacity {drafter: B_j at the last
+        slot}; assignment {arm: requests on it at the last slot}; requests {req_id: {arm, bypass, context, estimate
+        {arm: g~ tokens/s}, tokens {arm: expected tokens committed per slot}, observations {arm: own slots}}} for every
+        request not yet removed, so bounded by the running ones; population {arm: everyone's mean reward};
+        switch_s_per_token {drafter: learned KV catch-up seconds per token}; num_slots; num_switches (drafter changes);
+        observed_s (summed slot seconds, from the feedback); switches_per_minute; switch_s (summed KV catch-up seconds
+        fed back); batch_pricing (arms chosen for the batch's goodput, `marginal.py`); price (its tokens per second at
+        the last priced matching); plain_price (the last slot's tokens per second with every request plain: what a draft
+        token must beat); cut_slots {shorter, plain} (request slots whose draft the cut shortened, or removed: `_cut`);
+        nothing_pays (at the last slot's batch size no draft token could pay: everyone decoded plainly); settled_slots
+        (slots selected all plain without the full selection while nothing paid: `_still_plain`); settled_on (the one
+        drafter left at the last slot's batch size, run without the matching: `_settle`; null where none) and
+        settled_on_slots (slots so selected); verify_cost (the fitted verify seconds per forward, per request and per
+        token, `cost.py`); verify_fit ([predicted, measured] ms of the last verify forwards); calibration {drafter:
+        [chance a token survives, by confidence bin], null until calibrated}; floors {req_id: the confidence its draft
+        was cut at in the last slot}; ledger {batch size: {drafter: what its shadow drafts were worth a request, tokens
+        a slot}} (`ledger.py`); dominated (free drafters left out at the last slot's batch size); idle (selecting did
+        not pay for itself there: `_idle`); overhead_ms (what a fully selected slot of the last slot's batch size spends
+        selecting); config (the SelectionConfig). A request priced in a matching also has marginal {arm: its marginal
+        gain in tokens per slot}."""
         names = self.arm_set.names
         counts: dict[str, int] = {}
         requests = {}
@@ -551,6 +607,7 @@ class LBSSSelector:
             "batch_pricing": self.prices_batch, "price": round(float(self.price), 3),
             "plain_price": round(float(self._plain_price), 3), "cut_slots": dict(self.cut_slots),
             "nothing_pays": self.nothing_pays, "settled_slots": self.settled_slots,
+            "settled_on": self.settled_on, "settled_on_slots": self.settled_on_slots,
             "verify_cost": self.cost.describe(),
             "verify_fit": [[round(p * 1e3, 3), round(m * 1e3, 3)] for p, m in self._fit],
             "calibration": {d: self.calibration.describe(j) for j, d in enumerate(self.arm_set.drafters)},
