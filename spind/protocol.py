@@ -118,7 +118,9 @@ class VerifyItem(_Rec):
     max_draft: Count = 0  # a request with a grammar: the tokens it forces may lengthen the draft up to this (0: never)
     shadow: list[Name] = []  # model-free drafters hosted here that draft counterfactually for it (never verified)
     shadow_k: Count = 0  # tokens each shadow draft proposes
-    min_confidence: float = 0.0  # the inline draft is cut before its first token whose Draft.confidence is below this
+    # the inline draft is cut before its first token whose Draft.confidence is below its position's floor here (past
+    # the end, the last one holds; empty: no cut)
+    min_confidence: list[float] = []
 
 
 class Verify(_Msg, tag="verify"):

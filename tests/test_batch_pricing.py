@@ -89,10 +89,10 @@ def test_each_batch_size_has_its_own_token_cost_the_profiles_chord_refined_by_it
 
 
 def test_past_batch_one_a_token_costs_what_one_requests_drafts_add_to_a_plain_batch():
-    """The profile's forward with one request drafting k (T = B + k) sets each B's line: its chord from the plain
-    forward, not the all-drafting one's, which spreads each extra row tile over every request (on a 2-core CPU one
-    request's drafts cost up to 1.6x a token what every request's do). Batch 1 has no such point: its one request is
-    every request."""
+    """The profile's forwards with one request drafting (T = B + 1 .. B + k; here only B + k) set each B's line:
+    their chord from the plain forward, not the all-drafting one's, which spreads each extra row tile over every
+    request (on a 2-core CPU one request's drafts cost up to 1.6x a token what every request's do). At batch 1 the two
+    are one."""
     plain, lone, every = {1: 0.006, 16: 0.022}, {16: 0.0296}, {1: 0.0096, 16: 0.080}
     points = ([(b, b, s) for b, s in plain.items()] + [(b, b + 4, s) for b, s in lone.items()]
               + [(b, 5 * b, s) for b, s in every.items()])
@@ -111,6 +111,40 @@ def test_past_batch_one_a_token_costs_what_one_requests_drafts_add_to_a_plain_ba
         p for p in points if p[1] != p[0] + 4], draft_s_per_token={"ngram": 1e-5})
     without.select([info(f"r{i}", 0) for i in range(16)], cap)
     assert not without.describe()["nothing_pays"]  # the all-drafting chord: 0.9 ms a token, drafts could pay
+
+
+def test_each_draft_position_is_priced_at_what_it_adds_to_the_forward():
+    """Where the profile timed one request drafting every length 1..k, each position's price is its step of that
+    curve (never below the step before it): on a CPU whose second row rides along with the first, a request's first
+    draft token is nearly free and its later ones dear, so a draft too unsure for the line's one price still drafts
+    its first token, and a calibrated drafter's floor is lower at the first position than past it."""
+    steps = {1: [0.0060, 0.0061, 0.0074, 0.0084, 0.0100]}  # T = 1 .. 5: +0.1, +1.3, +1.0, +1.6 ms
+    points = [(1, t + 1, sec) for t, sec in enumerate(steps[1])] + [(4, 4, 0.008), (4, 20, 0.024)]
+    cost = VerifyCost()
+    cost.add_prior(points)
+    assert cost.token_shape_at(1) == pytest.approx([x / 1.075 for x in (0.1, 1.3, 1.3, 1.6)], rel=1e-6)
+    assert cost.token_shape_at(2) == cost.token_shape_at(1)  # the nearest batch size measured so
+    assert cost.seconds_per_token_at(1) == pytest.approx(float(np.polyfit(range(1, 6), steps[1], 1)[0]))
+    flat = VerifyCost()
+    flat.add_prior([(1, 1, 0.006), (1, 5, 0.010)])
+    assert flat.token_shape_at(1) is None  # only k's forward: every position alike
+    sel = LBSSSelector(SelectionConfig(seed=0, alpha=0), ["suffix"], 4, verify_points=points,
+                       draft_s_per_token={"suffix": 0.0})
+    cap = Capacity({"suffix": 16})
+    sel.select([info("r", 0)], cap)
+    prices = sel.describe()["token_prices"]["suffix"]
+    assert len(prices) == 4 and prices[0] < 0.05 < 0.2 < prices[1] <= prices[2] <= prices[3]
+    one_price = float(np.mean(prices))  # what every position cost without the shape (its mean is the line's slope)
+    assert worth_drafting([0.1] * 4, one_price, 4) == 0 and worth_drafting([0.1] * 4, prices, 4) == 1
+    for t in range(80):  # suffix calibrated by shadow drafts: its tokens rated 0.95, 0.5 and 0.2 survive always,
+        arm = sel.select([info("r", t)], cap)[0]  # half the time and one time in 20
+        accepted = 3 if t % 20 == 0 else 1 + t % 2
+        sel.observe([SlotFeedback(req_id="r", arm=arm, num_drafted=0, num_accepted=0, num_committed=1, draft_s=0.0,
+                                  verify_s=0.006, batch_size=1, batch_tokens=1, shadow=(("suffix", 3, accepted),),
+                                  shadow_confidence=(("suffix", (0.95, 0.5, 0.2), accepted),))])
+    assert sel.select([info("r", 80)], cap)[0].drafter == "suffix"
+    floors = sel.confidence_floor("r")
+    assert floors[0] <= 0.2 < 0.5 <= floors[1] <= floors[2] <= floors[3]  # a 1-in-20 token pays only first
 
 
 def test_a_batch_size_without_a_profile_learns_its_slope_from_two_token_counts():
@@ -363,10 +397,10 @@ def test_lbss_cuts_a_calibrated_drafters_draft_at_its_confidence_floor():
     assert sel.calibration.known(0)
     arm = sel.select([info("r", 60)], cap)[0]
     assert arm.drafter == "suffix" and arm.k >= 2  # not cut by its history: the draft is, on the worker
-    assert 0.35 < sel.confidence_floor("r") <= 0.95
-    assert sel.confidence_floor("other") == 0.0
+    assert 0.35 < sel.confidence_floor("r")[0] <= 0.95
+    assert sel.confidence_floor("other") == ()
     state = msgspec.json.decode(msgspec.json.encode(sel.describe()))  # what /v1/spind/state sends
-    assert state["floors"] == {"r": pytest.approx(sel.confidence_floor("r"), abs=1e-3)}
+    assert state["floors"] == {"r": pytest.approx(list(sel.confidence_floor("r")), abs=1e-3)}
     assert len(state["calibration"]["suffix"]) == sel.calibration.bins
     # its text stops giving suffix anything sure: its latest two drafts had no token above the floor. Alone (batch 1)
     # it still drafts, and its worker cuts the draft at the floor: its shadow drafts keep its suffix trie current, so
@@ -377,9 +411,9 @@ def test_lbss_cuts_a_calibrated_drafters_draft_at_its_confidence_floor():
                                   verify_s=cpu_verify(1, 1), batch_size=1, batch_tokens=1,
                                   shadow=(("suffix", 2, 0),), shadow_confidence=(("suffix", (0.15, 0.05), 0),))])
         arm = sel.select([info("r", t)], cap)[0]
-    assert arm.drafter == "suffix" and sel.confidence_floor("r") > 0.35
+    assert arm.drafter == "suffix" and sel.confidence_floor("r")[0] > 0.35
     arms = sel.select([info("r", 63), info("q", 0)], cap)
-    assert arms[0] == PLAIN_ARM and sel.confidence_floor("r") == 0.0
+    assert arms[0] == PLAIN_ARM and sel.confidence_floor("r") == ()
     sel.remove("q")
     # the same drafter where even its surest tokens fail: nothing pays, plain decoding
     for t in range(61, 200):
@@ -387,7 +421,7 @@ def test_lbss_cuts_a_calibrated_drafters_draft_at_its_confidence_floor():
         sel.observe([SlotFeedback(req_id="r", arm=arm, num_drafted=0, num_accepted=0, num_committed=1, draft_s=0.0,
                                   verify_s=cpu_verify(1, 1), batch_size=1, batch_tokens=1,
                                   shadow=(("suffix", 2, 0),), shadow_confidence=(("suffix", (0.95, 0.35), 0),))])
-    assert sel.select([info("r", 200)], cap)[0] == PLAIN_ARM and sel.confidence_floor("r") == 0.0
+    assert sel.select([info("r", 200)], cap)[0] == PLAIN_ARM and sel.confidence_floor("r") == ()
 
 
 def test_a_price_margin_drafts_only_tokens_worth_more_than_their_seconds():
@@ -408,7 +442,7 @@ def test_a_price_margin_drafts_only_tokens_worth_more_than_their_seconds():
                                       draft_s=0.0, verify_s=cpu_verify(1, 1), batch_size=1, batch_tokens=1,
                                       shadow=(("suffix", 4, acc),), shadow_confidence=(("suffix", confidence, acc),))])
         arm = sel.select([info("r", 100)], cap)[0]
-        got[margin] = (arm.drafter, sel.confidence_floor("r"), sel.describe()["nothing_pays"])
+        got[margin] = (arm.drafter, (sel.confidence_floor("r") or (0.0,))[0], sel.describe()["nothing_pays"])
     assert [got[m][0] for m in (0.0, 1.0, 2.0, 4.0)] == ["suffix", "suffix", "suffix", None]
     assert 0.35 < got[0.0][1] <= 0.55 < got[1.0][1] <= 0.75 < got[2.0][1] <= 0.95  # 0.31, 0.62, 0.93 tokens a token
     assert got[4.0][2] and not got[2.0][2]
@@ -440,7 +474,7 @@ def test_shadow_drafts_back_off_while_they_find_nothing_that_pays():
     quiet = [turn(t, unsure, 0) for t in range(60, 80)]
     assert quiet == [True, True, False, True, False, False, False, True] + [False] * 7 + [True] + [False] * 4
     # the latest shadows had nothing that pays; alone (batch 1), its draft is still drawn up and cut on the worker
-    assert sel.select([info("r", 80)], cap)[0].drafter == "suffix" and sel.confidence_floor("r") > 0.35
+    assert sel.select([info("r", 80)], cap)[0].drafter == "suffix" and sel.confidence_floor("r")[0] > 0.35
     skipped = 0
     while not turn(81 + skipped, sure, 1):  # the next turn that shadows finds a token that pays again ...
         skipped += 1
@@ -478,7 +512,7 @@ def test_between_calibrated_drafters_the_one_right_lately_is_chosen_and_misses_k
                      for n, arm in zip(("r", "m"), arms)])
     sel.stage_slots = sel.slot_in_stage  # a new stage: a fresh matching
     r, m = sel.select([info("r", 9), info("m", 9)], cap)
-    assert r.drafter == "suffix" and sel.confidence_floor("r") > 0
+    assert r.drafter == "suffix" and sel.confidence_floor("r")[0] > 0
     assert m.drafter is not None  # on a drafter, valued as plain: the floor decides each slot
 
 
@@ -617,9 +651,10 @@ def test_profile_gives_verify_points_with_and_without_drafts_and_round_trips():
     old = prof.to_json()
     del old["decode_batch_ms"], old["lone_verify_ms"]  # a profile cached before those points: still read
     assert SystemProfile.from_json(old).decode_batch_ms == {} == SystemProfile.from_json(old).lone_verify_ms
-    lone = SystemProfile(4, {}, {1: 10.0, 8: 40.0}, 1.0, 6.0, {1: 6.0, 8: 12.0}, {8: 16.0})
-    assert SystemProfile.from_json(lone.to_json()) == lone and (8, 12, 0.016) in lone.verify_points()
-    slow = SystemProfile(4, {}, {1: 10.0, 8: 40.0}, 1.0, 6.0, {1: 6.0, 8: 12.0}, {8: 120.0})
+    lone = SystemProfile(4, {}, {1: 10.0, 8: 40.0}, 1.0, 6.0, {1: 6.0, 8: 12.0}, {8: [13.0, 14.0, 15.0, 16.0]})
+    assert SystemProfile.from_json(lone.to_json()) == lone
+    assert {(8, 9, 0.013), (8, 12, 0.016)} <= set(lone.verify_points())  # one request drafting 1 .. k
+    slow = SystemProfile(4, {}, {1: 10.0, 8: 40.0}, 1.0, 6.0, {1: 6.0, 8: 12.0}, {8: [13.0, 14.0, 15.0, 120.0]})
     assert "8 requests and 12 tokens took 120.0 ms" in slow.implausible()  # slower than its 12 tokens one by one
 
 

@@ -169,7 +169,7 @@ def test_with_one_calibrated_drafter_left_selection_settles_on_it_without_the_ma
     granted = []
     for _ in range(4 * lbss.SETTLED_SHADOW):  # the ledger is per batch size: batch 1's settled it
         arms = sel.select([info("r", t)], cap)
-        assert arms == [Arm("suffix", 4)] and 0 < sel.confidence_floor("r") <= 0.95
+        assert arms == [Arm("suffix", 4)] and 0 < sel.confidence_floor("r")[0] <= 0.95
         granted.append(sel.wants_shadow("r"))
         sel.observe([shadow_feedback("r", arms[0], 1, {"suffix": 4, "ngram": 1})])
         t += 1

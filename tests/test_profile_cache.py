@@ -47,8 +47,9 @@ class Pool:
         if msg.k == 0:  # the decode pass closes a measurement
             self.profiles.pop(0)
             return P.Profiled(msg.seq, {}, dict(p.decode_batch_ms))
-        if msg.drafting:  # one request of each batch drafting
-            return P.Profiled(msg.seq, {}, {b: p.lone_verify_ms[b] for b in msg.batch_sizes if b in p.lone_verify_ms})
+        if msg.drafting:  # one request of each batch drafting msg.k
+            return P.Profiled(msg.seq, {}, {b: p.lone_verify_ms[b][msg.k - 1] for b in msg.batch_sizes
+                                            if b in p.lone_verify_ms})
         return P.Profiled(msg.seq, dict(p.draft_ms_per_token), dict(p.verify_ms))
 
 
@@ -75,7 +76,7 @@ def test_loaded_twice_serves_the_measurement_uncached_and_a_bad_cache_is_replace
     path = next((tmp_path / "profiles").glob("*.json"))
     path.write_text(json.dumps(LOADED.to_json()))  # a cache written by an older spind, under load
     pool = Pool([AT_REST])
-    assert asyncio.run(load_or_measure(pool, cfg, 10.0)).verify_ms == AT_REST.verify_ms and pool.calls == 3
+    assert asyncio.run(load_or_measure(pool, cfg, 10.0)).verify_ms == AT_REST.verify_ms and pool.calls == 6
     assert json.loads(path.read_text())["verify_ms"]["1"] == 14.6
 
 

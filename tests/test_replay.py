@@ -39,11 +39,13 @@ def test_the_cost_model_follows_the_profile():
 
 
 def test_a_batch_with_one_request_drafting_is_a_point_of_its_curve():
-    """Where the profile timed a batch with one request drafting k (T = B + k), the forward's seconds follow it up to
-    there and the all-drafting forward beyond: one request's drafts cost what they were measured to."""
-    profile = SystemProfile(4, {}, {1: 8.0, 4: 16.0}, decode_batch_ms={1: 4.0, 4: 7.0}, lone_verify_ms={4: 11.0})
+    """Where the profile timed a batch with one request drafting 1..k (T = B + 1 .. B + k), the forward's seconds
+    follow them up to there and the all-drafting forward beyond: one request's drafts cost what they were measured
+    to."""
+    profile = SystemProfile(4, {}, {1: 8.0, 4: 16.0}, decode_batch_ms={1: 4.0, 4: 7.0},
+                            lone_verify_ms={4: [8.0, 9.0, 10.0, 11.0]})
     costs = ReplayCosts.from_profile(profile, CALLS, base_s=0.0)
-    assert costs.curves[4] == ((0, 0.007), (4, 0.011), (16, 0.016))
+    assert costs.curves[4] == ((0, 0.007), (1, 0.008), (2, 0.009), (3, 0.010), (4, 0.011), (16, 0.016))
     assert costs.verify_s(4, 6) == pytest.approx(0.009)  # 1 ms a token up to T = B + k
     assert costs.verify_s(4, 14) == pytest.approx(0.011 + 6 * 0.005 / 12)  # then the slope to every one drafting
     assert costs.verify_s(4, 24) == pytest.approx(0.016 + 4 * 0.005 / 12)  # and past it

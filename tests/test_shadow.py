@@ -170,5 +170,5 @@ def test_the_targets_worker_drafts_shadow_drafts_from_the_tokens_the_verify_star
     whole = fresh.propose([DraftInput("y", prompt, 4)])[0]
     assert len(whole.tokens) == 4 and whole.confidence[0] > whole.confidence[-1]
     floor = next(c for c in whole.confidence if c < whole.confidence[0])  # keeps the tokens rated above this one
-    reply = w.answer(P.Verify(5, 3, [P.VerifyItem("c", [], inline_drafter="suffix", k=4, min_confidence=floor)]))
+    reply = w.answer(P.Verify(5, 3, [P.VerifyItem("c", [], inline_drafter="suffix", k=4, min_confidence=[floor])]))
     assert reply.results[0].num_drafted == sum(c >= floor for c in whole.confidence) < 4

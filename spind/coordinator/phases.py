@@ -249,7 +249,7 @@ class SlotPhases:
                 if used[w] > self.worker_capacity[w]:
                     arm = PLAIN_ARM
             out.arms[st.req_id] = arm
-            st.min_confidence = self.selector.confidence_floor(st.req_id) if arm.drafter is not None else 0.0
+            st.min_confidence = self.selector.confidence_floor(st.req_id) if arm.drafter is not None else ()
             if st.seq.params.is_greedy and st.req.drafter == AUTO and is_shadow_turn(self._shadow_turn, i, len(ready)) \
                     and self.selector.wants_shadow(st.req_id):
                 st.shadow = list(self.shadowed)  # its own drafter's too: all SHADOW_K positions, past a cut draft
@@ -386,7 +386,7 @@ class SlotPhases:
             forced = st.seq.max_draft(arm.k + MAX_FORCED) if arm.drafter and st.seq.params.grammar else 0
             if arm.drafter is not None and self.drafter_worker[arm.drafter] == TARGET_WORKER:
                 item = P.VerifyItem(st.req_id, [], inline_drafter=arm.drafter, k=st.seq.max_draft(arm.k),
-                                    max_draft=forced, min_confidence=st.min_confidence)
+                                    max_draft=forced, min_confidence=list(st.min_confidence))
             elif d is not None:
                 item = P.VerifyItem(st.req_id, d.tokens, d.has_probs, d.slot, max_draft=forced)
             else:

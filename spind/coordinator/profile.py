@@ -25,11 +25,11 @@ from spind.progress import about, say
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 4  # 4: forwards with one request drafting (`lone_verify_ms`)
+PROFILE_VERSION = 5  # 5: forwards with one request drafting 1..k tokens (`lone_verify_ms`)
 CONTEXT = 128  # tokens of KV each probe request holds
 REPS = 3
-LONE_REPS = 9  # the forward with one request drafting: its chord from the plain one spans k tokens, not B k, so its
-#                slope reads a forward's noise B times as loud (at B = 16, medians of 3 were seen 0.6-1.0 ms a token)
+LONE_REPS = 7  # the forwards with one request drafting: their steps span a token, not B k, so they read a forward's
+#                noise B k times as loud (at B = 16, the chord over k = 4 from medians of 3 was seen 0.6-1.0 ms a token)
 PROFILE_S = 3  # what profiling the default model and its drafters takes on 2 cores (said before it starts)
 
 
@@ -41,14 +41,14 @@ class SystemProfile:
     measured_at: float = 0.0
     decode_ms: float | None = None  # ms of the target's 1-token step at batch 1 (plain decoding)
     decode_batch_ms: dict[int, float] = field(default_factory=dict)  # batch size -> ms of a 1-token step
-    # batch size (> 1) -> ms of a forward in which one request carries k + 1 tokens and the others one each: what one
-    # request's drafts add to a batch that decodes plainly, the case selection prices at B > 1 (see cost.py)
-    lone_verify_ms: dict[int, float] = field(default_factory=dict)
+    # batch size -> [ms of a forward in which one request carries n + 1 tokens and the others one each, n = 1..k]:
+    # what one request's drafts add to a batch that decodes plainly, token by token, which selection prices (cost.py)
+    lone_verify_ms: dict[int, list[float]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {**asdict(self), "verify_ms": {str(b): ms for b, ms in self.verify_ms.items()},
                 "decode_batch_ms": {str(b): ms for b, ms in self.decode_batch_ms.items()},
-                "lone_verify_ms": {str(b): ms for b, ms in self.lone_verify_ms.items()}}
+                "lone_verify_ms": {str(b): list(ms) for b, ms in self.lone_verify_ms.items()}}
 
     @classmethod
     def from_json(cls, raw: dict) -> "SystemProfile":
@@ -57,13 +57,13 @@ class SystemProfile:
                    {int(b): float(v) for b, v in raw["verify_ms"].items()}, float(raw.get("measured_at", 0.0)),
                    None if decode is None else float(decode),
                    {int(b): float(v) for b, v in raw.get("decode_batch_ms", {}).items()},
-                   {int(b): float(v) for b, v in raw.get("lone_verify_ms", {}).items()})
+                   {int(b): [float(x) for x in v] for b, v in raw.get("lone_verify_ms", {}).items()})
 
     def verify_points(self) -> list[tuple[int, int, float]]:
         """(requests, tokens, seconds) of every verify forward measured: the verify-cost model's prior."""
         return ([(b, b * (self.k + 1), ms / 1e3) for b, ms in self.verify_ms.items()]
                 + [(b, b, ms / 1e3) for b, ms in self.decode_batch_ms.items()]
-                + [(b, b + self.k, ms / 1e3) for b, ms in self.lone_verify_ms.items()])
+                + [(b, b + n, ms / 1e3) for b, row in self.lone_verify_ms.items() for n, ms in enumerate(row, 1)])
 
     def dominated_drafters(self, min_k: int) -> list[str]:
         """Drafters that cannot beat plain decoding whatever they draft. A request's slot with drafter j at draft
@@ -203,16 +203,18 @@ async def _measure(pool, cfg: SpindConfig, max_model_len: int, timeout_s: float)
     context = probe_context(max_model_len, k)
     replies = await asyncio.gather(*(pool.call(name, P.Profile(0, k, sizes if name == TARGET_WORKER else [], context,
                                                                 REPS), timeout_s) for name in pool.names))
-    # past batch 1, the batch with one request drafting k; and plain decoding's step: the same probe with no draft
-    # (k = 0); on the target alone
-    lone = [b for b in sizes if b > 1]
-    one = (await pool.call(TARGET_WORKER, P.Profile(0, k, lone, context, LONE_REPS, drafting=1), timeout_s)
-           if lone else None)
+    # each batch with one request drafting n = 1..k; and plain decoding's step: the same probe with no draft (k = 0);
+    # on the target alone
+    lone: dict[int, list[float]] = {}
+    for n in range(1, k + 1):
+        one = await pool.call(TARGET_WORKER, P.Profile(0, n, sizes, context, LONE_REPS, drafting=1), timeout_s)
+        for b, ms in one.verify_ms.items():
+            lone.setdefault(b, []).append(ms)
     decode = await pool.call(TARGET_WORKER, P.Profile(0, 0, sizes, context, REPS), timeout_s)
     return SystemProfile(k, {n: ms for r in replies for n, ms in r.draft_ms_per_token.items()},
                          dict(next(r.verify_ms for name, r in zip(pool.names, replies) if name == TARGET_WORKER)),
                          time.time(), decode.verify_ms.get(1), dict(decode.verify_ms),
-                         dict(one.verify_ms) if one is not None else {})
+                         {b: row for b, row in lone.items() if len(row) == k})
 
 
 def _write(path: Path, profile: SystemProfile, fields: dict) -> None:

@@ -221,7 +221,8 @@ class RequestState:
     synced: dict[str, int] = field(default_factory=dict)  # worker -> committed tokens its mirror holds
     precomputed: set[str] = field(default_factory=set)  # drafters asked to precompute this request's KV
     shadow: list[str] = field(default_factory=list)  # free drafters its next verify drafts shadow drafts of
-    min_confidence: float = 0.0  # its next inline draft is cut before a token its drafter rates below this
+    min_confidence: tuple[float, ...] = ()  # its next inline draft is cut before a token its drafter rates below
+    #                                         its position's floor here (`Selector.confidence_floor`)
     select_s: float = 0.0  # its share of the coordinator's seconds selecting its next slot (SlotFeedback.select_s)
     per_drafter: dict[str, SpecStats] = field(default_factory=dict)  # this request's counts per drafter
     num_streamed_chars: int = 0

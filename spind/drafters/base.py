@@ -8,6 +8,7 @@ sequence as it now stands (a drafter with a KV cache rolls back to the common pr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,12 +28,13 @@ class Draft:
     confidence: list[float] | None = None
 
 
-def cut_at(draft: Draft, min_confidence: float) -> Draft:
-    """The draft before its first token whose confidence is below `min_confidence` (as it is if it has none)."""
-    if draft.confidence is None or min_confidence <= 0.0:
+def cut_at(draft: Draft, min_confidence: Sequence[float]) -> Draft:
+    """The draft before its first token whose confidence is below its position's floor in `min_confidence` (past
+    its end, the last one holds; empty: no floor), as it is if it has no confidence."""
+    if draft.confidence is None or not min_confidence:
         return draft
-    n = 0
-    while n < len(draft.tokens) and draft.confidence[n] >= min_confidence:
+    n, last = 0, len(min_confidence) - 1
+    while n < len(draft.tokens) and draft.confidence[n] >= min_confidence[min(n, last)]:
         n += 1
     if n == len(draft.tokens):
         return draft

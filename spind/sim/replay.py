@@ -174,7 +174,7 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
                  for r in ids]
         t0 = time.perf_counter()
         arms = selector.select(infos, Capacity(dict.fromkeys(drafters, 16)))
-        floors = {r: selector.confidence_floor(r) if a.drafter else 0.0 for r, a in zip(ids, arms)}
+        floors = {r: selector.confidence_floor(r) if a.drafter else () for r, a in zip(ids, arms)}
         turn_count += 1
         wanted = {r: learns and is_shadow_turn(turn_count, i, len(ids)) and selector.wants_shadow(r)
                   for i, r in enumerate(ids)}

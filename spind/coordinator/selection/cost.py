@@ -109,6 +109,7 @@ class VerifyCost:
         self._last: CostLine | None = None  # the last fit solved
         self.num_prior_points = 0
         self._chords: dict[int, tuple[tuple[float, float], tuple[float, ...]]] = {}  # B -> profile's (a, b), T's
+        self._shapes: dict[int, tuple[float, ...]] = {}  # B -> each draft position's share of b (`_shapes`)
         self._local: dict[int, LocalLine] = {}
 
     @staticmethod
@@ -129,6 +130,7 @@ class VerifyCost:
         self.num_prior_points = len(points)
         self._line = self._last = None
         self._chords = _chords(points)
+        self._shapes = _shapes(points)
         self._local.clear()
 
     def observe(self, batch: int, tokens: int, seconds: float) -> None:
@@ -180,6 +182,14 @@ class VerifyCost:
         has one (profiled, interpolated or observed), else the global c_tok; 0 while nothing is known."""
         fit = self._local_fit(batch)
         return self.seconds_per_token if fit is None else fit[1]
+
+    def token_shape_at(self, batch: int) -> tuple[float, ...] | None:
+        """What each draft position of a request adds to a forward of `batch` requests, relative to
+        `seconds_per_token_at(batch)` (mean 1): the profile's at the nearest batch size it was measured at (the
+        smaller of two); None where it measured none (every position costs the same)."""
+        if not self._shapes:
+            return None
+        return self._shapes[min(self._shapes, key=lambda b: (abs(b - batch), b))]
 
     @property
     def is_known(self) -> bool:
@@ -238,27 +248,62 @@ class VerifyCost:
                 "observations": round(self._n, 1), "by_batch": by_batch}
 
 
-def _chords(points: list[tuple[int, int, float]]) -> dict[int, tuple[tuple[float, float], tuple[float, ...]]]:
-    """Per batch size with forwards of at least two token counts: the least-squares line in T through those of its
-    two smallest token counts (slope kept >= 0), and their T's. The smallest are where selection decides: past
-    batch 1 it prices one request's drafts in a batch that mostly decodes plainly, and the profile's forward with
-    one request drafting (T = B + k) measures exactly that, where the one with every request drafting (T = B (k + 1))
-    spreads each extra row tile over all of them. The default model's profile (Xeon, 2 threads): one request's 4
-    drafts added 1.09 ms a token at B = 4 and 1.40 at B = 8, every request's 0.92 and 0.88, against 1.51 and 1.17 ms
-    a plain row: priced at the latter, a sure token at B = 8 paid; at the former it costs more than it adds."""
-    by_batch: dict[int, list[tuple[int, float]]] = {}
+def _by_batch(points: Iterable[tuple[int, int, float]]) -> dict[int, dict[int, float]]:
+    """Per batch size: T -> the mean seconds of its forwards of T tokens."""
+    sums: dict[int, dict[int, list[float]]] = {}
     for b, t, sec in points:
-        by_batch.setdefault(int(b), []).append((t, sec))
+        sums.setdefault(int(b), {}).setdefault(int(t), []).append(sec)
+    return {b: {t: sum(v) / len(v) for t, v in ts.items()} for b, ts in sums.items()}
+
+
+def _lone(b: int, curve: dict[int, float]) -> list[int]:
+    """The T's of a batch size's forwards with one request drafting, B up to B + k, k read off its all-drafting
+    forward (T = B (k + 1), the largest; at batch 1 the two are one)."""
+    k = max(curve) // b - 1
+    return sorted(t for t in curve if t <= b + k)
+
+
+def _chords(points: list[tuple[int, int, float]]) -> dict[int, tuple[tuple[float, float], tuple[float, ...]]]:
+    """Per batch size with forwards of at least two token counts: the least-squares line in T through those with
+    one request drafting (T from B to B + k; slope kept >= 0) where it has two, else through its two smallest
+    token counts; and their T's. That is where selection decides: past batch 1 it prices one request's drafts in a
+    batch that mostly decodes plainly, which the profile's forwards with one request drafting measure, where the
+    one with every request drafting (T = B (k + 1)) spreads each extra row tile over all of them. The default
+    model's profile (Xeon, 2 threads): one request's 4 drafts added 1.09 ms a token at B = 4 and 1.40 at B = 8,
+    every request's 0.92 and 0.88, against 1.51 and 1.17 ms a plain row: priced at the latter, a sure token at
+    B = 8 paid; at the former it costs more than it adds."""
     chords = {}
-    for b, pts in by_batch.items():
-        lowest = sorted({t for t, _ in pts})[:2]
-        if len(lowest) < 2:
+    for b, curve in _by_batch(points).items():
+        lone = _lone(b, curve)
+        ts = lone if len(lone) > 1 else sorted(curve)[:2]
+        if len(ts) < 2:
             continue
-        t = np.array([p[0] for p in pts if p[0] in lowest], dtype=float)
-        y = np.array([p[1] for p in pts if p[0] in lowest], dtype=float)
+        t, y = np.array(ts, dtype=float), np.array([curve[x] for x in ts])
         slope = max(0.0, float(np.polyfit(t, y, 1)[0]))
         chords[b] = ((float(np.mean(y) - slope * np.mean(t)), slope), tuple(float(x) for x in t))
     return chords
+
+
+def _shapes(points: list[tuple[int, int, float]]) -> dict[int, tuple[float, ...]]:
+    """Per batch size whose forward with one request drafting was measured at every draft length 1..k: what each
+    draft position adds to the forward, relative to their mean (the line's slope): the differences of consecutive
+    forwards, each at least the one before it (a token never costs less than the one it follows: the prefix cut
+    stays a prefix, and noise does not make a late position look free). On a CPU the forward is stepped in rows:
+    the default model's second row rode along with the first (batch 1: +0.05-0.3 ms of a 5.5-6 ms step, the
+    fifth +1.6 ms)."""
+    shapes = {}
+    for b, curve in _by_batch(points).items():
+        lone = _lone(b, curve)
+        if len(lone) < 3 or lone != list(range(b, lone[-1] + 1)):
+            continue
+        steps, top = [], 0.0
+        for t0, t1 in zip(lone, lone[1:]):
+            top = max(top, curve[t1] - curve[t0])
+            steps.append(top)
+        mean = sum(steps) / len(steps)
+        if mean > 0:
+            shapes[b] = tuple(x / mean for x in steps)
+    return shapes
 
 
 def _nonnegative_fit(xtx: np.ndarray, xty: np.ndarray) -> tuple[float, float, float]:

@@ -215,20 +215,25 @@ def _non_decreasing(rates: Sequence[tuple[float, float]]) -> list[float]:
     return out
 
 
-def worth_drafting(survival: Sequence[float], price_tokens: float, k: int) -> int:
+def worth_drafting(survival: Sequence[float], price_tokens: float | Sequence[float], k: int) -> int:
     """Draft tokens worth verifying, given [K] the conditional survival per position (nan = unknown: 0). The t-th
     token adds the chance that the first t all survive (it commits only if every one before it did) and costs
-    `price_tokens` (its share of the slot's seconds, in tokens at the batch's rate), so keep the longest prefix, up
-    to k, whose last token still pays (the chance only falls). Past K positions the last one's rate holds."""
-    alive, n = 1.0, 0
-    last = len(survival) - 1
-    while n < k:
-        q = survival[min(n, last)]
+    `price_tokens` (its share of the slot's seconds, in tokens at the batch's rate; one price, or one per position,
+    the last holding past them), so keep the prefix, up to k, whose tokens add the most beyond their prices (the
+    longest of equals): with one price, the longest whose last token still pays, as the chance only falls. Past K
+    positions the last one's rate holds."""
+    prices = (price_tokens,) if isinstance(price_tokens, (int, float)) else price_tokens
+    alive, gain, best, most = 1.0, 0.0, 0, 0.0
+    last, last_price = len(survival) - 1, len(prices) - 1
+    for t in range(k):
+        q = survival[min(t, last)]
         alive *= 0.0 if q != q else q  # nan: unknown, not worth a token
-        if alive < price_tokens or alive <= 0.0:
+        if alive <= 0.0:
             break
-        n += 1
-    return n
+        gain += alive - prices[min(t, last_price)]
+        if gain >= most:
+            best, most = t + 1, gain
+    return best
 
 
 def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
@@ -258,7 +263,8 @@ class PopulationStats:
         self.draft_s, self.draft_tokens = np.zeros(num_drafters), np.zeros(num_drafters)  # [D] timed drafts
         self.positions = Positions(max(self.arm_set.k_set))  # keyed (context, drafter)
         self._rates: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # context -> rates(), until the next add
-        self._survival: dict[tuple, list[float]] = {}  # survival() and acceptance() per context and drafter, until an add
+        self._survival: dict[tuple, list[float]] = {}  # survival() and acceptance() per context and drafter, until an
+        #                                                add
 
     def add(self, context: int, j: int | None, a: int | None, fb: SlotFeedback, reward: float) -> None:
         self._rates.clear()
@@ -316,7 +322,8 @@ class PopulationStats:
         return p, h
 
     def acceptance(self, context: int, j: int) -> float:
-        """rates(context)[0][j] in plain floats (nan = unknown), cached until the next add: read per request and slot."""
+        """rates(context)[0][j] in plain floats (nan = unknown), cached until the next add: read per request and
+        slot."""
         key = (context, j, "p")
         if key not in self._survival:
             c = self.counts

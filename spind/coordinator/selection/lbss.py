@@ -60,7 +60,10 @@ chance of surviving (the first t drafts all accepted: `Positions`, per draft pos
 recent drafts, shrunk towards its context's) is at least what the token costs: the seconds it adds to the slot
 (the batch size's verify cost per token, and the drafter's) at plain decoding's tokens per second for this
 batch. Each token kept then adds more than plain decoding makes in its time, so the slot's expected goodput is
-never below plain decoding's; a draft cut to nothing is a plain slot. The matching's weights are the arms'
+never below plain decoding's; a draft cut to nothing is a plain slot. Where the profile timed a request's drafts at
+every length, the verify's cost per token is shaped by position (`_prices_of_tokens`): a CPU forward goes in row
+tiles, so a request's first draft token may ride along nearly free while its later ones cost more than the mean,
+and the cut keeps the prefix whose tokens add the most beyond their prices. The matching's weights are the arms'
 values under the cut (`_under_cut`): an arm whose drafts would all be cut is worth exactly plain decoding, and
 between equal gains the request stays on the drafter (TIE_BREAK), where it drafts as soon as its text pays.
 
@@ -201,6 +204,7 @@ class LBSSSelector:
         self._draft_prior = np.array([known.get(d, np.nan) for d in self.arm_set.drafters], dtype=float)  # [D]
         self._delta: np.ndarray | None = None  # _draft_s_per_token(), until the next _price_plain
         self._token_prices: dict[int, float] = {}  # _price_of_token(j), until the next _price_plain
+        self._position_prices: dict[int, tuple[float, ...]] = {}  # _prices_of_tokens(j), until the next _price_plain
         self.price = 0.0  # G: the batch's expected tokens per second at the last priced matching
         self._fit: deque[tuple[float, float]] = deque(maxlen=FIT_HISTORY)  # (predicted, measured) verify seconds
         self.rng = np.random.default_rng(cfg.seed)
@@ -226,7 +230,8 @@ class LBSSSelector:
         self.settled_slots = 0  # slots selected by `_still_plain`
         self._shadowed: set[int] = set()  # drafters whose acceptance shadow drafts have taught
         self.calibration = Calibration(num_drafters)  # drafters' own confidence per token, against what survived
-        self._floors: dict[str, float] = {}  # this slot's confidence floors of requests cut by their drafts' own
+        self._floors: dict[str, tuple[float, ...]] = {}  # this slot's confidence floors (per draft position) of
+        #                                                  requests cut by their drafts' own ratings
         # the free drafters' shadow drafts valued as their slots would have run them, per batch size (`ledger.py`)
         self.ledger = ShadowLedger(self.arm_set.drafters, DOMINANCE_WINDOW, DOMINANCE_EVIDENCE, cfg.explore_margin)
         self.dominated: frozenset[str] = frozenset()  # free drafters another one dominates at the last slot's size
@@ -319,7 +324,7 @@ class LBSSSelector:
         for r, b, arm in zip(reqs, bypass, arms):
             if b is None and r.requested_k is None:
                 arm, floor = self._cut(self._reqs[r.req_id], arm, exploring)
-                if floor > 0.0:
+                if floor:
                     self._floors[r.req_id] = floor
             cut.append(arm)
         for before, after in zip(arms, cut):
@@ -342,6 +347,7 @@ class LBSSSelector:
         seconds per draft token and price of a draft token are solved again at their next reading."""
         self._delta = None
         self._token_prices.clear()
+        self._position_prices.clear()
         plain_s = self.cost.predict(self._batch_size, self._batch_size) if self.prices_batch else None
         self._plain_price = self._batch_size / plain_s if plain_s else 0.0
         self.idle = self._idle()
@@ -378,7 +384,7 @@ class LBSSSelector:
             st = self._reqs[r.req_id]
             self._record(st, arm)
             cut, floor = self._cut(st, arm)
-            if floor > 0.0:
+            if floor:
                 self._floors[r.req_id] = floor
             if cut != arm:
                 self.cut_slots["plain" if cut.drafter is None else "shorter"] += 1
@@ -523,19 +529,21 @@ class LBSSSelector:
                 continue
             kept = drafted
             if drafted and rated.get(name) and self.calibration.known(j):
-                floor, kept = self._floor(j), 0
+                floors, kept = self._floor(j), 0
                 for c in rated[name].pop(0):
-                    if c < floor:
+                    if c < floors[min(kept, len(floors) - 1)]:
                         break
                     kept += 1
-            self.ledger.add(fb.batch_size, j, min(accepted, kept) - self._price_of_token(j) / margin * kept)
+            prices = self._prices_of_tokens(j)
+            cost = sum(prices[min(t, len(prices) - 1)] for t in range(kept))
+            self.ledger.add(fb.batch_size, j, min(accepted, kept) - cost / margin)
 
     def _quiet(self, j: int, confidence: Sequence[float]) -> bool:
         """Drafter j's draft with these confidences had no token that pays at the last slot's price (it would have
         been cut to nothing); False where j is not calibrated yet or no price is known."""
         if self._plain_price <= 0 or not self.calibration.known(j):
             return False
-        return _nothing_above(confidence, self._floor(j))
+        return _nothing_above(confidence, self._floor(j)[0])
 
     def remove(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)
@@ -555,43 +563,31 @@ class LBSSSelector:
         return self._hints[req_id]
 
     def describe(self) -> dict:
-        """JSON-able state for /v1/spind/state (every float rounded; null = unknown):
-
-        policy; epoch (k); stage ("explore" | "exploit"); slot_in_stage (slots of the stage selected so far) of
-        stage_slots; chunk_slots (beta); arms (names, plain decoding "none" first); capacity {drafter: B_j at the last
-        slot}; assignment {arm: requests on it at the last slot}; requests {req_id: {arm, bypass, context, estimate
-        {arm: g~ tokens/s}, tokens {arm: expected tokens committed per slot}, observations {arm: own slots}}} for every
-        request not yet removed, so bounded by the running ones; population {arm: everyone's mean reward};
-        switch_s_per_token {drafter: learned KV catch-up seconds per token}; num_slots; num_switches (drafter changes);
-        observed_s (summed slot seconds, from the feedback); switches_per_minute; switch_s (summed KV catch-up seconds
-        fed back); batch_pricing (arms chosen for the batch's goodput, `marginal.py`); price (its tokens per second at
-        the last priced matching); plain_price (the last slot's tokens per second with every request plain: what a draft
-        token must beat); cut_slots {shorter, plain} (request slots whose draft the cut shortened, or removed: `_cut`);
-        nothing_pays (at the last slot's batch size no draft token could pay: everyone decoded plainly); settled_slots
-        (slots selected all plain without the full selection while nothing paid: `_still_plain`); settled_on (the one
-        drafter left at the last slot's batch size, run without the matching: `_settle`; null where none) and
-        settled_on_slots (slots so selected); verify_cost (the fitted verify seconds per forward, per request and per
-        token, `cost.py`); verify_fit ([predicted, measured] ms of the last verify forwards); calibration {drafter:
-        [chance a token survives, by confidence bin], null until calibrated}; floors {req_id: the confidence its draft
+        """JSON-able state for /v1/spind/state (every float rounded; null = unknown): policy; epoch (k); stage
+        ("explore" | "exploit"); slot_in_stage (slots of the stage selected so far) of stage_slots; chunk_slots (beta);
+        arms (names, plain decoding "none" first); capacity {drafter: B_j at the last slot}; assignment {arm: requests
+        on it at the last slot}; requests {req_id: {arm, bypass, context, estimate {arm: g~ tokens/s}, tokens {arm:
+        expected tokens committed per slot}, observations {arm: own slots}}} for every request not yet removed, so
+        bounded by the running ones; population {arm: everyone's mean reward}; switch_s_per_token {drafter: learned KV
+        catch-up seconds per token}; num_slots; num_switches (drafter changes); observed_s (summed slot seconds, from
+        the feedback); switches_per_minute; switch_s (summed KV catch-up seconds fed back); batch_pricing (arms chosen
+        for the batch's goodput, `marginal.py`); price (its tokens per second at the last priced matching); plain_price
+        (the last slot's tokens per second with every request plain: what a draft token must beat); cut_slots {shorter,
+        plain} (request slots whose draft the cut shortened, or removed: `_cut`); nothing_pays (at the last slot's batch
+        size no draft token could pay: everyone decoded plainly); settled_slots (slots selected all plain without the
+        full selection while nothing paid: `_still_plain`); settled_on (the one drafter left at the last slot's batch
+        size, run without the matching: `_settle`; null where none) and settled_on_slots (slots so selected);
+        verify_cost (the fitted verify seconds per forward, per request and per token, `cost.py`); verify_fit
+        ([predicted, measured] ms of the last verify forwards); token_prices {drafter: what its token at each draft
+        position costs the batch at the last slot's size, in tokens: `_cut`}; calibration {drafter: [chance a token
+        survives, by confidence bin], null until calibrated}; floors {req_id: the confidences (per position) its draft
         was cut at in the last slot}; ledger {batch size: {drafter: what its shadow drafts were worth a request, tokens
         a slot}} (`ledger.py`); dominated (free drafters left out at the last slot's batch size); idle (selecting did
         not pay for itself there: `_idle`); overhead_ms (what a fully selected slot of the last slot's batch size spends
         selecting); config (the SelectionConfig). A request priced in a matching also has marginal {arm: its marginal
         gain in tokens per slot}."""
         names = self.arm_set.names
-        counts: dict[str, int] = {}
-        requests = {}
-        for req_id, st in self._reqs.items():
-            arm = st.current.name if st.current is not None else None
-            if arm is not None:
-                counts[arm] = counts.get(arm, 0) + 1
-            requests[req_id] = {"arm": arm, "bypass": st.is_bypass, "context": context_name(st.context),
-                                "estimate": _rounded(names, self.estimate(st)),
-                                "tokens": _rounded(names, self._expected(st)[0]),
-                                "observations": {n: int(c) for n, c in zip(names, st.counts.slots) if c}}
-            if st.marginal is not None:
-                requests[req_id]["marginal"] = _rounded(names, np.where(st.marginal <= UNKNOWN_WEIGHT / 2, np.nan,
-                                                                        st.marginal))
+        counts, requests = self._describe_requests()
         with np.errstate(invalid="ignore", divide="ignore"):
             rate = self._switch_s / self._switch_tokens
         return {
@@ -610,12 +606,32 @@ class LBSSSelector:
             "settled_on": self.settled_on, "settled_on_slots": self.settled_on_slots,
             "verify_cost": self.cost.describe(),
             "verify_fit": [[round(p * 1e3, 3), round(m * 1e3, 3)] for p, m in self._fit],
+            "token_prices": {d: [round(x, 4) for x in self._prices_of_tokens(j)] if self._plain_price > 0 else None
+                             for j, d in enumerate(self.arm_set.drafters)},
             "calibration": {d: self.calibration.describe(j) for j, d in enumerate(self.arm_set.drafters)},
-            "floors": {r: round(f, 3) for r, f in self._floors.items()},
+            "floors": {r: [round(x, 3) for x in f] for r, f in self._floors.items()},
             "ledger": self.ledger.describe(), "dominated": sorted(self.dominated), "idle": self.idle,
             "overhead_ms": round(self.overhead_s(self._batch_size) * 1e3, 4),
             "config": dataclasses.asdict(self.cfg),
         }
+
+    def _describe_requests(self) -> tuple[dict[str, int], dict[str, dict]]:
+        """describe()'s assignment and requests."""
+        names = self.arm_set.names
+        counts: dict[str, int] = {}
+        requests = {}
+        for req_id, st in self._reqs.items():
+            arm = st.current.name if st.current is not None else None
+            if arm is not None:
+                counts[arm] = counts.get(arm, 0) + 1
+            requests[req_id] = {"arm": arm, "bypass": st.is_bypass, "context": context_name(st.context),
+                                "estimate": _rounded(names, self.estimate(st)),
+                                "tokens": _rounded(names, self._expected(st)[0]),
+                                "observations": {n: int(c) for n, c in zip(names, st.counts.slots) if c}}
+            if st.marginal is not None:
+                requests[req_id]["marginal"] = _rounded(names, np.where(st.marginal <= UNKNOWN_WEIGHT / 2, np.nan,
+                                                                        st.marginal))
+        return counts, requests
 
     # -- estimates -----------------------------------------------------------------------------------------
 
@@ -707,24 +723,25 @@ class LBSSSelector:
         the arm is valued as plain decoding: the matching keeps the request on the drafter (TIE_BREAK), and the
         floor decides slot by slot."""
         curve, bins = self.calibration.curve(j), self.calibration.bins
-        price = self._price_of_token(j)
-        floor = self.calibration.floor(j, price)
+        prices, floors = self._prices_of_tokens(j), self._floor(j)
+        last = len(floors) - 1
         recent = st.rated[j]
         for a in np.flatnonzero(self.arm_set.drafter_of == j):
             k = self.arm_set.arms[a].k
-            weight = kept = rated = accepted = 0.0
+            weight = kept = rated = accepted = cost = 0.0
             w = 1.0
             for confidence, acc in reversed(recent):
                 n = 0
-                while n < k and n < len(confidence) and confidence[n] >= floor:
+                while n < k and n < len(confidence) and confidence[n] >= floors[min(n, last)]:
                     rated += w * curve[min(bins - 1, int(confidence[n] * bins))]
+                    cost += w * prices[min(n, last)]
                     n += 1
                 weight += w
                 kept += w * n
                 accepted += w * min(acc, n)
                 w *= RECENT_DECAY
             tokens = (rated + accepted) / (2.0 * weight)
-            if tokens < price * kept / weight:
+            if tokens < cost / weight:
                 committed[a], drafted[a] = 1.0, 0.0
             else:
                 committed[a], drafted[a] = 1.0 + tokens, kept / weight
@@ -737,53 +754,72 @@ class LBSSSelector:
             self._delta = np.where(np.isnan(delta), self._draft_prior, delta)
         return self._delta
 
-    def _cut(self, st: _Request, arm: Arm, exploring: bool = False) -> tuple[Arm, float]:
-        """The arm with its draft cut to the tokens worth verifying this slot, and the confidence floor its drafter's
-        worker cuts the draft at (0: none). Draft token t adds the chance that the request's first t drafts survive and
-        costs the seconds it adds to the slot (`_survival_and_price`). Where the drafter rates its own tokens and that
-        rating is calibrated (`Calibration`), the chance is read from each token's confidence, on the draft itself: the
-        arm keeps its k and the worker drops the tokens below the floor (none clears it: a plain slot); in a batch of
-        more than one, where the request's latest QUIET_DRAFTS shadow drafts on it had no token above the floor, the
-        slot is plain without drafting. Else it is read from the request's recent drafts on that drafter, real and
-        shadow, shrunk towards its context's (`survival_of`), which cuts k. A request whose drafter's next token does
-        not pay decodes plainly this slot: the matching picked its arm for the stage, the cut follows the text (copying
-        comes in runs). Not where nothing is known of the drafter's survival yet, nor an exploring arm of a drafter
-        without shadow drafts: exploration is how those are learned."""
+    def _cut(self, st: _Request, arm: Arm, exploring: bool = False) -> tuple[Arm, tuple[float, ...]]:
+        """The arm with its draft cut to the tokens worth verifying this slot, and the confidence floors (per draft
+        position) its drafter's worker cuts the draft at (empty: none). Draft token t adds the chance that the request's
+        first t drafts survive and costs the seconds it adds to the slot (`_survival_and_price`). Where the drafter
+        rates its own tokens and that rating is calibrated (`Calibration`), the chance is read from each token's
+        confidence, on the draft itself: the arm keeps its k and the worker drops the tokens below the floor (none
+        clears it: a plain slot; a floor per position, as the prices are); in a batch of more than one, where the
+        request's latest QUIET_DRAFTS shadow drafts on it had no token above the floor, the slot is plain without
+        drafting. Else it is read from the request's recent drafts on that drafter, real and shadow, shrunk towards its
+        context's (`survival_of`), which cuts k. A request whose drafter's next token does not pay decodes plainly this
+        slot: the matching picked its arm for the stage, the cut follows the text (copying comes in runs). Not where
+        nothing is known of the drafter's survival yet, nor an exploring arm of a drafter without shadow drafts:
+        exploration is how those are learned."""
         j = self.arm_set.drafter_index.get(arm.drafter)
         if j is None or self._plain_price <= 0 or exploring and j not in self._shadowed:
-            return arm, 0.0
+            return arm, ()
         if self.calibration.known(j):
-            floor = self._floor(j)
+            floors = self._floor(j)
             recent = st.rated.get(j, ())
-            if floor > 1.0:
-                return PLAIN_ARM, 0.0  # no token pays: no draft to make
+            if floors[0] > 1.0:
+                return PLAIN_ARM, ()  # no token pays: no draft to make
             lately = [c for c, _ in list(recent)[-QUIET_DRAFTS:]] if self._batch_size > 1 else ()
-            if len(lately) == QUIET_DRAFTS and all(_nothing_above(c, floor) for c in lately):
-                return PLAIN_ARM, 0.0  # none of its latest drafts had a token that pays: no draft to make
-            return arm, floor
-        survival, tau = self._survival_and_price(st, j)
+            if len(lately) == QUIET_DRAFTS and all(_nothing_above(c, floors[0]) for c in lately):
+                return PLAIN_ARM, ()  # none of its latest drafts had a token that pays: no draft to make
+            return arm, floors
+        survival, prices = self._survival_and_price(st, j)
         if survival[0] != survival[0]:
-            return arm, 0.0
-        k = worth_drafting(survival, tau, arm.k)
-        return (arm if k == arm.k else PLAIN_ARM if k == 0 else Arm(arm.drafter, k)), 0.0
+            return arm, ()
+        k = worth_drafting(survival, prices, arm.k)
+        return (arm if k == arm.k else PLAIN_ARM if k == 0 else Arm(arm.drafter, k)), ()
 
-    def _floor(self, j: int) -> float:
-        """The confidence calibrated drafter j's tokens need at this slot's price (above 1: none pays)."""
-        return self.calibration.floor(j, self._price_of_token(j))
+    def _floor(self, j: int) -> tuple[float, ...]:
+        """The confidence calibrated drafter j's tokens need at this slot's prices, per draft position (above 1: none
+        pays; non-decreasing, as the prices are)."""
+        return tuple(self.calibration.floor(j, p) for p in self._prices_of_tokens(j))
 
-    def confidence_floor(self, req_id: str) -> float:
-        """The confidence its drafter's tokens need this slot (`_cut`); 0: no floor."""
-        return self._floors.get(req_id, 0.0)
+    def confidence_floor(self, req_id: str) -> tuple[float, ...]:
+        """The confidence its drafter's tokens need this slot, per draft position (`_cut`); empty: no floor."""
+        return self._floors.get(req_id, ())
 
-    def _survival_and_price(self, st: _Request, j: int) -> tuple[list[float], float]:
-        """The request's survival per draft position on drafter j, and what one draft token costs the batch in
-        tokens: the seconds it adds (verify at this batch size, and drafting) at plain decoding's rate for this
-        batch. Each token kept then adds more tokens than plain decoding would make in the time it takes, so the
-        slot's expected goodput is never below plain decoding's (the matching's price, the optimum's goodput, is
+    def _survival_and_price(self, st: _Request, j: int) -> tuple[list[float], tuple[float, ...]]:
+        """The request's survival per draft position on drafter j, and what each draft position costs the batch in
+        tokens (`_prices_of_tokens`): the seconds it adds (verify at this batch size, and drafting) at plain decoding's
+        rate for this batch. Each token kept then adds more tokens than plain decoding would make in the time it takes,
+        so the slot's expected goodput is never below plain decoding's (the matching's price, the optimum's goodput, is
         higher; it was set at the stage's start, for the batch of then)."""
         survival = survival_of(st.positions, st.counts, st.context, self.population, self.cfg.prior_strength, j,
                                POSITION_PRIOR)
-        return survival, self._price_of_token(j)
+        return survival, self._prices_of_tokens(j)
+
+    def _prices_of_tokens(self, j: int) -> tuple[float, ...]:
+        """What drafter j's token at each draft position costs the batch, in tokens: as `_price_of_token`, with the
+        verify's seconds per token shaped by position where the profile timed a request's drafts at every length
+        (`VerifyCost.token_shape_at`: a CPU forward goes in row tiles, and the default model's second row rode along
+        with the first at batch 1 while its fifth cost 1.6 ms); one price for every position where it did not."""
+        prices = self._position_prices.get(j)
+        if prices is None:
+            shape = self.cost.token_shape_at(self._batch_size)
+            if shape is None:
+                prices = (self._price_of_token(j),)
+            else:
+                delta = float(self._draft_s_per_token()[j])
+                per_token = self.cost.seconds_per_token_at(self._batch_size)
+                prices = tuple(self._token_price(per_token * x + (0.0 if delta != delta else delta)) for x in shape)
+            self._position_prices[j] = prices
+        return prices
 
     def _price_of_token(self, j: int) -> float:
         """What one of drafter j's tokens costs the batch, in tokens: the seconds it adds (verify at this batch

@@ -111,9 +111,10 @@ class Selector(Protocol):
         """The drafter this request most likely switches to next (other than its current one), whose KV is
         worth precomputing now; None for no precompute."""
 
-    def confidence_floor(self, req_id: str) -> float:
-        """After select: the confidence (`Draft.confidence`) its drafter's tokens need this slot; its worker cuts
-        the draft before the first token below it. 0: no floor."""
+    def confidence_floor(self, req_id: str) -> tuple[float, ...]:
+        """After select: the confidence (`Draft.confidence`) its drafter's tokens need this slot, per draft position
+        (past the last, the last holds); its worker cuts the draft before the first token below its floor. Empty: no
+        floor."""
 
     def wants_shadow(self, req_id: str) -> bool:
         """After select, at the request's turn for shadow drafts (the free drafters' counterfactual drafts, which
@@ -178,8 +179,8 @@ class StaticSelector:
         """The default drafter: every AUTO request drafts with it."""
         return self.default_drafter
 
-    def confidence_floor(self, req_id: str) -> float:
-        return 0.0
+    def confidence_floor(self, req_id: str) -> tuple[float, ...]:
+        return ()
 
     def wants_shadow(self, req_id: str) -> bool:
         return False
