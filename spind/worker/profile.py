@@ -52,11 +52,11 @@ def time_draft_tokens(drafters: dict[str, Drafter], prompt: list[int], k: int,
 
 def time_verify(runner: ModelRunner, batch_sizes: list[int], context: int, k: int, reps: int,
                 clock: DeviceClock | None = None, drafting: int = 0) -> dict[int, float]:
-    """Median ms of one forward of k + 1 new tokens for each of B requests holding `context` tokens of KV (for the
-    first `drafting` of them where that is not 0, and one new token for the others), rolled back after each rep, for
-    each B in batch_sizes. The context is prefilled once and shared by every probe
-    request (forked KV blocks, as `n` completions share a prompt): prefilling each of them cost the first start
-    ~2 s of a 16-request profile on a 2-core CPU, for the same numbers (attention reads the same amount of KV)."""
+    """Median ms of one forward of k + 1 new tokens for each of B requests holding `context` tokens of KV (for the first
+    `drafting` of them where that is not 0, and one new token for the others), rolled back after each rep, for each B in
+    batch_sizes. The context is prefilled once and shared by every probe request (forked KV blocks, as `n` completions
+    share a prompt): prefilling each of them cost the first start ~2 s of a 16-request profile on a 2-core CPU, for the
+    same numbers (attention reads the same amount of KV)."""
     clock = clock or DeviceClock(runner.model.device)
     vocab = runner.model.args.vocab_size
     ids = [f"{PROBE}-{i}" for i in range(max(batch_sizes, default=0))]

@@ -25,10 +25,12 @@ size B also has its own line in T, `verify_s = a_B + b_B T` (`LocalLine`): its p
 that B (the 1-token and the (k+1)-token forward; between profiled sizes the neighbours' lines interpolated),
 refined by the forwards served at that B. `seconds_per_token_at(B)` (b_B) is what prices a request's drafts in a
 batch of B, and `predict` uses the B's line where there is one. Serving at one B sweeps T over that B's range
-only, which is exactly the range that B's choice is made over. Past batch 1 the profile also times the batch with
-one request drafting k (T = B + k), and the prior at B is the chord through its two smallest T's (`_chords`): the
-marginal cost where a batch mostly decodes plainly, which is steeper on a CPU than the all-drafting chord, and
-which serving's few T's near B could not teach the line on their own (the prior holds the slope there).
+only, which is exactly the range that B's choice is made over. The profile also times each B with one request
+drafting every length 1..k (T = B + 1 .. B + k), and the prior at B is the line through those forwards (`_chords`):
+the marginal cost where a batch mostly decodes plainly, which is steeper on a CPU than the all-drafting chord, and
+which serving's few T's near B could not teach the line on their own (the prior holds the slope there). Their steps
+also say how the slope divides over the draft positions (`token_shape_at`, `_shapes`): selection prices each
+position at its share.
 """
 
 from __future__ import annotations
@@ -289,8 +291,8 @@ def _shapes(points: list[tuple[int, int, float]]) -> dict[int, tuple[float, ...]
     draft position adds to the forward, relative to their mean (the line's slope): the differences of consecutive
     forwards, each at least the one before it (a token never costs less than the one it follows: the prefix cut
     stays a prefix, and noise does not make a late position look free). On a CPU the forward is stepped in rows:
-    the default model's second row rode along with the first (batch 1: +0.05-0.3 ms of a 5.5-6 ms step, the
-    fifth +1.6 ms)."""
+    the default model's second row rode along with the first (batch 1, Xeon, 2 threads: within 0.3 ms of a 5.5-6 ms
+    step), each later one added 0.9-1.6 ms."""
     shapes = {}
     for b, curve in _by_batch(points).items():
         lone = _lone(b, curve)
