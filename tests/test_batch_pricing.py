@@ -88,29 +88,20 @@ def test_each_batch_size_has_its_own_token_cost_the_profiles_chord_refined_by_it
     assert described["1"]["per_token_ms"] == pytest.approx(2.4, rel=0.1) and described["1"]["observations"] > 100
 
 
-def test_past_batch_one_a_token_costs_what_one_requests_drafts_add_to_a_plain_batch():
-    """The profile's forwards with one request drafting (T = B + 1 .. B + k; here only B + k) set each B's line:
-    their chord from the plain forward, not the all-drafting one's, which spreads each extra row tile over every
-    request (on a 2-core CPU one request's drafts cost up to 1.6x a token what every request's do). At batch 1 the two
-    are one."""
+def test_the_line_fits_every_forward_at_batch_one_and_the_all_drafting_chord_past_it():
+    """At batch 1 the line fits every forward (one request drafting 1..k); past it the profile's forwards with one
+    request drafting are recorded but not priced from (the probe's forked context reads them cheap, and their T's near
+    B would leave the slope to serving's noise): the chord from the plain to the all-drafting forward, as before."""
     plain, lone, every = {1: 0.006, 16: 0.022}, {16: 0.0296}, {1: 0.0096, 16: 0.080}
     points = ([(b, b, s) for b, s in plain.items()] + [(b, b + 4, s) for b, s in lone.items()]
-              + [(b, 5 * b, s) for b, s in every.items()])
+              + [(b, 5 * b, s) for b, s in every.items()] + [(1, 3, 0.0075)])
     cost = VerifyCost()
     cost.add_prior(points)
-    assert cost.seconds_per_token_at(16) == pytest.approx((0.0296 - 0.022) / 4)  # 1.9 ms, not (80 - 22) / 64
-    assert cost.seconds_per_token_at(1) == pytest.approx((0.0096 - 0.006) / 4)
-    assert cost.predict(16, 18) == pytest.approx(0.022 + 2 * 0.0019)
-    # at 16 a draft token now costs more than the plain token it could add (22 ms / 16): nothing is drafted
-    sel = LBSSSelector(SelectionConfig(seed=0, alpha=4), ["ngram"], 4, verify_points=points,
-                       draft_s_per_token={"ngram": 1e-5})
-    cap = Capacity({"ngram": 16})
-    assert sel.select([info(f"r{i}", 0) for i in range(16)], cap) == [PLAIN_ARM] * 16
-    assert sel.describe()["nothing_pays"]
-    without = LBSSSelector(SelectionConfig(seed=0, alpha=4), ["ngram"], 4, verify_points=[
-        p for p in points if p[1] != p[0] + 4], draft_s_per_token={"ngram": 1e-5})
-    without.select([info(f"r{i}", 0) for i in range(16)], cap)
-    assert not without.describe()["nothing_pays"]  # the all-drafting chord: 0.9 ms a token, drafts could pay
+    assert cost.seconds_per_token_at(16) == pytest.approx((0.080 - 0.022) / 64)
+    assert cost.seconds_per_token_at(1) == pytest.approx(float(np.polyfit([1, 3, 5], [0.006, 0.0075, 0.0096], 1)[0]))
+    without = VerifyCost()
+    without.add_prior([p for p in points if p[1] != p[0] + 4])
+    assert without.seconds_per_token_at(16) == cost.seconds_per_token_at(16)
 
 
 def test_each_draft_position_is_priced_at_what_it_adds_to_the_forward():
@@ -123,7 +114,7 @@ def test_each_draft_position_is_priced_at_what_it_adds_to_the_forward():
     cost = VerifyCost()
     cost.add_prior(points)
     assert cost.token_shape_at(1) == pytest.approx([x / 1.075 for x in (0.1, 1.3, 1.3, 1.6)], rel=1e-6)
-    assert cost.token_shape_at(2) == cost.token_shape_at(1)  # the nearest batch size measured so
+    assert cost.token_shape_at(2) is None  # past batch 1 every position alike (the probe's steps mislead there)
     assert cost.seconds_per_token_at(1) == pytest.approx(float(np.polyfit(range(1, 6), steps[1], 1)[0]))
     flat = VerifyCost()
     flat.add_prior([(1, 1, 0.006), (1, 5, 0.010)])

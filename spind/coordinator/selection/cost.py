@@ -26,11 +26,10 @@ that B (the 1-token and the (k+1)-token forward; between profiled sizes the neig
 refined by the forwards served at that B. `seconds_per_token_at(B)` (b_B) is what prices a request's drafts in a
 batch of B, and `predict` uses the B's line where there is one. Serving at one B sweeps T over that B's range
 only, which is exactly the range that B's choice is made over. The profile also times each B with one request
-drafting every length 1..k (T = B + 1 .. B + k), and the prior at B is the line through those forwards (`_chords`):
-the marginal cost where a batch mostly decodes plainly, which is steeper on a CPU than the all-drafting chord, and
-which serving's few T's near B could not teach the line on their own (the prior holds the slope there). Their steps
-also say how the slope divides over the draft positions (`token_shape_at`, `_shapes`): selection prices each
-position at its share.
+drafting every length 1..k (T = B + 1 .. B + k). At batch 1 the prior is the line through those forwards, and their
+steps say how its slope divides over the draft positions (`token_shape_at`, `_shapes`): selection prices each
+position at its share there (a CPU's second row rides along with the first). Past batch 1 they are recorded but not
+priced from (`_chords` says why).
 """
 
 from __future__ import annotations
@@ -187,11 +186,12 @@ class VerifyCost:
 
     def token_shape_at(self, batch: int) -> tuple[float, ...] | None:
         """What each draft position of a request adds to a forward of `batch` requests, relative to
-        `seconds_per_token_at(batch)` (mean 1): the profile's at the nearest batch size it was measured at (the
-        smaller of two); None where it measured none (every position costs the same)."""
-        if not self._shapes:
-            return None
-        return self._shapes[min(self._shapes, key=lambda b: (abs(b - batch), b))]
+        `seconds_per_token_at(batch)` (mean 1): the profile's, at batch 1 only; None elsewhere, or where it was not
+        measured (every position costs the same). Past batch 1 the probe's steps read what serving's do not: its
+        requests share one forked 128-token context, and one request's first draft token cost 0.84 ms there at B = 4
+        against 1.33 over distinct 300-token contexts (the default model, Xeon, 2 threads); priced at the former,
+        `spin` drafted first tokens that lost (`bench e2e` at B = 4: 0.93x `none` on mtbench, 0.90 on gsm8k)."""
+        return self._shapes.get(1) if batch == 1 else None
 
     @property
     def is_known(self) -> bool:
@@ -266,18 +266,17 @@ def _lone(b: int, curve: dict[int, float]) -> list[int]:
 
 
 def _chords(points: list[tuple[int, int, float]]) -> dict[int, tuple[tuple[float, float], tuple[float, ...]]]:
-    """Per batch size with forwards of at least two token counts: the least-squares line in T through those with
-    one request drafting (T from B to B + k; slope kept >= 0) where it has two, else through its two smallest
-    token counts; and their T's. That is where selection decides: past batch 1 it prices one request's drafts in a
-    batch that mostly decodes plainly, which the profile's forwards with one request drafting measure, where the
-    one with every request drafting (T = B (k + 1)) spreads each extra row tile over all of them. The default
-    model's profile (Xeon, 2 threads): one request's 4 drafts added 1.09 ms a token at B = 4 and 1.40 at B = 8,
-    every request's 0.92 and 0.88, against 1.51 and 1.17 ms a plain row: priced at the latter, a sure token at
-    B = 8 paid; at the former it costs more than it adds."""
+    """Per batch size with forwards of at least two token counts: the least-squares line in T (slope kept >= 0), and
+    its T's. At batch 1 through every forward (its one request drafting 1..k: the steps `_shapes` reads); past it
+    through the plain and the all-drafting forward only. The profile's forwards with one request drafting past batch 1
+    (recorded, and `bench replay` models them) read cheaper than serving's: its requests share one forked 128-token
+    context, and one request's first draft token cost 0.84 ms there at B = 4 against 1.33 over distinct 300-token
+    contexts (the default model, Xeon, 2 threads). Priced from them, `spin` drafted where it lost: through `bench e2e`
+    at B = 4, 0.94x `none` on mtbench and 0.96 on gsm8k, against 1.00 and 1.01 with the all-drafting chord the same
+    hour; their T's near B also left the line's prior too weak to hold the slope against serving's noise."""
     chords = {}
     for b, curve in _by_batch(points).items():
-        lone = _lone(b, curve)
-        ts = lone if len(lone) > 1 else sorted(curve)[:2]
+        ts = sorted(curve) if b == 1 else sorted({min(curve), max(curve)})
         if len(ts) < 2:
             continue
         t, y = np.array(ts, dtype=float), np.array([curve[x] for x in ts])

@@ -60,10 +60,10 @@ chance of surviving (the first t drafts all accepted: `Positions`, per draft pos
 recent drafts, shrunk towards its context's) is at least what the token costs: the seconds it adds to the slot
 (the batch size's verify cost per token, and the drafter's) at plain decoding's tokens per second for this
 batch. Each token kept then adds more than plain decoding makes in its time, so the slot's expected goodput is
-never below plain decoding's; a draft cut to nothing is a plain slot. Where the profile timed a request's drafts at
-every length, the verify's cost per token is shaped by position (`_prices_of_tokens`): a CPU forward goes in row
-tiles, so a request's first draft token may ride along nearly free while its later ones cost more than the mean,
-and the cut keeps the prefix whose tokens add the most beyond their prices. The matching's weights are the arms'
+never below plain decoding's; a draft cut to nothing is a plain slot. At batch 1, where the profile timed the
+request's drafts at every length, the verify's cost per token is shaped by position (`_prices_of_tokens`): a CPU
+forward goes in row tiles, so the first draft token may ride along nearly free while later ones cost more than the
+mean, and the cut keeps the prefix whose tokens add the most beyond their prices. The matching's weights are the arms'
 values under the cut (`_under_cut`): an arm whose drafts would all be cut is worth exactly plain decoding, and
 between equal gains the request stays on the drafter (TIE_BREAK), where it drafts as soon as its text pays.
 
