@@ -258,13 +258,6 @@ def _by_batch(points: Iterable[tuple[int, int, float]]) -> dict[int, dict[int, f
     return {b: {t: sum(v) / len(v) for t, v in ts.items()} for b, ts in sums.items()}
 
 
-def _lone(b: int, curve: dict[int, float]) -> list[int]:
-    """The T's of a batch size's forwards with one request drafting, B up to B + k, k read off its all-drafting
-    forward (T = B (k + 1), the largest; at batch 1 the two are one)."""
-    k = max(curve) // b - 1
-    return sorted(t for t in curve if t <= b + k)
-
-
 def _chords(points: list[tuple[int, int, float]]) -> dict[int, tuple[tuple[float, float], tuple[float, ...]]]:
     """Per batch size with forwards of at least two token counts: the least-squares line in T (slope kept >= 0), and
     its T's. At batch 1 through every forward (its one request drafting 1..k: the steps `_shapes` reads); past it
@@ -286,25 +279,22 @@ def _chords(points: list[tuple[int, int, float]]) -> dict[int, tuple[tuple[float
 
 
 def _shapes(points: list[tuple[int, int, float]]) -> dict[int, tuple[float, ...]]:
-    """Per batch size whose forward with one request drafting was measured at every draft length 1..k: what each
-    draft position adds to the forward, relative to their mean (the line's slope): the differences of consecutive
-    forwards, each at least the one before it (a token never costs less than the one it follows: the prefix cut
-    stays a prefix, and noise does not make a late position look free). On a CPU the forward is stepped in rows:
-    the default model's second row rode along with the first (batch 1, Xeon, 2 threads: within 0.3 ms of a 5.5-6 ms
-    step), each later one added 0.9-1.6 ms."""
-    shapes = {}
-    for b, curve in _by_batch(points).items():
-        lone = _lone(b, curve)
-        if len(lone) < 3 or lone != list(range(b, lone[-1] + 1)):
-            continue
-        steps, top = [], 0.0
-        for t0, t1 in zip(lone, lone[1:]):
-            top = max(top, curve[t1] - curve[t0])
-            steps.append(top)
-        mean = sum(steps) / len(steps)
-        if mean > 0:
-            shapes[b] = tuple(x / mean for x in steps)
-    return shapes
+    """At batch 1, where its forwards were measured at every draft length 1..k: what each draft position adds to the
+    forward, relative to their mean (the line's slope): the differences of consecutive forwards, each at least the
+    one before it (a token never costs less than the one it follows: the prefix cut stays a prefix, and noise does
+    not make a late position look free). On a CPU the forward is stepped in rows: the default model's second row
+    rode along with the first (batch 1, Xeon, 2 threads: within 0.3 ms of a 5.5-6 ms step), each later one added
+    0.9-1.6 ms. Past batch 1 none (`_chords` says why)."""
+    curve = _by_batch(points).get(1, {})
+    ts = sorted(curve)
+    if len(ts) < 3 or ts != list(range(1, ts[-1] + 1)):
+        return {}
+    steps, top = [], 0.0
+    for t0, t1 in zip(ts, ts[1:]):
+        top = max(top, curve[t1] - curve[t0])
+        steps.append(top)
+    mean = sum(steps) / len(steps)
+    return {1: tuple(x / mean for x in steps)} if mean > 0 else {}
 
 
 def _nonnegative_fit(xtx: np.ndarray, xty: np.ndarray) -> tuple[float, float, float]:
