@@ -9,7 +9,7 @@ import pytest
 
 from spind.config import SelectionConfig
 from spind.coordinator.selection import lbss
-from spind.coordinator.selection.ledger import ShadowLedger, bucket_of
+from spind.coordinator.selection.ledger import ShadowLedger, Verdict, bucket_of
 from spind.coordinator.selection.lbss import LBSSSelector
 from spind.coordinator.selection.protocol import PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
 
@@ -29,34 +29,42 @@ def info(req_id: str, n_out: int) -> RequestInfo:
                        num_output_tokens=n_out)
 
 
-def test_buckets_and_means_by_batch_size():
+def flat(floors, cost):
+    """A Pricing: every drafter cut at `floors` (None: never cut), each draft token costing `cost` tokens."""
+    return lambda j: (floors, (cost,))
+
+
+def test_drafts_valued_at_the_prices_asked_cut_at_the_floors():
     assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 64)] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 5]
-    led = ShadowLedger(["ngram", "suffix"], window=1000, evidence=10, margin=0.15)
+    led = ShadowLedger(["ngram", "suffix"], window=1000, evidence=10, margin=0.15, max_len=4)
     for _ in range(9):
-        led.add(1, 0, 0.5)
-        led.add(1, 1, 1.0)
-    assert led.rates(1) == [None, None] and led.best(1) is None and led.dominated(1) == frozenset()
-    led.add(1, 0, 0.5)
-    assert led.best(1) is None  # suffix still below the evidence: it might pay
-    led.add(1, 1, 1.0)
-    assert led.rates(1) == pytest.approx([0.5, 1.0]) and led.best(1) == pytest.approx(1.0)
-    assert led.dominated(1) == {"ngram"}  # 0.5 < 0.85 x 1.0
-    assert led.best(4) is None and led.dominated(4) == frozenset()  # another batch size knows nothing yet
-    assert led.describe() == {"1": {"ngram": 0.5, "suffix": 1.0}}
-    close = ShadowLedger(["ngram", "suffix"], evidence=1, margin=0.15)
-    close.add(1, 0, 0.9)
-    close.add(1, 1, 1.0)
-    assert close.dominated(1) == frozenset()  # within the margin: both stay
-    losing = ShadowLedger(["ngram", "suffix"], evidence=1)
-    losing.add(1, 0, -0.2)
-    losing.add(1, 1, -0.1)
-    assert losing.dominated(1) == frozenset() and losing.best(1) == pytest.approx(-0.1)  # nothing pays: no judge
+        led.add(0, 4, 1, (0.9, 0.3, 0.3, 0.3))  # n-gram: its first token survives, rated high; the rest rated low
+        led.add(1, 4, 4, None)  # suffix: accepted whole, unrated
+    cheap = flat(None, 0.25)  # batch-1-like: a draft token costs a quarter of a token
+    assert led.verdict(cheap) == Verdict((None, None), None, frozenset())
+    led.add(0, 4, 1, (0.9, 0.3, 0.3, 0.3))
+    assert led.verdict(cheap).best is None  # suffix still below the evidence: it might pay
+    led.add(1, 4, 4, None)
+    v = led.verdict(cheap)
+    assert v.rates == pytest.approx((1 - 4 * 0.25, 4 - 4 * 0.25)) and v.best == pytest.approx(3.0)
+    assert v.dominated == {"ngram"}  # 0.0 < 0.85 x 3.0
+    cut = led.verdict(flat((0.5,), 0.25))  # a floor of 0.5: n-gram's draft is cut after its first token
+    assert cut.rates == pytest.approx((0.75, 3.0))
+    assert led.verdict(flat((0.5, 0.95), 0.25)).rates[1] == pytest.approx(3.0)  # unrated tokens are never cut
+    dear = led.verdict(flat((0.5,), 1.2))  # the same drafts where a draft token costs more than a token
+    assert dear.rates == pytest.approx((-0.2, 4 - 4.8)) and dear.best == pytest.approx(-0.2)
+    assert dear.dominated == frozenset()  # nothing pays: no judge
+    shaped = led.verdict(lambda j: ((0.0,), (0.1, 0.2, 0.5)))  # a price per position, the last one holding
+    assert shaped.rates[1] == pytest.approx(4 - (0.1 + 0.2 + 0.5 + 0.5))
+    empty = ShadowLedger(["ngram"], evidence=1)
+    empty.add(0, 0, 0, ())
+    assert empty.verdict(cheap).rates == (0.0,)  # a proposal of nothing is worth nothing
     recent = ShadowLedger(["ngram"], window=4, evidence=1)
     for _ in range(50):
-        recent.add(1, 0, 1.0)
+        recent.add(0, 4, 4)
     for _ in range(20):
-        recent.add(1, 0, 0.0)
-    assert recent.rates(1)[0] < 0.01  # the latest ~window drafts weigh
+        recent.add(0, 4, 0)
+    assert recent.verdict(cheap).rates[0] == pytest.approx(-1.0)  # the latest window of drafts weighs
     with pytest.raises(ValueError):
         ShadowLedger(["ngram"], margin=1.0)
 
@@ -140,7 +148,7 @@ def test_a_model_drafter_keeps_selection_on():
     for t in range(300):
         arm = sel.select([info("r", t)], cap)[0]
         sel.observe([shadow_feedback("r", arm, 1, {"ngram": 0}, select_s=0.01)])
-    assert sel.ledger.best(1) is None and not sel.idle
+    assert sel.verdict.best is None and not sel.idle
 
 
 def test_with_one_calibrated_drafter_left_selection_settles_on_it_without_the_matching(monkeypatch):
@@ -196,3 +204,33 @@ def test_with_one_calibrated_drafter_left_selection_settles_on_it_without_the_ma
         arm = model.select([info("r", t)], Capacity({"ngram": 16, "suffix": 16, "int8": 16}))[0]
         model.observe([shadow_feedback("r", arm, 1, {"suffix": 4, "ngram": 0})])
     assert model.settled_on is None  # the ledger cannot value a model drafter: nothing is settled
+
+
+def test_drafts_seen_at_one_load_value_the_drafters_at_another(monkeypatch):
+    """The ledger keeps the drafts, not their worth at one batch size: learned at batch 2, where drafts that survive
+    whole three times in five pay (a draft token costs ~0.44 tokens there), it says, when the load grows to 16
+    requests (~0.73 tokens a draft token), that the same drafts do not pay there (its floors cut them to nothing):
+    selection is idle there as soon as a slot of that size has timed its selecting, with no shadow draft seen at it
+    (kept per batch size, the ledger knew nothing at 16 until 20 more were)."""
+    monkeypatch.setattr(lbss, "DOMINANCE_EVIDENCE", 20)
+    monkeypatch.setattr(lbss, "REPRICE_FORWARDS", 1)
+    sel = LBSSSelector(SelectionConfig(seed=0, alpha=2), ["ngram", "suffix"], 4, verify_points=profile_points(),
+                       draft_s_per_token={"ngram": 1e-5, "suffix": 1e-5})
+    cap = Capacity({"ngram": 16, "suffix": 16})
+    pair = ["a", "b"]
+    for t in range(400):
+        arms = sel.select([info(r, t) for r in pair], cap)
+        accepted = 4 if t % 5 < 3 else 0
+        sel.observe([shadow_feedback(r, a, 2, {"ngram": accepted, "suffix": accepted} if r == pair[t % 2] else {},
+                                     select_s=0.001) for r, a in zip(pair, arms)])
+    assert sel.verdict.best > 0 and not sel.idle
+    crowd = [f"r{i}" for i in range(16)]
+    idle_at = None
+    for t in range(4):
+        arms = sel.select([info(r, t) for r in crowd], cap)
+        if sel.idle and idle_at is None:
+            idle_at = t
+        sel.observe([shadow_feedback(r, a, 16, {}, select_s=0.0002) for r, a in zip(crowd, arms)])
+    assert idle_at == 1 and sel.verdict.best <= 0 and arms == [PLAIN_ARM] * 16
+    ledger = sel.describe()["ledger"]
+    assert ledger["2"]["suffix"] > 0 >= ledger["16"]["suffix"]

@@ -86,10 +86,12 @@ every slot. A real draft whose drafter also drafted a shadow (`SlotFeedback.shad
 the shadow, which has all of its positions.
 
 What the shadow drafts were worth (`ledger.py`). Every free drafter drafts its shadow drafts on the same slots, so
-their worth can be compared on the same text: each decided shadow draft is valued as its slot would have run it, cut
-at its drafter's floor of the moment, at the tokens it would have added less what the tokens it would have drafted
-cost (an empty proposal: 0), averaged per drafter and batch size over the population's latest ~DOMINANCE_WINDOW
-drafts. Two decisions follow, once every drafter has DOMINANCE_EVIDENCE drafts at the batch size:
+their worth can be compared on the same text: the population's latest DOMINANCE_WINDOW decided shadow drafts per
+drafter are kept with their tokens' ratings, and at each price reading valued at this batch size's prices as its
+slots would run them (cut at the drafter's floors of now, `_pricing_at`): the tokens each would add less what the
+tokens it would draft cost (an empty proposal: 0), averaged. What survives does not depend on the batch size, so
+drafts seen at any load value the drafters at the current one. Three decisions follow, once every drafter has
+DOMINANCE_EVIDENCE drafts:
 - a free drafter worth less than (1 - explore_margin) x the best one is dominated: neither exploited nor explored
   for requests selection decides, until the ledger says otherwise (its shadow drafts go on). A request's handful of
   rated drafts is too few to tell two copying drafters apart, so a matching over them took the weaker one about as
@@ -97,7 +99,7 @@ drafts. Two decisions follow, once every drafter has DOMINANCE_EVIDENCE drafts a
   35-55% of the drafted slots beside suffix decoding, which it trails by 15-30% there;
 - where even the best drafter's drafts are worth less to the batch than what selecting costs (the selector's calls
   and the shadow drafts, measured: `SlotFeedback.select_s`), selection is idle (`_idle`): plain decoding with no
-  selection, as where nothing pays, and a shadow draft every IDLE_SHADOW turns to notice when that changes.
+  selection, as where nothing pays, and a shadow draft every IDLE_SHADOW turns to notice when that changes;
 - where every free drafter but one is dominated and that one rates its own tokens (calibrated), selection is
   settled on it (`_settle`): its confidence floor decides each slot on the draft itself, so the stages' matching and
   exploration, which could only choose among its k's and plain decoding, are skipped (each request runs it at the
@@ -122,11 +124,12 @@ from spind.coordinator.selection.cost import VerifyCost
 from spind.coordinator.selection.estimates import (Calibration, Counts, PopulationStats, Positions, estimate,
                                                    estimate_tokens, request_rates, survival_of, worth_drafting)
 from spind.coordinator.selection.features import context_name, context_of
-from spind.coordinator.selection.ledger import NUM_BUCKETS, ShadowLedger, bucket_of
+from spind.coordinator.selection.ledger import NUM_BUCKETS, UNKNOWN, Pricing, ShadowLedger, Verdict, bucket_of
 from spind.coordinator.selection.marginal import choose
 from spind.coordinator.selection.matching import max_weight_assignment
 from spind.coordinator.selection.protocol import (AUTO, PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback,
                                                   fit_capacity)
+from spind.coordinator.selection.shadow import SHADOW_K
 
 UNKNOWN_WEIGHT = -1e6  # matching weight of an arm nobody has run: exploit only what was observed
 EVIDENCE_SLOTS = 16  # everyone's slots on a drafter before the estimates alone may rule its arms out
@@ -203,7 +206,6 @@ class LBSSSelector:
         known = draft_s_per_token or {}
         self._draft_prior = np.array([known.get(d, np.nan) for d in self.arm_set.drafters], dtype=float)  # [D]
         self._delta: np.ndarray | None = None  # _draft_s_per_token(), until the next _price_plain
-        self._token_prices: dict[int, float] = {}  # _price_of_token(j), until the next _price_plain
         self._position_prices: dict[int, tuple[float, ...]] = {}  # _prices_of_tokens(j), until the next _price_plain
         self.price = 0.0  # G: the batch's expected tokens per second at the last priced matching
         self._fit: deque[tuple[float, float]] = deque(maxlen=FIT_HISTORY)  # (predicted, measured) verify seconds
@@ -232,8 +234,10 @@ class LBSSSelector:
         self.calibration = Calibration(num_drafters)  # drafters' own confidence per token, against what survived
         self._floors: dict[str, tuple[float, ...]] = {}  # this slot's confidence floors (per draft position) of
         #                                                  requests cut by their drafts' own ratings
-        # the free drafters' shadow drafts valued as their slots would have run them, per batch size (`ledger.py`)
-        self.ledger = ShadowLedger(self.arm_set.drafters, DOMINANCE_WINDOW, DOMINANCE_EVIDENCE, cfg.explore_margin)
+        # the free drafters' shadow drafts, valued at a batch size's prices as its slots would run them (`ledger.py`)
+        self.ledger = ShadowLedger(self.arm_set.drafters, DOMINANCE_WINDOW, DOMINANCE_EVIDENCE, cfg.explore_margin,
+                                   SHADOW_K)
+        self.verdict: Verdict = UNKNOWN  # ... read at the last price reading's batch size
         self.dominated: frozenset[str] = frozenset()  # free drafters another one dominates at the last slot's size
         # per batch-size bucket: the latest fully selected slots' seconds selecting (SlotFeedback.select_s)
         self._overhead: list[deque[float]] = [deque(maxlen=OVERHEAD_WINDOW) for _ in range(NUM_BUCKETS)]
@@ -346,13 +350,13 @@ class LBSSSelector:
         selecting is worth its own cost, and which free drafters are dominated at this batch size; each drafter's
         seconds per draft token and price of a draft token are solved again at their next reading."""
         self._delta = None
-        self._token_prices.clear()
         self._position_prices.clear()
-        plain_s = self.cost.predict(self._batch_size, self._batch_size) if self.prices_batch else None
-        self._plain_price = self._batch_size / plain_s if plain_s else 0.0
+        self._plain_price = self._plain_price_at(self._batch_size)
+        pricing = self._pricing_at(self._batch_size)
+        self.verdict = self.ledger.verdict(pricing) if pricing is not None else UNKNOWN
         self.idle = self._idle()
         self.nothing_pays = self.idle or self._nothing_pays()
-        self.dominated = self.ledger.dominated(self._batch_size)
+        self.dominated = self.verdict.dominated
         self.settled_on = self._settle()
         self._priced_at, self._priced_batch = self._cost_seen, self._batch_size
 
@@ -398,18 +402,20 @@ class LBSSSelector:
 
     def _idle(self) -> bool:
         """Whether selecting costs the slot more than speculation is worth at this batch size: what the best drafter's
-        shadow drafts were worth a request (the ledger: known only when every drafter is a free one with evidence at
-        this size; a model drafter cannot be valued so, and keeps selection on), for each of the batch's requests,
-        against the seconds a fully selected slot spends selecting (`overhead_s`: the selector's calls and the shadow
-        drafts) at plain decoding's tokens per second. Then every request decodes plainly with no selection, as where
-        nothing pays, but one shadow draft every IDLE_SHADOW turns keeps the ledger current: where the text starts to
-        repeat, selection comes back. On a 2-core CPU at batch 4 that cost was ~0.3 ms of a ~7 ms slot (4%), and on
-        chat and math text the drafts that paid at that batch size won back less (replayed selection)."""
+        shadow drafts would be worth a request at this size's prices (the ledger: known only when every drafter is a
+        free one with evidence; a model drafter cannot be valued so, and keeps selection on), for each of the batch's
+        requests, against the seconds a fully selected slot spends selecting (`overhead_s`: the selector's calls and
+        the shadow drafts; unknown until a slot of this size was) at plain decoding's tokens per second. Then every
+        request decodes plainly with no selection, as where nothing pays, but one shadow draft every IDLE_SHADOW turns
+        keeps the ledger current: where the text starts to repeat, selection comes back. On a 2-core CPU at batch 4
+        that cost was ~0.3 ms of a ~7 ms slot (4%), and on chat and math text the drafts that paid at that batch size
+        won back less (replayed selection). Not on the population's mean alone: where one request's drafts pay and
+        the others' do not, selection drafts for that one (`_cut`), worth the selecting however low the mean."""
         overhead_s = self.overhead_s(self._batch_size)
-        if self._plain_price <= 0 or overhead_s <= 0:
+        best = self.verdict.best
+        if self._plain_price <= 0 or overhead_s <= 0 or best is None:
             return False
-        best = self.ledger.best(self._batch_size)
-        return best is not None and self._batch_size * max(best, 0.0) < self._plain_price * overhead_s
+        return self._batch_size * max(best, 0.0) < self._plain_price * overhead_s
 
     def overhead_s(self, batch_size: int) -> float:
         """What a fully selected slot of this batch size spends selecting: the median of its latest (seconds; 0 until
@@ -474,8 +480,6 @@ class LBSSSelector:
             if learn:
                 self._observe_shadow(st, fb)
         self.observed_s += slot_s
-        if feedback:  # read at the next select, on its critical path: answered here, off it where feedback is held
-            self.ledger.best(feedback[0].batch_size)
 
     def _observe_cost(self, feedback: Sequence[SlotFeedback]) -> None:
         """The verify forward the feedback's requests shared: its shape and seconds refine the cost model (only
@@ -514,29 +518,37 @@ class LBSSSelector:
             st.quiet_shadows = st.quiet_shadows + 1 if quiet else 0
 
     def _ledger(self, fb: SlotFeedback) -> None:
-        """Value each decided shadow draft as its slot would have run it (cut at its drafter's floor, where it rates
-        its tokens and is calibrated; else all of it): the tokens it would have added, less the price of those it
-        would have drafted, at this slot's prices."""
-        if not fb.shadow or self._plain_price <= 0:
-            return
+        """Each decided shadow draft into the ledger, with its tokens' ratings (valued at a price reading:
+        `_pricing_at`)."""
         rated: dict[str, list[tuple[float, ...]]] = {}  # in fb.shadow's order, per drafter
         for name, confidence, _ in fb.shadow_confidence:
             rated.setdefault(name, []).append(confidence)
-        margin = 1.0 + self.cfg.price_margin  # the tokens it keeps are those worth the margin; they cost no more
         for name, drafted, accepted in fb.shadow:
             j = self.arm_set.drafter_index.get(name)
-            if j is None:
-                continue
-            kept = drafted
-            if drafted and rated.get(name) and self.calibration.known(j):
-                floors, kept = self._floor(j), 0
-                for c in rated[name].pop(0):
-                    if c < floors[min(kept, len(floors) - 1)]:
-                        break
-                    kept += 1
-            prices = self._prices_of_tokens(j)
-            cost = sum(prices[min(t, len(prices) - 1)] for t in range(kept))
-            self.ledger.add(fb.batch_size, j, min(accepted, kept) - cost / margin)
+            if j is not None:
+                self.ledger.add(j, drafted, accepted, rated[name].pop(0) if rated.get(name) else None)
+
+    def _plain_price_at(self, batch_size: int) -> float:
+        """Plain decoding's tokens per second at this batch size (the cost model's); 0 where not priced."""
+        plain_s = self.cost.predict(batch_size, batch_size) if self.prices_batch else None
+        return batch_size / plain_s if plain_s else 0.0
+
+    def _pricing_at(self, batch_size: int) -> Pricing | None:
+        """How the ledger values a drafter's shadow drafts at this batch size (`ledger.Pricing`): the confidence floor
+        per draft position (where the drafter is calibrated) and what each position's token costs the batch in tokens
+        (without the price margin: the floors keep the tokens worth the margin, which cost what they cost), as the
+        slots of this size cut and price them (`_prices_of_tokens`); None where nothing is priced."""
+        plain_price = self._plain_price_at(batch_size)
+        if plain_price <= 0:
+            return None
+        margin = 1.0 + self.cfg.price_margin
+
+        def pricing(j: int) -> tuple[tuple[float, ...] | None, tuple[float, ...]]:
+            costs = tuple(plain_price * s for s in self._token_seconds(j, batch_size))
+            floors = (tuple(self.calibration.floor(j, margin * c) for c in costs) if self.calibration.known(j)
+                      else None)
+            return floors, costs
+        return pricing
 
     def _quiet(self, j: int, confidence: Sequence[float]) -> bool:
         """Drafter j's draft with these confidences had no token that pays at the last slot's price (it would have
@@ -581,11 +593,11 @@ class LBSSSelector:
         ([predicted, measured] ms of the last verify forwards); token_prices {drafter: what its token at each draft
         position costs the batch at the last slot's size, in tokens: `_cut`}; calibration {drafter: [chance a token
         survives, by confidence bin], null until calibrated}; floors {req_id: the confidences (per position) its draft
-        was cut at in the last slot}; ledger {batch size: {drafter: what its shadow drafts were worth a request, tokens
-        a slot}} (`ledger.py`); dominated (free drafters left out at the last slot's batch size); idle (selecting did
-        not pay for itself there: `_idle`); overhead_ms (what a fully selected slot of the last slot's batch size spends
-        selecting); config (the SelectionConfig). A request priced in a matching also has marginal {arm: its marginal
-        gain in tokens per slot}."""
+        was cut at in the last slot}; ledger {batch size: {drafter: what its shadow drafts would be worth a request
+        there, tokens a slot}} (`_describe_ledger`); dominated (free drafters left out at the last slot's batch size);
+        idle (selecting did not pay for itself there: `_idle`); overhead_ms (what a fully selected slot of the last
+        slot's batch size spends selecting); config (the SelectionConfig). A request priced in a matching also has
+        marginal {arm: its marginal gain in tokens per slot}."""
         names = self.arm_set.names
         counts, requests = self._describe_requests()
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -610,10 +622,23 @@ class LBSSSelector:
                              for j, d in enumerate(self.arm_set.drafters)},
             "calibration": {d: self.calibration.describe(j) for j, d in enumerate(self.arm_set.drafters)},
             "floors": {r: [round(x, 3) for x in f] for r, f in self._floors.items()},
-            "ledger": self.ledger.describe(), "dominated": sorted(self.dominated), "idle": self.idle,
+            "ledger": self._describe_ledger(), "dominated": sorted(self.dominated), "idle": self.idle,
             "overhead_ms": round(self.overhead_s(self._batch_size) * 1e3, 4),
             "config": dataclasses.asdict(self.cfg),
         }
+
+    def _describe_ledger(self) -> dict[str, dict[str, float | None]]:
+        """describe()'s ledger: {batch size: {drafter: what its shadow drafts would be worth a request there, tokens
+        a slot; null below the evidence}} at 1, 2, 4, 8, 16 and the last slot's size, once any drafter has a draft."""
+        if not any(self.ledger.seen(j) for j in range(len(self.arm_set.drafters))):
+            return {}
+        out = {}
+        for b in sorted({1, 2, 4, 8, 16, self._batch_size}):
+            pricing = self._pricing_at(b)
+            if pricing is not None:
+                rates = self.ledger.verdict(pricing).rates
+                out[str(b)] = {d: None if x is None else round(x, 4) for d, x in zip(self.arm_set.drafters, rates)}
+        return out
 
     def _describe_requests(self) -> tuple[dict[str, int], dict[str, dict]]:
         """describe()'s assignment and requests."""
@@ -805,33 +830,26 @@ class LBSSSelector:
         return survival, self._prices_of_tokens(j)
 
     def _prices_of_tokens(self, j: int) -> tuple[float, ...]:
-        """What drafter j's token at each draft position costs the batch, in tokens: as `_price_of_token`, with the
-        verify's seconds per token shaped by position where the profile timed a request's drafts at every length
-        (`VerifyCost.token_shape_at`: a CPU forward goes in row tiles, and the default model's second row rode along
-        with the first at batch 1 while its fifth cost 1.6 ms); one price for every position where it did not."""
+        """What drafter j's token at each draft position costs the batch, in tokens: the seconds it adds
+        (`_token_seconds`: the verify's shaped by position where the profile timed a request's drafts at every length,
+        as a CPU forward goes in row tiles: the default model's second row rode along with the first at batch 1 while
+        its fifth cost 1.6 ms) at plain decoding's rate for this batch, with the margin (`_token_price`). Read several
+        times a slot: kept until the next `_price_plain`."""
         prices = self._position_prices.get(j)
         if prices is None:
-            shape = self.cost.token_shape_at(self._batch_size)
-            if shape is None:
-                prices = (self._price_of_token(j),)
-            else:
-                delta = float(self._draft_s_per_token()[j])
-                per_token = self.cost.seconds_per_token_at(self._batch_size)
-                prices = tuple(self._token_price(per_token * x + (0.0 if delta != delta else delta)) for x in shape)
+            prices = tuple(self._token_price(s) for s in self._token_seconds(j, self._batch_size))
             self._position_prices[j] = prices
         return prices
 
-    def _price_of_token(self, j: int) -> float:
-        """What one of drafter j's tokens costs the batch, in tokens: the seconds it adds (verify at this batch
-        size, and drafting) at plain decoding's rate for this batch, with the margin (`_token_price`). Read several
-        times a slot: kept until the next `_price_plain`."""
-        price = self._token_prices.get(j)
-        if price is None:
-            delta = float(self._draft_s_per_token()[j])
-            price = self._token_price(self.cost.seconds_per_token_at(self._batch_size)
-                                      + (0.0 if delta != delta else delta))
-            self._token_prices[j] = price
-        return price
+    def _token_seconds(self, j: int, batch_size: int) -> tuple[float, ...]:
+        """The seconds drafter j's token at each draft position adds to a slot of this batch size: verify (shaped by
+        position where the profile timed a request's drafts at every length, `VerifyCost.token_shape_at`; one for
+        every position where it did not) and drafting."""
+        delta = float(self._draft_s_per_token()[j])
+        delta = 0.0 if delta != delta else delta
+        per_token = self.cost.seconds_per_token_at(batch_size)
+        shape = self.cost.token_shape_at(batch_size)
+        return (per_token + delta,) if shape is None else tuple(per_token * x + delta for x in shape)
 
     def _token_price(self, seconds: float) -> float:
         """What a draft token that adds these seconds to the slot must be worth, in tokens: what plain decoding makes

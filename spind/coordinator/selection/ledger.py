@@ -1,19 +1,35 @@
-"""What the free drafters' shadow drafts would have been worth, per batch size: which free drafter another one
+"""What the free drafters' shadow drafts would have been worth at a batch size: which free drafter another one
 dominates, and whether selecting pays for its own cost.
 
 Every free drafter (n-gram lookup, suffix decoding) drafts a shadow draft on the same slots (`shadow.py`), so their
-worth can be compared on the same text. The selector values each decided shadow draft as its slot would have run it
-(cut at its drafter's confidence floor of the moment): the tokens it would have added less the price of the tokens it
-would have drafted, in tokens (an empty proposal: 0). The ledger keeps, per drafter and per batch-size bucket (1, 2,
-3-4, 5-8, 9-16, 17+: the price of a draft token, and so a draft's worth, is set by the batch size), a decayed mean of
-those values over the latest ~`window` drafts. Pure: numbers in, numbers out.
+worth can be compared on the same text. The ledger keeps each drafter's latest `window` decided shadow drafts as they
+were drafted: each token's own rating (where the drafter rates its tokens) and how many tokens survived. It values
+them at the prices of the batch size it is asked about (`Pricing`, the selector's at that size): each draft cut where
+its slot would have cut it (at the confidence floor of each draft position; all of it where the drafter is not
+calibrated), the tokens it would have added less what those it would have drafted cost, in tokens (an empty proposal:
+0), averaged over the drafts with the latest weighing most (exponential decay).
+
+What survives does not depend on the batch size; what a token costs does. So every draft, whatever batch it was
+drafted in, values the drafters at every batch size, and a server whose load changes knows at once whether drafting
+pays at the new one. Kept per batch size (as before), a 16-client level of `spind bench serve` was one wave of
+arrivals that ended before its ledger knew anything: one request is shadow-drafted a slot, so the 64 drafts of
+evidence took 64 slots of ~100, each selecting in full and exploring drafts that lost at that size.
+
+Pure: numbers in, numbers out (numpy over a few hundred drafts: ~40 us a valuation, read once per price reading).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 NUM_BUCKETS = 6
+
+# drafter index -> (confidence floor per draft position, or None where the drafter's tokens are not cut by their
+# ratings; what a token at each draft position costs the batch, in tokens). Past a tuple's end its last entry holds.
+Pricing = Callable[[int], tuple[tuple[float, ...] | None, tuple[float, ...]]]
 
 
 def bucket_of(batch_size: int) -> int:
@@ -21,67 +37,85 @@ def bucket_of(batch_size: int) -> int:
     return min(NUM_BUCKETS - 1, (max(1, batch_size) - 1).bit_length())
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """The ledger read at one batch size's prices."""
+    rates: tuple[float | None, ...]  # each drafter's mean worth of a shadow draft, tokens; None below the evidence
+    best: float | None  # the best one's; None until every drafter is known (one still unknown might pay)
+    dominated: frozenset[str]  # worth less than (1 - margin) x the best one's, where that one pays (> 0)
+
+
+UNKNOWN = Verdict((), None, frozenset())
+
+
 class ShadowLedger:
-    """Plain Python over a handful of drafters: read on the selection's critical path (`best`, `dominated`: cached
-    per bucket until a draft is added there)."""
-
-    def __init__(self, drafters: Sequence[str], window: int = 512, evidence: int = 64, margin: float = 0.15) -> None:
-        """window: drafts a mean weighs (exponential decay); evidence: drafts a drafter needs in a bucket before its
-        mean counts there; margin: a drafter worth less than (1 - margin) x the best one's is dominated."""
-        if window < 1 or evidence < 1 or not 0.0 <= margin < 1.0:
-            raise ValueError("need window >= 1, evidence >= 1, 0 <= margin < 1")
+    def __init__(self, drafters: Sequence[str], window: int = 512, evidence: int = 64, margin: float = 0.15,
+                 max_len: int = 8) -> None:
+        """window: drafts kept per drafter (the mean's weights decay by 1 - 1/window a draft); evidence: drafts a
+        drafter needs before its mean counts; margin: a drafter worth less than (1 - margin) x the best one's is
+        dominated; max_len: draft positions kept (a shadow draft's length)."""
+        if window < 1 or evidence < 1 or max_len < 1 or not 0.0 <= margin < 1.0:
+            raise ValueError("need window >= 1, evidence >= 1, max_len >= 1, 0 <= margin < 1")
         self.drafters = list(drafters)
-        self.decay = 1.0 - 1.0 / window
-        self.evidence, self.margin = evidence, margin
+        self.window, self.evidence, self.margin, self.max_len = window, evidence, margin, max_len
         d = len(self.drafters)
-        self._worth = [[0.0] * d for _ in range(NUM_BUCKETS)]  # decayed sums of the drafts' worth, in tokens
-        self._weight = [[0.0] * d for _ in range(NUM_BUCKETS)]  # decayed counts
-        self._seen = [[0] * d for _ in range(NUM_BUCKETS)]
-        self._answers: list[tuple[float | None, frozenset[str]] | None] = [None] * NUM_BUCKETS  # (best, dominated)
+        # per drafter and kept draft, each position's rating: +inf where the drafter gave none (never cut), nan past
+        # the draft (a cut there: the draft ends)
+        self._rating = np.full((d, window, max_len), np.nan)
+        self._drafted = np.zeros((d, window), dtype=np.int64)
+        self._accepted = np.zeros((d, window), dtype=np.int64)
+        self._seen = [0] * d  # drafts added per drafter (the latest is at (seen - 1) % window)
+        self._weights = (1.0 - 1.0 / window) ** np.arange(window)  # by age, the latest first
 
-    def add(self, batch_size: int, j: int, tokens: float) -> None:
-        """One of drafter j's shadow drafts, decided, was worth `tokens` (net) in a slot of batch_size requests."""
-        b = bucket_of(batch_size)
-        self._worth[b][j] = self.decay * self._worth[b][j] + tokens
-        self._weight[b][j] = self.decay * self._weight[b][j] + 1.0
-        self._seen[b][j] += 1
-        self._answers[b] = None
+    def add(self, j: int, drafted: int, accepted: int, rating: Sequence[float] | None = None) -> None:
+        """One of drafter j's shadow drafts, decided: `drafted` tokens (0: it proposed none), the first `accepted`
+        of them survived; rating: its own confidence per token (None where it rates none)."""
+        i = self._seen[j] % self.window
+        n = min(max(0, drafted), self.max_len)
+        row = self._rating[j, i]
+        row[:] = np.nan
+        if rating is None:
+            row[:n] = np.inf
+        else:
+            r = list(rating)[:n]
+            row[:len(r)] = r
+        self._drafted[j, i] = n
+        self._accepted[j, i] = min(max(0, accepted), n)
+        self._seen[j] += 1
 
-    def rates(self, batch_size: int) -> list[float | None]:
-        """Each drafter's mean worth of a shadow draft (tokens) at this batch size; None below `evidence` drafts."""
-        b = bucket_of(batch_size)
-        return [w / n if seen >= self.evidence else None
-                for w, n, seen in zip(self._worth[b], self._weight[b], self._seen[b])]
+    def seen(self, j: int) -> int:
+        return self._seen[j]
 
-    def _answer(self, batch_size: int) -> tuple[float | None, frozenset[str]]:
-        b = bucket_of(batch_size)
-        if self._answers[b] is None:
-            r = self.rates(batch_size)
-            known = [x for x in r if x is not None]
-            best = max(known) if known else None
-            dominated = frozenset()
-            if len(known) >= 2 and best > 0.0:
-                bar = (1.0 - self.margin) * best
-                dominated = frozenset(d for d, x in zip(self.drafters, r) if x is not None and x < bar)
-            self._answers[b] = (best if r and len(known) == len(r) else None, dominated)
-        return self._answers[b]
+    def worth(self, j: int, floors: tuple[float, ...] | None, costs: tuple[float, ...]) -> float | None:
+        """Drafter j's mean worth of a draft (tokens) cut at `floors` with each position costing `costs` (see
+        Pricing); None below the evidence."""
+        seen = self._seen[j]
+        if seen < self.evidence:
+            return None
+        n = min(seen, self.window)
+        drafted, accepted = self._drafted[j, :n], self._accepted[j, :n]
+        if floors is None:
+            kept = drafted
+        else:
+            f = np.array([floors[min(t, len(floors) - 1)] for t in range(self.max_len)])
+            with np.errstate(invalid="ignore"):
+                clears = self._rating[j, :n] >= f  # nan (past the draft) never clears
+            kept = np.cumprod(clears, axis=1).sum(axis=1)
+        per_position = np.array([costs[min(t, len(costs) - 1)] for t in range(self.max_len)])
+        cost = np.concatenate(([0.0], np.cumsum(per_position)))[kept]
+        value = np.minimum(accepted, kept) - cost
+        age = ((seen - 1) % self.window - np.arange(n)) % self.window
+        w = self._weights[age]
+        return float(np.dot(w, value) / w.sum())
 
-    def best(self, batch_size: int) -> float | None:
-        """The best known drafter's mean worth of a draft at this batch size; None until every drafter is known (one
-        still unknown might pay)."""
-        return self._answer(batch_size)[0]
-
-    def dominated(self, batch_size: int) -> frozenset[str]:
-        """The drafters worth less than (1 - margin) x the best known one's worth a draft at this batch size, where that
-        one pays (worth > 0). None while fewer than two are known."""
-        return self._answer(batch_size)[1]
-
-    def describe(self) -> dict:
-        """{bucket's largest batch size ("17+" for the last): {drafter: mean worth of a draft, tokens; null below
-        evidence}} for the buckets with any draft."""
-        out = {}
-        for b in range(NUM_BUCKETS):
-            if any(self._seen[b]):
-                name = "17+" if b == NUM_BUCKETS - 1 else str(2 ** b)
-                out[name] = {d: None if x is None else round(x, 4) for d, x in zip(self.drafters, self.rates(2 ** b))}
-        return out
+    def verdict(self, pricing: Pricing) -> Verdict:
+        """The ledger read at one batch size's prices."""
+        rates = tuple(self.worth(j, *pricing(j)) if self._seen[j] >= self.evidence else None
+                      for j in range(len(self.drafters)))
+        known = [x for x in rates if x is not None]
+        best = max(known) if known else None
+        dominated: frozenset[str] = frozenset()
+        if len(known) >= 2 and best > 0.0:
+            bar = (1.0 - self.margin) * best
+            dominated = frozenset(d for d, x in zip(self.drafters, rates) if x is not None and x < bar)
+        return Verdict(rates, best if rates and len(known) == len(rates) else None, dominated)
