@@ -172,3 +172,7 @@ def test_the_targets_worker_drafts_shadow_drafts_from_the_tokens_the_verify_star
     floor = next(c for c in whole.confidence if c < whole.confidence[0])  # keeps the tokens rated above this one
     reply = w.answer(P.Verify(5, 3, [P.VerifyItem("c", [], inline_drafter="suffix", k=4, min_confidence=[floor])]))
     assert reply.results[0].num_drafted == sum(c >= floor for c in whole.confidence) < 4
+    # a finished request's output, not its prompt (in its own trie), joins suffix decoding's shared cache
+    output = w.mirrors["a"].tokens[len(prompt):]
+    assert output and not isinstance(w.answer(P.FreeRequests(6, ["a"])), P.ErrorReply)
+    assert list(w.drafters["suffix"].pending) == [("a", output)]

@@ -134,10 +134,10 @@ def test_a_request_drafts_from_its_own_text_and_from_finished_requests():
     assert propose(d, "a", [7, *answer, 8, *answer[:5]], 6) == answer[5:10]
     # nothing matches yet for a new text ...
     assert propose(d, "b", [9, 9, *answer[:5]][:3], 6) == []
-    d.observe_finished("a", [7, *answer, 8, *answer])
+    d.observe_finished("a", answer)  # its output (its prompt stays out of the shared cache)
     d.free_request("a")
     assert d.has_background_work and propose(d, "c0", [3, 4, *answer[:8]], 6) == []  # queued: not yet in the cache
-    d.background_work(10)  # 10 of its 62 tokens: a chunk, not the whole sequence
+    d.background_work(10)  # 10 of its 30 tokens: a chunk, not the whole sequence
     assert d.has_background_work and not d.cache.entries
     while d.has_background_work:
         d.background_work(10)

@@ -70,9 +70,10 @@ class Drafter(ABC):
         feeding at most max_tokens of them; returns how many are still to feed (0: up to date)."""
         return 0
 
-    def observe_finished(self, req_id: str, tokens: list[int]) -> None:
-        """A request this drafter's worker served ended with this whole sequence (prompt and output), whichever
-        drafter served it: a drafter that learns across requests (suffix decoding) keeps it. Nothing for most."""
+    def observe_finished(self, req_id: str, output: list[int]) -> None:
+        """A request this drafter's worker served finished with this output (the tokens generated, not the prompt),
+        whichever drafter served it: a drafter that learns across requests (suffix decoding) keeps it. Nothing for
+        most."""
 
     def forget_finished(self) -> None:
         """Drop what observe_finished kept (a bench that runs several drafters on one prompt: none may draft

@@ -239,7 +239,7 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
                 shadows.remove(r)
                 current.pop(r, None)
                 for d in pool.values():
-                    d.observe_finished(r, rec.prompt + rec.output)
+                    d.observe_finished(r, rec.output)
                     d.free_request(r)
                 del running[r]
         for d in pool.values():
@@ -271,7 +271,7 @@ def measure_call_costs(recording: Sequence[Recorded], drafters: Sequence[str] = 
                 d.propose([DraftInput(req_id, seq, SHADOW_K)])
                 t2 = time.perf_counter()
                 first, again, n = first + t1 - t0, again + t2 - t1, n + 1
-            d.observe_finished(req_id, rec.prompt + rec.output)
+            d.observe_finished(req_id, rec.output)
             d.free_request(req_id)
             while d.has_background_work:
                 d.background_work(1 << 20)

@@ -71,6 +71,7 @@ def whole_embedding(model_dir, target: LlamaModel):
 class Mirror:
     params: SamplingParams
     tokens: list[int]  # committed sequence as known to this worker
+    num_prompt: int = 0  # ... of which the prompt (the rest is output)
 
 
 class Worker:
@@ -269,13 +270,13 @@ class Worker:
                 raise ValueError(f"{msg.req_id}: its tokens are not those of {msg.fork_of}, whose KV it would share")
             else:
                 self.target.fork(msg.fork_of, msg.req_id, params)
-        self.mirrors[msg.req_id] = Mirror(params, list(msg.tokens))
+        self.mirrors[msg.req_id] = Mirror(params, list(msg.tokens), len(msg.tokens) - msg.num_output)
 
     def free_request(self, req_id: str, finished: bool = True) -> None:
         mirror = self.mirrors.get(req_id)
         if mirror is not None and finished:
             for drafter in self.drafters.values():
-                drafter.observe_finished(req_id, mirror.tokens)
+                drafter.observe_finished(req_id, mirror.tokens[mirror.num_prompt:])
         if self.target is not None:
             self.target.free_request(req_id)
         for name, reqs in self.drafter_reqs.items():
