@@ -94,7 +94,7 @@ class DrafterConfig:
     max_depth: int = 24  # longest context match, in tokens
     factor: float = 1.0  # draft at most factor x the match length (and k)
     min_prob: float = 0.1  # stop where the draft's estimated probability falls below this
-    cache_mb: float = 64.0  # the shared trie over finished requests (estimated size); oldest evicted first
+    cache_mb: float = 64.0  # the shared trie over finished requests' outputs (estimated size); oldest evicted first
 
 
 @dataclass(frozen=True)
