@@ -15,7 +15,7 @@ pays at the new one. Kept per batch size (as before), a 16-client level of `spin
 arrivals that ended before its ledger knew anything: one request is shadow-drafted a slot, so the 64 drafts of
 evidence took 64 slots of ~100, each selecting in full and exploring drafts that lost at that size.
 
-Pure: numbers in, numbers out (numpy over a few hundred drafts: ~40 us a valuation, read once per price reading).
+Pure: numbers in, numbers out (numpy over the kept drafts: ~30 us a drafter, read once per price reading).
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ UNKNOWN = Verdict((), None, frozenset())
 
 
 class ShadowLedger:
+    """Each free drafter's latest shadow drafts, valued at the prices asked (`verdict`)."""
+
     def __init__(self, drafters: Sequence[str], window: int = 512, evidence: int = 64, margin: float = 0.15,
                  max_len: int = 8) -> None:
         """window: drafts kept per drafter (the mean's weights decay by 1 - 1/window a draft); evidence: drafts a
@@ -60,8 +62,9 @@ class ShadowLedger:
         self.window, self.evidence, self.margin, self.max_len = window, evidence, margin, max_len
         d = len(self.drafters)
         # per drafter and kept draft, each position's rating: +inf where the drafter gave none (never cut), nan past
-        # the draft (a cut there: the draft ends)
-        self._rating = np.full((d, window, max_len), np.nan)
+        # the draft (a cut there: the draft ends); one position more than a draft has, always nan, so that every
+        # draft has a first position that fails its floor (`worth`: one argmin)
+        self._rating = np.full((d, window, max_len + 1), np.nan)
         self._drafted = np.zeros((d, window), dtype=np.int64)
         self._accepted = np.zeros((d, window), dtype=np.int64)
         self._seen = [0] * d  # drafts added per drafter (the latest is at (seen - 1) % window)
@@ -97,10 +100,9 @@ class ShadowLedger:
         if floors is None:
             kept = drafted
         else:
-            f = np.array([floors[min(t, len(floors) - 1)] for t in range(self.max_len)])
+            f = np.array([floors[min(t, len(floors) - 1)] for t in range(self.max_len + 1)])
             with np.errstate(invalid="ignore"):
-                clears = self._rating[j, :n] >= f  # nan (past the draft) never clears
-            kept = np.cumprod(clears, axis=1).sum(axis=1)
+                kept = np.argmin(self._rating[j, :n] >= f, axis=1)  # the first position below its floor (nan is)
         per_position = np.array([costs[min(t, len(costs) - 1)] for t in range(self.max_len)])
         cost = np.concatenate(([0.0], np.cumsum(per_position)))[kept]
         value = np.minimum(accepted, kept) - cost
