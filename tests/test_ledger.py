@@ -9,8 +9,8 @@ import pytest
 
 from spind.config import SelectionConfig
 from spind.coordinator.selection import lbss
-from spind.coordinator.selection.ledger import ShadowLedger, Verdict, bucket_of
-from spind.coordinator.selection.lbss import LBSSSelector
+from spind.coordinator.selection.ledger import ShadowLedger, Verdict
+from spind.coordinator.selection.lbss import LBSSSelector, bucket_of
 from spind.coordinator.selection.protocol import PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
 
 C0, C_REQ, C_TOK = 0.004, 0.0005, 0.002  # a CPU-like verify: 2 ms per token carried

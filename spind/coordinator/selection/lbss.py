@@ -124,7 +124,7 @@ from spind.coordinator.selection.cost import VerifyCost
 from spind.coordinator.selection.estimates import (Calibration, Counts, PopulationStats, Positions, estimate,
                                                    estimate_tokens, request_rates, survival_of, worth_drafting)
 from spind.coordinator.selection.features import context_name, context_of
-from spind.coordinator.selection.ledger import NUM_BUCKETS, UNKNOWN, Pricing, ShadowLedger, Verdict, bucket_of
+from spind.coordinator.selection.ledger import UNKNOWN, Pricing, ShadowLedger, Verdict
 from spind.coordinator.selection.marginal import choose
 from spind.coordinator.selection.matching import max_weight_assignment
 from spind.coordinator.selection.protocol import (AUTO, PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback,
@@ -159,6 +159,12 @@ REPRICE_FORWARDS = 8  # verify forwards the cost model learns from before the pr
 #                       cost model's window is 500 forwards), and reading them (the verify line, the drafters'
 #                       seconds per token, the ledger) cost ~30 us a slot, run cold after each forward
 EXPLORE, EXPLOIT = "explore", "exploit"
+NUM_BUCKETS = 6  # batch-size buckets the overhead of selecting is kept per (`bucket_of`)
+
+
+def bucket_of(batch_size: int) -> int:
+    """1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, 9-16 -> 4, 17 and more -> 5."""
+    return min(NUM_BUCKETS - 1, (max(1, batch_size) - 1).bit_length())
 
 
 @dataclass

@@ -25,16 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-NUM_BUCKETS = 6
-
 # drafter index -> (confidence floor per draft position, or None where the drafter's tokens are not cut by their
 # ratings; what a token at each draft position costs the batch, in tokens). Past a tuple's end its last entry holds.
 Pricing = Callable[[int], tuple[tuple[float, ...] | None, tuple[float, ...]]]
-
-
-def bucket_of(batch_size: int) -> int:
-    """1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, 9-16 -> 4, 17 and more -> 5."""
-    return min(NUM_BUCKETS - 1, (max(1, batch_size) - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -112,8 +105,7 @@ class ShadowLedger:
 
     def verdict(self, pricing: Pricing) -> Verdict:
         """The ledger read at one batch size's prices."""
-        rates = tuple(self.worth(j, *pricing(j)) if self._seen[j] >= self.evidence else None
-                      for j in range(len(self.drafters)))
+        rates = tuple(self.worth(j, *pricing(j)) for j in range(len(self.drafters)))
         known = [x for x in rates if x is not None]
         best = max(known) if known else None
         dominated: frozenset[str] = frozenset()
