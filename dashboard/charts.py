@@ -234,6 +234,25 @@ def verify_fit_chart(state: SpindState) -> alt.Chart:
         tooltip=["forward:Q", "series:N", alt.Tooltip("ms:Q", format=".2f")]).properties(height=HEIGHT)
 
 
+BATCH_BUCKETS = ("1", "2", "3-4", "5-8", "9-16", "17+")  # the selector's batch-size buckets (lbss.bucket_of)
+
+
+def regime_summary(regime: object) -> str | None:
+    """The regime trial (selection/regime.py) in words: per batch-size bucket with measured pairs, what selection's
+    slots made against plain, unselected ones (x), and which runs now; None when there is nothing measured."""
+    buckets = regime.get("buckets") if isinstance(regime, dict) else None
+    if not isinstance(buckets, dict):
+        return None
+    parts = []
+    for key, b in sorted(buckets.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else 99):
+        adv = _number(b.get("advantage")) if isinstance(b, dict) else None
+        if adv is None or not str(key).isdigit() or int(key) >= len(BATCH_BUCKETS):
+            continue
+        parts.append(f"B={BATCH_BUCKETS[int(key)]}: {adv:.2f}x ({_number(b.get('pairs')) or 0:g} pairs, "
+                     f"{b.get('regime')} now)")
+    return "selection vs plain, measured: " + ", ".join(parts) if parts else None
+
+
 def verify_cost_summary(state: SpindState) -> str | None:
     """One line: batch pricing on/off, the price, the fitted coefficients; None when the selector reports none
     of them."""
@@ -251,6 +270,9 @@ def verify_cost_summary(state: SpindState) -> str | None:
         overhead = _number(sel.get("overhead_ms"))
         parts.append("selection **idle**: the drafts are worth less than selecting costs"
                      + (f" ({overhead:.2g} ms a slot)" if overhead else ""))
+    regime = regime_summary(sel.get("regime"))
+    if regime:
+        parts.append(regime)
     left_out = sel.get("dominated")
     if isinstance(left_out, list) and left_out:
         parts.append(f"left out: {', '.join(drafter_label(str(d)) for d in left_out)} (another free drafter does "

@@ -123,6 +123,9 @@ class SelectionConfig:
     # loses in expectation; 0: at break-even
     price_margin: float = 0.25
     batch_pricing: bool = True  # choose arms for the batch's goodput (a request's drafts slow everyone's verify)
+    # lockstep slots: per batch size, windows of slots run as selection chooses or plainly, unselected, and the
+    # regime whose windows made more tokens per second of wall time runs more (selection/regime.py)
+    regime_trial: bool = True
     population_window: int = 2000
     epsilon: float = 0.2
     seed: int = 0

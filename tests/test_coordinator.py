@@ -4,6 +4,7 @@ workers (tests/scripted_worker.py): the real Coordinator and InProcessPool, no m
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import tempfile
 import time
 from contextlib import aclosing
@@ -21,7 +22,11 @@ from spind.coordinator.interface import Delta, EngineRequest
 from spind.coordinator.pipeline import Pipeline
 from spind.coordinator.placement import worker_names
 from spind.coordinator.transport.pool import InProcessPool
+from spind.coordinator.selection.lbss import NUM_BUCKETS, LBSSSelector
 from spind.coordinator.selection.protocol import StaticSelector
+from spind.coordinator.selection.regime import PLAIN as PLAIN_REGIME
+from spind.coordinator.selection.regime import SELECT as SELECT_REGIME
+from spind.coordinator.selection.regime import RegimeTrial
 from spind.params import SamplingParams
 from spind.tokenizer import Tokenizer
 
@@ -403,7 +408,9 @@ def test_draft_ahead_is_used_when_the_guess_holds_and_dropped_when_not(tmp_path,
 def test_shadow_drafts_go_to_one_request_a_slot_in_turn(tmp_path, mode):
     """A batch's shadow drafts cost one request's lookups a select, not the batch's: a lockstep verify asks them for
     at most one request, every request's turn comes, and the outputs are plain decoding's."""
-    env = Env(tmp_path, make_cfg(policy="lbss"), draft_ms={"inl": 0.001})  # a lookup: drafts may pay
+    cfg = make_cfg(policy="lbss")  # selection's own turns: no regime trial (whose PLAIN windows shadow nothing)
+    cfg = dataclasses.replace(cfg, selection=dataclasses.replace(cfg.selection, regime_trial=False))
+    env = Env(tmp_path, cfg, draft_ms={"inl": 0.001})  # a lookup: drafts may pay
     reqs = [EngineRequest(f"r{i}", [i + 2, i + 3, i + 2, i + 3], SamplingParams(max_tokens=24, temperature=0.0),
                           "auto", None) for i in range(4)]  # greedy: only greedy requests get shadow drafts
     out = run(env, reqs)
@@ -498,3 +505,63 @@ def test_replacing_the_loop_waits_for_the_ops_the_old_one_has_in_flight(tmp_path
     assert tokens_of(second) == continuation(PROMPTS[1], 4) and second[-1].finish_reason == "length"
     prefills = [i.num_tokens for m in env.ops("target", P.Prefill) for i in m.items if i.req_id == "b"]
     assert prefills == [len(PROMPTS[1]) - 1]  # one loop prefilled it, once
+
+
+class PlainTrial(RegimeTrial):
+    """The regime trial with every window planned PLAIN (its accounting as it is)."""
+
+    def _plan(self, b) -> list[str]:
+        return [PLAIN_REGIME]
+
+
+def test_a_plain_regime_slot_decodes_the_auto_requests_unselected(tmp_path, mode):
+    """In a PLAIN window of the regime trial (selection/regime.py) a request that leaves its drafter to spind decodes
+    plainly with no selecting at all: no draft, no shadow draft, no feedback to the selector; one that named a
+    drafter drafts as always; every output is plain decoding's, and the trial measured its windows."""
+    if mode:
+        pytest.skip("the regime trial runs on lockstep slots")
+    env = Env(tmp_path, make_cfg(policy="lbss"), draft_ms={"inl": 0.001})  # a lookup: drafts may pay
+    trial = env.coordinator.phases.regime_trial = PlainTrial(NUM_BUCKETS, lambda batch_size: 0.003, window=4)
+    reqs = [EngineRequest("a", [2, 3, 2, 3], SamplingParams(max_tokens=24, temperature=0.0), "auto", None),
+            EngineRequest("b", [4, 5, 4, 5], SamplingParams(max_tokens=24, temperature=0.0), "inl", None)]
+    observed = []
+    observe = LBSSSelector.observe
+
+    def spy(self, feedback):
+        observed.extend(f.req_id for f in feedback if f.batch_size >= 2)
+        observe(self, feedback)
+
+    with mock.patch.object(LBSSSelector, "observe", spy):
+        out = run(env, reqs)
+    assert [tokens_of(d) for d in out] == [continuation(r.prompt_ids, 24) for r in reqs]
+    # the trial runs from batch 2 (MIN_BATCH): "a" beside "b"; alone, where "b" finished first, it is selected
+    items = [it for m in env.ops("target", P.Verify) if len(m.items) >= 2 for it in m.items]
+    assert sum(it.req_id == "a" for it in items) >= 5
+    assert all(not it.inline_drafter and not it.draft and not it.shadow for it in items if it.req_id == "a")
+    assert any(it.inline_drafter == "inl" for it in items if it.req_id == "b")
+    assert "a" not in observed and "b" in observed
+    described = trial.describe()
+    assert described["slots"][SELECT_REGIME] == 0 and described["slots"][PLAIN_REGIME] >= 5
+    assert described["buckets"]["1"]["regime"] == PLAIN_REGIME  # batch 2: bucket 1
+
+
+def test_the_regime_trial_runs_with_lbss_unless_turned_off(tmp_path, mode):
+    """With LBSS the lockstep slots measure their windows into the trial (the pipeline's never do); a fixed policy,
+    or `regime_trial = false`, runs none."""
+    env = Env(tmp_path, make_cfg(policy="lbss"))
+    if not mode:
+        env.coordinator.phases.regime_trial = RegimeTrial(NUM_BUCKETS, lambda batch_size: 0.003, window=2)
+    run(env, [request("a", PROMPTS[0], max_tokens=40), request("b", PROMPTS[1], max_tokens=40)])
+    trial = env.coordinator.phases.regime_trial
+    assert trial is not None and "regime" in env.coordinator.snapshot().selector
+    buckets = trial.describe()["buckets"]
+    assert buckets["1"]["pairs"] >= 3 if not mode else buckets == {}  # batch 2: bucket 1
+    assert "0" not in buckets  # batch 1 (the last request's tail) is left to selection alone
+    cfg = make_cfg(policy="lbss")
+    off = dataclasses.replace(cfg, selection=dataclasses.replace(cfg.selection, regime_trial=False))
+    env = Env(tmp_path / "off", off)
+    run(env, [request("a", PROMPTS[0])])
+    assert env.coordinator.phases.regime_trial is None
+    env = Env(tmp_path / "fixed", make_cfg())  # a fixed policy predicts no plain forward: no trial
+    run(env, [request("a", PROMPTS[0])])
+    assert env.coordinator.phases.regime_trial is None

@@ -295,6 +295,15 @@ def test_verify_cost_summary_names_pricing_price_and_coefficients():
     idle = decode_state(with_pricing(snapshot("busy"), idle=True, overhead_ms=0.31, dominated=["ngram"]))
     assert (" · selection **idle**: the drafts are worth less than selecting costs (0.31 ms a slot) · left out: ngram "
             "(another free drafter does better on the same text) · ") in charts.verify_cost_summary(idle)
+    trial = {"slots": {"select": 900, "plain": 700}, "buckets": {
+        "0": {"pairs": 6, "exploited": 40, "advantage": 1.1234, "spread": 0.02, "regime": "select"},
+        "2": {"pairs": 9, "exploited": 30, "advantage": 0.951, "spread": 0.01, "regime": "plain"},
+        "3": {"pairs": 0, "exploited": 0, "advantage": None, "spread": None, "regime": "select"}}}
+    measured = decode_state(with_pricing(snapshot("busy"), regime=trial))
+    assert (" · selection vs plain, measured: B=1: 1.12x (6 pairs, select now), B=3-4: 0.95x (9 pairs, plain now) · "
+            in charts.verify_cost_summary(measured))
+    assert charts.regime_summary({"buckets": {"3": {"pairs": 0, "advantage": None}}}) is None
+    assert charts.regime_summary(None) is None and charts.regime_summary({"buckets": []}) is None
     unfitted = decode_state(with_pricing(snapshot("busy"), batch_pricing=False, price=0.0, verify_cost=None))
     assert charts.verify_cost_summary(unfitted) == "batch pricing **off** · no price yet · verify cost not fitted yet"
     assert charts.verify_cost(unfitted) is None and charts.verify_cost_frame(unfitted).empty

@@ -4,6 +4,11 @@ through the whole cycle within it (paper §IV).
     schedule -> select -> (prefill || speculate) -> verify -> update
 
 The target's prefill is sent first and runs while the drafter workers draft; the verify waits for both.
+
+Each slot runs in a regime (`SlotPhases.regime_of`, `selection/regime.py`): as selection chooses, or with the
+requests left to selection decoding plainly and unselected; the trial weighs the two by what their slots made in
+their wall time, per batch size, so that speculation runs where it makes serving faster, as measured, and not only
+where its predictions say so.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import logging
 import time
 
 from spind.coordinator.phases import SlotPhases
+from spind.coordinator.selection.regime import PLAIN
 from spind.coordinator.transport.pool import WorkerDied, WorkerError
 
 log = logging.getLogger(__name__)
@@ -47,14 +53,18 @@ class Lockstep:
             return
         chunks = ph.schedule()
         ready = [st for st in ph.running if st.is_prefilled]
-        selection = ph.select(ready)
+        completing = [st for st, n in chunks if n == st.num_prefill_left]  # their first token, without a draft
+        regime = ph.regime_of(ready + completing)
+        selection = ph.select(ready, plain=regime == PLAIN)
         ph.send_side_work(selection)
         arms = selection.arms
         ph.next_slot()
-        completing = [st for st, n in chunks if n == st.num_prefill_left]  # their first token, without a draft
         threads = ph.target_threads(arms)
+        tokens = ph.committed_tokens
         try:
+            t0 = time.perf_counter()
             drafts = await ph.prefill_and_speculate(chunks, ready, arms, threads)
+            prefill_s = time.perf_counter() - t0 if chunks else 0.0
             outcome = await ph.verify_isolating(ready + completing, arms, drafts, threads)
         except WorkerDied as e:
             ph.flush_deltas()
@@ -71,6 +81,10 @@ class Lockstep:
         ph.update(outcome, arms, drafts)
         slot_s = time.perf_counter() - start
         ph.record_slot(slot_s, slot_s - ph.wait_s)
+        # the regime trial weighs the slot's seconds less its prefill's (the same whatever the regime), unless drafter
+        # workers drafted meanwhile (the regime's own time then: the slot is not counted)
+        measured = slot_s - prefill_s if not (chunks and drafts) and outcome.num_forwards == 1 else 0.0
+        ph.record_regime(regime, len(outcome.batch), ph.committed_tokens - tokens, measured)
 
     async def cancel(self) -> None:
         """Nothing to stop between ticks."""

@@ -33,6 +33,8 @@ from spind.coordinator.request import RequestState, SpecStats, output_logprobs
 from spind.coordinator.scheduler import KVBudget, num_admissible, plan_prefill, visible_len
 from spind.coordinator.selection.protocol import (AUTO, PLAIN, PLAIN_ARM, Arm, Capacity, RequestInfo, Selector,
                                                   SlotFeedback)
+from spind.coordinator.selection.lbss import NUM_BUCKETS, bucket_of
+from spind.coordinator.selection.regime import MIN_BATCH, RegimeTrial
 from spind.coordinator.selection.shadow import FREE_KINDS, SHADOW_K, ShadowDrafts, is_shadow_turn
 from spind.coordinator.transport.pool import WorkerDied, WorkerError, WorkerPool
 from spind.tokenizer import Tokenizer
@@ -108,6 +110,8 @@ class SlotPhases:
         self.idle = asyncio.Event()  # set while no request is waiting or running
         self.idle.set()
         self.wait_s = 0.0  # time of the current lockstep slot spent awaiting workers
+        self.committed_tokens = 0  # output tokens committed so far (a slot's are the difference around it)
+        self._trial: RegimeTrial | None = None  # the lockstep's regime trial (`regime_of`), made at its first slot
         self._held: list[tuple[RequestState, Delta]] | None = None  # deltas held back (hold_deltas), in order
         self._held_feedback: list[SlotFeedback] = []  # the selector's feedback held back with them
 
@@ -217,10 +221,42 @@ class SlotPhases:
             st.synced[worker] = len(tokens)
 
     # ---- select -------------------------------------------------------------------------------------------------
-    def select(self, ready: list[RequestState], held: dict[str, Arm] | None = None) -> Selection:
+    @property
+    def regime_trial(self) -> RegimeTrial | None:
+        """Whether selection's speculation beats plain decoding, per batch size, measured on the lockstep's slots
+        (`selection/regime.py`): with a selector that predicts a plain forward's seconds (`plain_seconds`: LBSS)
+        and `[selection] regime_trial` on; else None."""
+        if self._trial is None and self.cfg.selection.regime_trial and hasattr(self.selector, "plain_seconds"):
+            self._trial = RegimeTrial(NUM_BUCKETS, self.selector.plain_seconds, seed=self.cfg.selection.seed)
+        return self._trial
+
+    @regime_trial.setter
+    def regime_trial(self, trial: RegimeTrial | None) -> None:
+        """Another trial (a test's scripted one); None: made afresh at the next slot, as configured."""
+        self._trial = trial
+
+    def regime_of(self, batch: list[RequestState]) -> str | None:
+        """The regime this lockstep slot of `batch` (every request it verifies) runs in: `regime.SELECT` or
+        `regime.PLAIN` (select(plain=True)); None where no trial runs, below its MIN_BATCH, or where no request
+        leaves its drafter to spind."""
+        trial = self.regime_trial
+        if trial is None or len(batch) < MIN_BATCH or not any(st.req.drafter == AUTO for st in batch):
+            return None
+        return trial.regime(bucket_of(len(batch)))
+
+    def record_regime(self, regime: str | None, batch_size: int, tokens: int, seconds: float) -> None:
+        """What a slot run in `regime` made: `tokens` committed in `seconds` of its wall time (0: not measured)."""
+        if regime is not None and self._trial is not None:
+            self._trial.record(bucket_of(batch_size), regime, tokens, batch_size, seconds)
+
+    def select(self, ready: list[RequestState], held: dict[str, Arm] | None = None, plain: bool = False) -> Selection:
         """Arms for `ready`, within each drafter's B_j and each worker's limit less what `held` (the arms other
         requests still run with: the pipeline selects some requests while others are mid-cycle) takes; and the
-        precompute and shadow work they imply. Decides only: nothing is sent."""
+        precompute and shadow work they imply. Decides only: nothing is sent. plain: the requests that leave the
+        drafter to spind decode plainly, unselected (no arm, no shadow drafts, no feedback: what `none` does; the
+        lockstep's regime trial, `selection/regime.py`); those that named a drafter are selected as always."""
+        if plain:
+            ready = [st for st in ready if st.req.drafter != AUTO]
         start = time.perf_counter()
         infos = [RequestInfo(req_id=st.req_id, requested=st.req.drafter, requested_k=st.req.k, current=st.arm,
                              num_prompt_tokens=st.seq.num_prompt_tokens, num_output_tokens=st.seq.num_output_tokens,
@@ -346,9 +382,9 @@ class SlotPhases:
         prefill = self.prefill(chunks, threads)  # sent first
         proposes: dict[str, list[P.ProposeItem]] = {}
         for st in ready:
-            if self.needs_draft(st, arms[st.req_id]):
-                proposes.setdefault(self.drafter_worker[arms[st.req_id].drafter], []).append(
-                    self.propose_item(st, arms[st.req_id]))
+            arm = arms.get(st.req_id, PLAIN_ARM)  # a request left out of the selection (select(plain=True)): plain
+            if self.needs_draft(st, arm):
+                proposes.setdefault(self.drafter_worker[arm.drafter], []).append(self.propose_item(st, arm))
         *parts, prefilled = await self.await_workers(asyncio.gather(
             *(self.propose(w, items) for w, items in proposes.items()), prefill, return_exceptions=True))
         if not isinstance(prefilled, BaseException):
@@ -464,6 +500,7 @@ class SlotPhases:
         st.shadow = []
         self.shadows.add(st.req_id, len(seq.token_ids), r.shadow, r.shadow_confidence)
         kept = seq.append(r.tokens)
+        self.committed_tokens += len(kept)
         if seq.params.grammar is not None:
             self.times.grammar_tokens += len(kept)
         st.num_target_kv = len(seq.token_ids) - 1

@@ -105,6 +105,11 @@ DOMINANCE_EVIDENCE drafts:
   exploration, which could only choose among its k's and plain decoding, are skipped (each request runs it at the
   default k), and only every SETTLED_SHADOW-th shadow turn is granted, which keeps the ledger current.
 Where a model drafter is selectable the ledger cannot value it, and neither decision is taken over it.
+
+All of this decides by predictions. Whether they made serving faster is measured outside the selector: lockstep slots
+at batch 2 and more run in pairs of windows, one as this selector chooses and one plain and unselected, and where its
+windows make fewer tokens per second the slots there run plain (`regime.py`, `SlotPhases.regime_of`); `plain_seconds`
+gives that trial its yardstick.
 """
 
 from __future__ import annotations
@@ -422,6 +427,10 @@ class LBSSSelector:
         if self._plain_price <= 0 or overhead_s <= 0 or best is None:
             return False
         return self._batch_size * max(best, 0.0) < self._plain_price * overhead_s
+
+    def plain_seconds(self, batch_size: int) -> float | None:
+        """A plain forward's seconds at this batch size, as the cost model predicts it (None: nothing known yet)."""
+        return self.cost.predict_cheaply(batch_size, batch_size)
 
     def overhead_s(self, batch_size: int) -> float:
         """What a fully selected slot of this batch size spends selecting: the median of its latest (seconds; 0 until
