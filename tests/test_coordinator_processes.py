@@ -72,6 +72,15 @@ class Harness:
     def run(self, coro, timeout: float = 240.0):
         return self.lt.run(coro, timeout)
 
+    def on_loop(self, read):
+        """read() called on the engine's own loop, as the API calls it: its rings change between awaits there."""
+        async def call():
+            return read()
+        return self.lt.run(call(), 30)
+
+    def snapshot(self):
+        return self.on_loop(self.engine.snapshot)
+
     def close(self) -> None:
         self.lt.run(self.engine.shutdown(drain=False), 60)
         self.lt.close()
@@ -156,7 +165,7 @@ def test_concurrent_requests_with_different_drafters(harness, reference):
     assert int8_usage.num_steps < 24
     assert "int8" in results[3][-1].usage.drafters  # auto = the fixed:int8 policy
     assert "ngram" in results[2][-1].usage.drafters
-    snap = harness.engine.snapshot()
+    snap = harness.snapshot()
     assert snap.drafters["int8"].drafted >= int8_usage.drafters["int8"]["drafted"]
     assert snap.selection.policy == "fixed:int8@4" and snap.slots["num_slots"] > 0
     draft = next(w for w in snap.workers if w.name == "draft")
@@ -165,7 +174,7 @@ def test_concurrent_requests_with_different_drafters(harness, reference):
     assert {"prefill", "verify", "draft"} <= {b.kind for b in target.busy}  # n-gram drafts inline
     assert 0 < target.utilisation <= 1 and snap.selection.precompute_s > 0
     assert sum(c.num_committed for s in snap.throughput for c in s.drafters.values()) > 0
-    text = harness.engine.render_metrics()
+    text = harness.on_loop(harness.engine.render_metrics)
     assert 'spind_draft_tokens_total{drafter="int8"}' in text
     assert 'spind_accepted_at_position_total{drafter="int8",position="0"}' in text
     assert "spind_coordinator_overhead_seconds_count" in text
@@ -218,7 +227,7 @@ def test_abort_frees_request_on_every_worker(harness):
     assert target.kv["target"].num_free_blocks == target.kv["target"].num_blocks
     assert draft.req_ids == [] and draft.kv["int8"].num_seqs == 0
     assert engine.phases.budget.num_reserved == 0
-    assert 'spind_requests_total{status="abort"}' in engine.render_metrics()
+    assert 'spind_requests_total{status="abort"}' in harness.on_loop(engine.render_metrics)
 
 
 def test_refusals(harness):
@@ -304,7 +313,7 @@ def test_worker_fault_mid_generation_output_unchanged(harness, reference, victim
         check_stream(deltas, reference(name, 24))
     info = harness.pool.info(victim)
     assert info.restarts == restarts_before + 1 and info.pid != old_pid and harness.pool.is_alive(victim)
-    snap = {w.name: w for w in engine.snapshot().workers}
+    snap = {w.name: w for w in harness.snapshot().workers}
     assert snap[victim].restarts == info.restarts and snap[victim].alive
 
 
@@ -366,9 +375,9 @@ def test_watchdog_restarts_a_stopped_worker_and_outputs_are_unchanged(harness, r
     assert info.hangs == hangs + 1 and info.restarts == restarts + 1 and info.pid != old_pid
     # killed after watchdog_s (+ a heartbeat), restarted, re-prefilled and finished: far below call_timeout_s (120 s)
     assert took < WATCHDOG_S + 15, took
-    snap = {w.name: w for w in engine.snapshot().workers}
+    snap = {w.name: w for w in harness.snapshot().workers}
     assert snap[victim].hangs == info.hangs and snap[victim].alive
-    assert 'spind_worker_hangs_total{worker="target"} 1.0' in engine.render_metrics()
+    assert 'spind_worker_hangs_total{worker="target"} 1.0' in harness.on_loop(engine.render_metrics)
 
 
 def test_shutdown_drain_finishes_in_flight_requests(tmp_path, harness, reference):

@@ -206,10 +206,7 @@ SELECTION_KEYS = ("dominated", "idle", "ledger", "overhead_ms", "nothing_pays", 
 def selector_state(coordinator) -> dict | None:
     """What a learning selector ended the run with (its describe(), the parts that explain its choices: the drafters
     it left out, whether it idled, what the shadow drafts were worth); None for one that does not learn."""
-    ph = coordinator.phases
-    state = ph.selector.describe()
-    if ph.regime_trial is not None:
-        state["regime"] = ph.regime_trial.describe()
+    state = coordinator.phases.describe_selection() or {}
     return {k: state[k] for k in SELECTION_KEYS if k in state} or None
 
 

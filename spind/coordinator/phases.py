@@ -235,6 +235,15 @@ class SlotPhases:
         """Another trial (a test's scripted one); None: made afresh at the next slot, as configured."""
         self._trial = trial
 
+    def describe_selection(self) -> dict | None:
+        """The selector's describe() with the regime trial's under "regime"; None without a selector."""
+        if self.selector is None:
+            return None
+        described = self.selector.describe()
+        if self._trial is not None:
+            described["regime"] = self._trial.describe()
+        return described
+
     def regime_of(self, batch: list[RequestState]) -> str | None:
         """The regime this lockstep slot of `batch` (every request it verifies) runs in: `regime.SELECT` or
         `regime.PLAIN` (select(plain=True)); None where no trial runs, below its MIN_BATCH, or where no request

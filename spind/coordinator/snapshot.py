@@ -17,9 +17,7 @@ _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 def build_state(ph: SlotPhases, *, model_name: str, accepting: bool, loop: dict | None) -> SpindState:
     """`loop`: what the loop body describes of itself (the pipeline's occupancy; None in lockstep)."""
     now = time.monotonic()
-    described = ph.selector.describe() if ph.selector else None
-    if described is not None and ph.regime_trial is not None:
-        described["regime"] = ph.regime_trial.describe()
+    described = ph.describe_selection()
     return SpindState(
         model=model_name, accepting=accepting, failure=ph.failure, now=now, window_s=WINDOW_S,
         num_waiting=len(ph.waiting), num_running=len(ph.running), workers=_workers(ph, now), requests=_requests(ph),

@@ -4,16 +4,18 @@ Selection chooses drafts by what it predicts (each draft token's chance to survi
 Where a draft token is worth nearly what it costs, the predictions' errors decide, and the slot pays costs no
 prediction sees: the coordinator's selecting and bookkeeping, the shadow drafts, a forward slowed by the
 coordinator's Python on a CPU whose cores the target uses, larger messages. On a 2-core Xeon at batch 4 (gsm8k,
-n-gram and suffix decoding, the target timed on the cores it serves with) selection drafted on ~75% of the slots,
-at an accepted length of 1.2, and ran 0.93-0.95x plain decoding, while every forward it predicted paid. Comparing a
-drafting forward with a plain one cannot see that (the loss is in the regime's overhead, not in its forwards).
+n-gram and suffix decoding, with the start-up profile timing the target on the cores it serves with) selection
+drafted on ~75% of the slots, at an accepted length of 1.2, and ran 0.93-0.95x plain decoding, while every forward
+it predicted paid. Comparing a drafting forward with a plain one cannot see that (the loss is in the regime's
+overhead, not in its forwards).
 
 So the regimes themselves are compared, as a user would see them: windows of `window` slots at a batch-size bucket
 run either as selection chooses (SELECT) or with every request left to selection decoding plainly and no selecting
 at all (PLAIN: what `none` does), and each window is measured by its tokens against its slots' wall seconds: its
 value is log(tokens / plain-step equivalents), where a slot of B requests that took s seconds is worth B x s /
-plain_s(B) plain steps (plain_s: the cost model's plain forward at B; within a bucket a window at batch 3 then
-compares with one at batch 4, and an error of plain_s is the same for both regimes).
+plain_s(B) plain steps (plain_s: the cost model's plain forward at B, read as each pair completes, per batch size
+its windows ran at; within a bucket a window at batch 3 then compares with one at batch 4, and an error of plain_s is
+the same for both regimes of a pair).
 
 Windows are compared in pairs, one of each regime back to back in random order: what a window makes depends far
 more on its text (a request copying its prompt makes 1.5x what the next one does) than on the regime, and adjacent
