@@ -251,7 +251,7 @@ class SlotPhases:
         trial = self.regime_trial
         if trial is None or len(batch) < MIN_BATCH or not any(st.req.drafter == AUTO for st in batch):
             return None
-        return trial.regime(bucket_of(len(batch)))
+        return trial.regime(bucket_of(len(batch)), len(batch))
 
     def record_regime(self, regime: str | None, batch_size: int, tokens: int, seconds: float) -> None:
         """What a slot run in `regime` made: `tokens` committed in `seconds` of its wall time (0: not measured)."""

@@ -9,13 +9,16 @@ drafted on ~75% of the slots, at an accepted length of 1.2, and ran 0.93-0.95x p
 it predicted paid. Comparing a drafting forward with a plain one cannot see that (the loss is in the regime's
 overhead, not in its forwards).
 
-So the regimes themselves are compared, as a user would see them: windows of `window` slots at a batch-size bucket
-run either as selection chooses (SELECT) or with every request left to selection decoding plainly and no selecting
-at all (PLAIN: what `none` does), and each window is measured by its tokens against its slots' wall seconds: its
-value is log(tokens / plain-step equivalents), where a slot of B requests that took s seconds is worth B x s /
-plain_s(B) plain steps (plain_s: the cost model's plain forward at B, read as each pair completes, per batch size
-its windows ran at; within a bucket a window at batch 3 then compares with one at batch 4, and an error of plain_s is
-the same for both regimes of a pair).
+So the regimes themselves are compared, as a user would see them: windows of a batch-size bucket's slots run either
+as selection chooses (SELECT) or with every request left to selection decoding plainly and no selecting at all
+(PLAIN: what `none` does), and each window is measured by its tokens against its slots' wall seconds: its value is
+log(tokens / plain-step equivalents), where a slot of B requests that took s seconds is worth B x s / plain_s(B)
+plain steps (plain_s: the cost model's plain forward at B, read as each pair completes, per batch size its windows
+ran at; within a bucket a window at batch 3 then compares with one at batch 4, and an error of plain_s is the same
+for both regimes of a pair). A window holds `window` request-steps (a slot of B requests is B of them), not a number
+of slots: what varies from window to window is the text of its requests, so a window of as many request-steps is
+about as precise at any batch, and the trial's share of slots shrinks as the batch grows (64 request-steps: 32
+slots at batch 2, 16 at batch 4, 4 at batch 16).
 
 Windows are compared in pairs, one of each regime back to back in random order: what a window makes depends far
 more on its text (a request copying its prompt makes 1.5x what the next one does) than on the regime, and adjacent
@@ -61,7 +64,7 @@ class _Bucket:
         self.pair: dict[str, tuple[int, dict[int, float]]] = {}  # the running pair's measured windows: regime ->
         #                                                             (tokens, wall seconds per batch size)
         self.regime: str | None = None  # the running window's regime (None: none running)
-        self.left = 0  # its slots still to run
+        self.left = 0  # its request-steps still to run
         self.tokens = 0  # what its measured slots committed ...
         self.seconds: dict[int, float] = {}  # ... and their wall seconds, per batch size
         self.n = self.sum = self.sum2 = 0.0  # decayed sums of the pairs' differences, SELECT's less PLAIN's
@@ -84,10 +87,11 @@ class _Bucket:
 class RegimeTrial:
     """Per batch-size bucket: SELECT or PLAIN for the next slot, from pairs of measured windows."""
 
-    def __init__(self, num_buckets: int, plain_s: Callable[[int], float | None], window: int = 16, memory: int = 32,
+    def __init__(self, num_buckets: int, plain_s: Callable[[int], float | None], window: int = 64, memory: int = 32,
                  seed: int = 0) -> None:
         """plain_s: a plain forward's predicted seconds at a batch size (None: unknown; read once a window per batch
-        size); window: slots of a bucket per window (a window's regime is kept for all of them); memory: the
+        size); window: request-steps per window (its slots' batch sizes, summed: a window keeps its regime for slots
+        until they reach it; 64 is the 16 slots at batch 4 the trial was measured with); memory: the
         bucket's pairs the mean difference remembers (each pair's weight decays by 1 - 1/memory at every later
         one)."""
         if num_buckets < 1 or window < 1 or memory < 2:
@@ -99,15 +103,15 @@ class RegimeTrial:
         self._rng = np.random.default_rng(seed)
         self.slots = {r: 0 for r in REGIMES}  # slots run in each regime (describe)
 
-    def regime(self, bucket: int) -> str:
-        """The regime of the bucket's next slot: its running window's, or a new window's."""
+    def regime(self, bucket: int, batch_size: int) -> str:
+        """The regime of the bucket's next slot, of `batch_size` requests: its running window's, or a new window's."""
         b = self._buckets[bucket]
         if b.regime is None or b.left <= 0:
             self._close(b)
             if not b.plan:
                 b.plan = self._plan(b)
             b.regime, b.left = b.plan.pop(0), self.window
-        b.left -= 1
+        b.left -= max(1, batch_size)
         self.slots[b.regime] += 1
         return b.regime
 
