@@ -199,8 +199,8 @@ def slot_account(coordinator) -> SlotAccount:
                        sum(ph.history.busy_s.get(TARGET_WORKER, {}).values()))
 
 
-SELECTION_KEYS = ("dominated", "idle", "ledger", "overhead_ms", "nothing_pays", "settled_slots", "cut_slots", "price",
-                  "plain_price", "regime")
+SELECTION_KEYS = ("dominated", "idle", "ledger", "overhead_ms", "nothing_pays", "settled_slots", "settled_on",
+                  "settled_on_slots", "cut_slots", "price", "plain_price", "regime")
 
 
 def selector_state(coordinator) -> dict | None:

@@ -92,7 +92,7 @@ slots would run them (cut at the drafter's floors of now, `_pricing_at`): the to
 tokens it would draft cost (an empty proposal: 0), averaged. What survives does not depend on the batch size, so
 drafts seen at any load value the drafters at the current one. Three decisions follow, once every drafter has
 DOMINANCE_EVIDENCE drafts:
-- a free drafter worth less than (1 - explore_margin) x the best one is dominated: neither exploited nor explored
+- a free drafter worth less than (1 - DOMINANCE_MARGIN) x the best one is dominated: neither exploited nor explored
   for requests selection decides, until the ledger says otherwise (its shadow drafts go on). A request's handful of
   rated drafts is too few to tell two copying drafters apart, so a matching over them took the weaker one about as
   often as the stronger: replaying selection on recorded greedy outputs at batch 1 (Zen 4 costs), n-gram lookup ran
@@ -154,6 +154,11 @@ TIE_BREAK = 1e-6  # tokens: between equal gains a drafter, not plain decoding: d
 PLAIN_SAMPLE = 8  # while no draft token can pay, plain rewards are learned on slots the slot count divides (`observe`)
 DOMINANCE_WINDOW = 512  # shadow drafts per drafter the dominance ledger weighs (exponential decay)
 DOMINANCE_EVIDENCE = 64  # ... that both drafters need before one may rule the other out
+DOMINANCE_MARGIN = 0.05  # ... where it is worth less than (1 - this) x the best one's. Not explore_margin (0.15, a
+#                         request's own handful of slots): the ledger weighs the population's latest drafts of both
+#                         drafters on the same slots' text. Measured (`bench e2e`, 2-core Xeon, batch 1): at 0.15
+#                         n-gram lookup, trailing suffix decoding by 18% on gsm8k, kept coming back above the bar and
+#                         ran 29% of the slots, and `spin` made 0.93x of `fixed:suffix`
 IDLE_SHADOW = 8  # while selecting does not pay (`_idle`): every IDLE_SHADOW-th shadow turn is granted
 SETTLED_SHADOW = 4  # while settled on one drafter (`_settle`): every SETTLED_SHADOW-th shadow turn is granted
 OVERHEAD_WINDOW = 33  # fully selected slots whose selecting seconds overhead_s is the median of (per batch size: a
@@ -246,7 +251,7 @@ class LBSSSelector:
         self._floors: dict[str, tuple[float, ...]] = {}  # this slot's confidence floors (per draft position) of
         #                                                  requests cut by their drafts' own ratings
         # the free drafters' shadow drafts, valued at a batch size's prices as its slots would run them (`ledger.py`)
-        self.ledger = ShadowLedger(self.arm_set.drafters, DOMINANCE_WINDOW, DOMINANCE_EVIDENCE, cfg.explore_margin,
+        self.ledger = ShadowLedger(self.arm_set.drafters, DOMINANCE_WINDOW, DOMINANCE_EVIDENCE, DOMINANCE_MARGIN,
                                    SHADOW_K)
         self.verdict: Verdict = UNKNOWN  # ... read at the last price reading's batch size
         self.dominated: frozenset[str] = frozenset()  # free drafters another one dominates at the last slot's size
