@@ -156,9 +156,10 @@ DOMINANCE_WINDOW = 512  # shadow drafts per drafter the dominance ledger weighs 
 DOMINANCE_EVIDENCE = 64  # ... that both drafters need before one may rule the other out
 DOMINANCE_MARGIN = 0.05  # ... where it is worth less than (1 - this) x the best one's. Not explore_margin (0.15, a
 #                         request's own handful of slots): the ledger weighs the population's latest drafts of both
-#                         drafters on the same slots' text. Measured (`bench e2e`, 2-core Xeon, batch 1): at 0.15
-#                         n-gram lookup, trailing suffix decoding by 18% on gsm8k, kept coming back above the bar and
-#                         ran 29% of the slots, and `spin` made 0.93x of `fixed:suffix`
+#                         drafters on the same slots' text. At 0.15 n-gram lookup, trailing suffix decoding by 18% on
+#                         gsm8k (`bench e2e`, batch 1, 2-core Xeon), stayed above the bar long enough to run 29% of
+#                         one run's slots (3-8% in others), though `fixed:` runs find suffix decoding the better one on
+#                         every workload of the shared datasets
 IDLE_SHADOW = 8  # while selecting does not pay (`_idle`): every IDLE_SHADOW-th shadow turn is granted
 SETTLED_SHADOW = 4  # while settled on one drafter (`_settle`): every SETTLED_SHADOW-th shadow turn is granted
 OVERHEAD_WINDOW = 33  # fully selected slots whose selecting seconds overhead_s is the median of (per batch size: a
