@@ -489,11 +489,14 @@ def _without_default_heads(drafters: tuple[DrafterConfig, ...], target: str) -> 
     return tuple(kept)
 
 
+SECTIONS = {"model": ModelConfig, "runtime": RuntimeConfig, "speculation": SpeculationConfig,
+            "selection": SelectionConfig, "server": ServerConfig}  # the config file's single tables
+
+
 def from_dict(raw: dict[str, Any]) -> SpindConfig:
     raw = dict(raw)
     sections = {}
-    for key, cls in (("model", ModelConfig), ("runtime", RuntimeConfig), ("speculation", SpeculationConfig),
-                     ("selection", SelectionConfig), ("server", ServerConfig)):
+    for key, cls in SECTIONS.items():
         sections[key] = _build(cls, raw.pop(key, {}), key)
     drafters = tuple(_build(DrafterConfig, d, "drafters") for d in _array(raw.pop("drafters", []), "drafters"))
     if sections["model"].target != "default":
@@ -502,6 +505,17 @@ def from_dict(raw: dict[str, Any]) -> SpindConfig:
     if raw:
         raise ConfigError(f"unknown top-level section(s): {', '.join(sorted(raw))}")
     return validate(SpindConfig(**sections, drafters=drafters, workers=workers))
+
+
+def with_section_values(cfg: SpindConfig, section: str, values: dict[str, Any]) -> SpindConfig:
+    """`cfg` with these keys of one single table ([selection], [runtime], ...) set, each checked as the config file's
+    would be (ConfigError names what is wrong)."""
+    cls = SECTIONS.get(section)
+    if cls is None:
+        raise ConfigError(f"no section [{section}] (sections: {', '.join(SECTIONS)})")
+    raw = {f.name: (list(v) if isinstance(v := getattr(getattr(cfg, section), f.name), tuple) else v)
+           for f in dataclasses.fields(cls)}
+    return validate(dataclasses.replace(cfg, **{section: _build(cls, {**raw, **values}, section)}))
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> SpindConfig:

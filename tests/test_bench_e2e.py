@@ -37,6 +37,26 @@ def test_systems_parse_and_unknown_ones_are_refused():
             parse_system(bad, cfg)
 
 
+def test_a_system_with_settings_is_a_row_of_its_own_and_a_wrong_setting_is_refused():
+    cfg = load_config()
+    spec = parse_system("spin/selection.price_margin=0.1/runtime.adaptive_threads=false", cfg)
+    assert (spec.name, str(spec.policy), spec.pipeline) == \
+        ("spin/selection.price_margin=0.1/runtime.adaptive_threads=false", "lbss", True)
+    run = spind_config(cfg, spec, 4)
+    assert (run.selection.price_margin, run.runtime.adaptive_threads, run.selection.policy, run.speculation.k) == \
+        (0.1, False, "lbss", 4)
+    assert spind_config(cfg, parse_system("spin", cfg), 4).selection.price_margin == cfg.selection.price_margin
+    fixed = spind_config(cfg, parse_system("fixed:ngram/runtime.kv_cache_dtype=float32", cfg), 4)
+    assert (fixed.runtime.kv_cache_dtype, fixed.selection.policy) == ("float32", "fixed:ngram")  # a bare string
+    refused = {"spin/selection.price_margin=x": "must be float", "spin/price_margin=0.1": "SECTION.KEY=VALUE",
+               "spin/selection.policy=none": "set by the system", "spin/speculation.k=2": "set by the system",
+               "spin/selection.nope=1": "unknown key", "spin/nosec.a=1": "no section", "spin/selection.alpha=-1":
+               "alpha >= 0", "hf-plain/selection.alpha=1": "only spind systems", "fast/selection.alpha=1": "unknown"}
+    for name, why in refused.items():
+        with pytest.raises(RefusedSystem, match=why):
+            parse_system(name, cfg)
+
+
 def test_open_loop_arrivals_are_poisson_and_seeded():
     assert arrivals(3, None, 0) == [0.0, 0.0, 0.0]
     a = arrivals(2000, 4.0, 7)
@@ -49,8 +69,10 @@ def test_the_oracle_learns_each_requests_best_fixed_drafter():
         return RequestRecord(i, "", 5, list(range(tokens)), latency_s=latency)
 
     results = {"none": [rec(0, 10, 2.0), rec(1, 10, 2.0)], "fixed:ngram": [rec(0, 10, 1.0), rec(1, 10, 4.0)],
-               "fixed:int8": [rec(0, 10, 1.5), rec(1, 10, 1.0)], "spin": [rec(0, 10, 0.1), rec(1, 10, 0.1)]}
-    assert best_arms(results, 4) == {0: Arm("ngram", 4), 1: Arm("int8", 4)}  # spin's runs are not candidates
+               "fixed:int8": [rec(0, 10, 1.5), rec(1, 10, 1.0)], "spin": [rec(0, 10, 0.1), rec(1, 10, 0.1)],
+               "fixed:ngram/runtime.kv_cache_dtype=float32": [rec(0, 10, 0.1), rec(1, 10, 0.1)]}
+    # spin's runs are not candidates, nor a fixed drafter's with settings of its own
+    assert best_arms(results, 4) == {0: Arm("ngram", 4), 1: Arm("int8", 4)}
 
 
 def test_drafter_shares_count_slots():
@@ -118,13 +140,14 @@ def test_a_tiny_run_reports_every_system_lossless_and_the_refused_ones(tmp_path,
     prompts = write_prompt_file(tmp_path / "prompts.json")
     out = tmp_path / "e2e.json"
     code = main(["bench", "e2e", "--workload", str(prompts), "--num-requests", "3", "--batch-size", "2",
-                 "--max-tokens", "8", "--systems", "none,fixed:ngram,spin,hf-plain,fixed:nope,hf-assisted:int8",
+                 "--max-tokens", "8", "--systems", "none,fixed:ngram,spin,hf-plain,fixed:nope,hf-assisted:int8,"
+                 "spin/selection.price_margin=0.0,spin/selection.price_margin=-1.0",
                  "--threads", "1", "--json", str(out)])
     assert code == 0
     results = json.loads(out.read_text())
     rows = {r["system"]: r for r in results["rows"]}
-    assert set(rows) == {"none", "fixed:ngram", "spin", "hf-plain"}
-    assert set(results["refused"]) == {"fixed:nope", "hf-assisted:int8"}
+    assert set(rows) == {"none", "fixed:ngram", "spin", "hf-plain", "spin/selection.price_margin=0.0"}
+    assert set(results["refused"]) == {"fixed:nope", "hf-assisted:int8", "spin/selection.price_margin=-1.0"}
     assert all(r["lossless"] is True for r in rows.values())  # greedy: every system reproduces plain decoding
     assert rows["none"]["speedup_vs_none"] == 1.0 and rows["none"]["drafter_shares"] == {"none": 1.0}
     assert rows["hf-plain"]["slots"] is None  # transformers' generate: no slots of spind's to account
@@ -133,7 +156,7 @@ def test_a_tiny_run_reports_every_system_lossless_and_the_refused_ones(tmp_path,
     assert {"dominated", "idle", "ledger", "overhead_ms"} <= set(rows["spin"]["selection"])  # what LBSS learned
     for name, recs in results["requests"].items():
         assert len(recs) == 3 and all(len(r["token_ids"]) <= 8 and r["latency_s"] > 0 for r in recs)
-        if name in ("fixed:ngram", "spin"):
+        if name in ("fixed:ngram", "spin", "spin/selection.price_margin=0.0"):
             assert all(len(r["arms"]) == r["num_steps"] for r in recs)
     assert "refused:" in capsys.readouterr().out
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from spind.config import (DEFAULT_CONFIG_PATH, ConfigError, SpindConfig, checkpoint_dtype, from_dict, load_config,
-                          max_kv_blocks, resolve_dtype)
+                          max_kv_blocks, resolve_dtype, with_section_values)
 
 NGRAM = {"name": "ng", "kind": "ngram"}
 
@@ -38,6 +38,18 @@ def test_the_default_head_is_left_out_for_another_target(caplog: pytest.LogCaptu
 def test_overrides_apply_and_none_leaves_the_value() -> None:
     cfg = load_config(overrides={"model": {"dtype": "bfloat16", "target": None}, "runtime": {"kv_num_blocks": 8}})
     assert cfg.model.dtype == "bfloat16" and cfg.model.target == "default" and cfg.runtime.kv_num_blocks == 8
+
+
+def test_section_values_are_checked_as_the_files_are() -> None:
+    cfg = load_config()
+    assert with_section_values(cfg, "selection", {}) == cfg
+    other = with_section_values(cfg, "selection", {"price_margin": 0.1, "k_set": [2, 4]})
+    assert (other.selection.price_margin, other.selection.k_set, other.runtime) == (0.1, (2, 4), cfg.runtime)
+    for section, values, why in (("selection", {"price_margin": "x"}, "must be float"),
+                                 ("selection", {"nope": 1}, "unknown key"), ("nosec", {}, "no section"),
+                                 ("selection", {"price_margin": -1.0}, "price_margin must be >= 0")):
+        with pytest.raises(ConfigError, match=why):
+            with_section_values(cfg, section, values)
 
 
 def test_unknown_drafter_lists_the_configured_ones() -> None:

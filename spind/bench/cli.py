@@ -65,7 +65,9 @@ def add_parsers(sub: argparse._SubParsersAction,
                         "runs them (the coordinator's Python then overlaps the forward instead of sharing its GIL)")
     e.add_argument("--systems", default="none,fixed:ngram,fixed:int8,spin,spin-nopipe,spin-nobatch-nopipe",
                    help="comma-separated: none, fixed:NAME, spin, spin-nopipe, spin-nobatch-nopipe, greedy-length, "
-                        "epsilon-greedy, random, oracle, hf-plain, hf-assisted:NAME, hf-prompt-lookup")
+                        "epsilon-greedy, random, oracle, hf-plain, hf-assisted:NAME, hf-prompt-lookup; a spind "
+                        "system may end in /SECTION.KEY=VALUE settings of its config (a row of its own: "
+                        "spin/selection.price_margin=0.1)")
     e.add_argument("--temperature", type=float, default=0.0)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--k", type=int, default=None, help="draft length of fixed:NAME (default: [speculation].k)")

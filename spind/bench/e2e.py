@@ -22,7 +22,9 @@ like `spin-nobatch-nopipe`.) "served" is the configured [runtime].attention, wha
 batch-invariant row kernel over an fp16 KV cache; on a GPU triton-packed): the systems a user would choose between
 are timed on the engine they would get, and only the ablations swap in padded verification. `oracle` knows each
 request's best drafter in hindsight: the one whose `fixed:` run served it fastest in this same bench run, so it
-needs those systems in the list.
+needs those systems in the list. A spind system's name may end in settings of its own config, `/SECTION.KEY=VALUE`
+each (`spin/selection.price_margin=0.1`): a row of its own, so that a setting is weighed against the default side
+by side, in the same rounds, rather than in two runs minutes apart on a machine whose speed drifts between them.
 
 Requests arrive in a closed loop (`--batch-size` clients, each sending its next request when the previous
 ends: the paper's setting) or an open loop (Poisson arrivals at `--rate` requests/s). Greedy outputs are
@@ -38,13 +40,14 @@ import asyncio
 import dataclasses
 import random
 import time
+import tomllib
 from dataclasses import asdict
 
 from spind.bench.datasets import Prompt, encode_prompt
 from spind.bench.e2e_records import E2ESettings, RefusedSystem, RequestRecord, SlotAccount, SystemSpec
 from spind.bench.report import Progress, fmt, format_table
 from spind.bench.serve import percentile
-from spind.config import TARGET_WORKER, SpindConfig
+from spind.config import TARGET_WORKER, ConfigError, SpindConfig, with_section_values
 from spind.coordinator.interface import EngineRequest
 from spind.coordinator.selection.protocol import Arm
 from spind.params import SamplingParams
@@ -69,7 +72,42 @@ def fixed_policy(system: str) -> Policy | None:
 
 
 def parse_system(name: str, cfg: SpindConfig) -> SystemSpec:
-    """A system name -> how to run it; RefusedSystem names what is missing."""
+    """A system name -> how to run it; RefusedSystem names what is missing. A spind system's name may end in settings
+    of its config, `/SECTION.KEY=VALUE` each (VALUE as TOML writes it): `spin/selection.price_margin=0.1` is `spin`
+    with that margin, a row of its own beside `spin`, so that a setting is weighed side by side in one run."""
+    base, *settings = name.split("/")
+    spec = _parse_base(base, cfg)
+    if not settings:
+        return spec
+    if spec.kind != "spind":
+        raise RefusedSystem(f"{name}: only spind systems take /SECTION.KEY=VALUE settings")
+    spec = dataclasses.replace(spec, name=name, settings=tuple(_parse_setting(name, text) for text in settings))
+    try:
+        spind_config(cfg, spec, cfg.speculation.k)
+    except ConfigError as e:
+        raise RefusedSystem(f"{name}: {e}") from None
+    return spec
+
+
+SET_BY_SYSTEM = ("selection.policy", "runtime.pipeline", "runtime.attention", "speculation.k")  # the system's, --k's
+
+
+def _parse_setting(name: str, text: str) -> tuple[str, str, object]:
+    """`SECTION.KEY=VALUE` -> (section, key, value); VALUE is read as a TOML value, else as a bare string."""
+    path, eq, value = text.partition("=")
+    section, dot, key = path.strip().partition(".")
+    if not (eq and dot and section and key):
+        raise RefusedSystem(f"{name}: a setting is SECTION.KEY=VALUE (e.g. selection.price_margin=0.1), got {text!r}")
+    if f"{section}.{key}" in SET_BY_SYSTEM:
+        raise RefusedSystem(f"{name}: {section}.{key} is set by the system's name (or --k), not by a setting")
+    try:
+        parsed = tomllib.loads(f"v = {value.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value.strip()
+    return section, key, parsed
+
+
+def _parse_base(name: str, cfg: SpindConfig) -> SystemSpec:
     names = tuple(d.name for d in cfg.drafters)
     if name == "none":
         return SystemSpec(name=name, kind="spind")
@@ -109,9 +147,17 @@ def arrivals(n: int, rate: float | None, seed: int) -> list[float]:
 
 # ---- spind systems --------------------------------------------------------------------------------
 def spind_config(cfg: SpindConfig, spec: SystemSpec, k: int) -> SpindConfig:
+    """The config the system runs: `cfg` with its pipeline, attention and policy, --k, and its own settings (ConfigError
+    where one is wrong)."""
     r = dataclasses.replace(cfg.runtime, pipeline=spec.pipeline, attention=spec.attention or cfg.runtime.attention)
-    return dataclasses.replace(cfg, runtime=r, speculation=dataclasses.replace(cfg.speculation, k=k),
-                               selection=dataclasses.replace(cfg.selection, policy=str(spec.policy)))
+    out = dataclasses.replace(cfg, runtime=r, speculation=dataclasses.replace(cfg.speculation, k=k),
+                              selection=dataclasses.replace(cfg.selection, policy=str(spec.policy)))
+    sections: dict[str, dict[str, object]] = {}
+    for section, key, value in spec.settings:
+        sections.setdefault(section, {})[key] = value
+    for section, values in sections.items():
+        out = with_section_values(out, section, values)
+    return out
 
 
 async def _drive(coordinator, prompts: list[list[int]], categories: list[str], s: E2ESettings, drafter: str,
@@ -189,7 +235,7 @@ def _load(cfg: SpindConfig, spec: SystemSpec, prompts: list[list[int]], s: E2ESe
 
 
 def _drafter(spec: SystemSpec) -> str:
-    return "none" if spec.name == "none" else "auto"
+    return "none" if spec.policy.name == "none" else "auto"
 
 
 def slot_account(coordinator) -> SlotAccount:
@@ -335,9 +381,11 @@ def drafter_shares(records: list[RequestRecord]) -> dict[str, float]:
 
 def best_arms(results: dict[str, list[RequestRecord]], k: int) -> dict[int, Arm]:
     """Each request's best drafter in hindsight: the fixed:NAME run (or none) that served it at the highest
-    goodput in this bench run."""
+    goodput in this bench run (a system with settings of its own is not one of them)."""
     best: dict[int, tuple[float, Arm]] = {}
     for system, records in results.items():
+        if "/" in system:
+            continue
         fixed = fixed_policy(system)
         if system != "none" and fixed is None:
             continue

@@ -22,6 +22,7 @@ class SystemSpec:
     pipeline: bool = False
     attention: str | None = None  # [runtime].attention for this system; None: the configured one (what serving runs)
     hf_drafter: str = ""  # hf-assisted: the configured drafter standing in as the assistant model
+    settings: tuple[tuple[str, str, object], ...] = ()  # (section, key, value): the system's own config values
 
 
 @dataclass(frozen=True)
