@@ -129,3 +129,44 @@ def test_a_call_cancelled_as_its_reply_lands_is_cancelled(pool_kind: str, tmp_pa
         asyncio.run(main(ctx))
     finally:
         ctx.term()
+
+
+def test_a_reply_wakes_its_caller_in_the_next_loop_iteration_and_start_call_sends_at_once() -> None:
+    """The target waits for the coordinator's next op while the reply travels to its caller: awaited directly, the
+    caller runs in the iteration after the reply lands (through `asyncio.shield` and `asyncio.timeout` it took two
+    more). `start_call` has sent the op when it returns, so the caller can work before it awaits the reply. A caller
+    cancelled before its reply lands cancels its call, and the late reply harms nothing."""
+    async def main() -> None:
+        pool = InProcessPool(["target"], lambda name: HangingWorker(name, hang=False))
+        await pool.start()
+        replies: list[asyncio.Future] = []
+
+        def cast(name: str, msg: object) -> asyncio.Future:
+            replies.append(asyncio.get_running_loop().create_future())
+            return replies[-1]
+
+        pool.cast = cast
+        pending = pool.start_call("target", P.Ping(0), 5.0)
+        assert len(replies) == 1  # sent before anything awaited
+        caller = asyncio.create_task(pending)
+        await asyncio.sleep(0)  # the caller now waits for the reply
+        replies[0].set_result(P.Ack(1))
+        await asyncio.sleep(0)  # one iteration: the caller's wake-up
+        assert caller.done() and caller.result() == P.Ack(1)
+
+        caller = asyncio.create_task(pool.call("target", P.Ping(0), 5.0))
+        await asyncio.sleep(0)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        assert replies[1].cancelled()
+        from spind.coordinator.transport.pool import settle
+        settle(replies[1], P.Ack(2), pool.info("target"), None)  # the late reply: passed by
+
+        expired = pool.start_call("target", P.Ping(0), 0.05)
+        with pytest.raises(WorkerDied, match="no reply within 0.05 s"):
+            await expired
+        assert isinstance(replies[2].exception(), TimeoutError) and not pool.is_alive("target")
+        await pool.stop()
+
+    asyncio.run(main())

@@ -452,11 +452,9 @@ class SlotPhases:
         way, so the front ends write and the selector learns while the target computes."""
         if self._held is None:
             return await self.pool.call(TARGET_WORKER, msg, self.call_timeout_s)
-        call = asyncio.ensure_future(self.pool.call(TARGET_WORKER, msg, self.call_timeout_s))
-        await asyncio.sleep(0)  # the call casts the op (a worker process has it now) ...
-        await asyncio.sleep(0)  # ... and an in-process worker's loop hands it to the worker's thread
+        reply = self.pool.start_call(TARGET_WORKER, msg, self.call_timeout_s)  # the op is on its way
         self.flush_deltas()
-        return await call
+        return await reply
 
     async def verify_isolating(self, batch: list[RequestState], arms: dict[str, Arm],
                                drafts: dict[str, P.DraftRecord], threads: int = 0) -> VerifyOutcome:
