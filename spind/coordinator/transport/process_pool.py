@@ -227,10 +227,13 @@ class WorkerProcess:
         try:
             while not why:
                 await asyncio.wait((replies,), timeout=EXIT_CHECK_S)
-                if replies.done():  # the socket broke under us: treat the worker as lost
-                    why = f"socket error {replies.exception()}"
+                if replies.done():  # the socket broke under us (or a reply could not be routed): the worker is lost
+                    exc = replies.exception()
+                    why = f"socket error {exc}" if isinstance(exc, zmq.ZMQError) else \
+                        f"reading its replies failed: {type(exc).__name__}: {exc}"
                     log.error("worker %s: %s", self.name, why)
                 elif proc.poll() is not None:
+                    self._drain(sock)  # what it sent before it exited (a Shutdown's Ack) is its callers', not lost
                     why = f"exit code {proc.returncode}"
                     if proc.returncode == EXIT_DEVICE_ERROR:
                         why += " (its device failed; see its log)"
@@ -249,6 +252,15 @@ class WorkerProcess:
         dropped), and the target waits for the next op meanwhile."""
         while True:
             self._dispatch(await sock.recv())
+
+    def _drain(self, sock: zmq.asyncio.Socket) -> None:
+        """Route the replies already in the socket, without waiting (the reader may not have had its turn yet)."""
+        while True:
+            try:
+                frame = zmq.Socket.recv(sock, zmq.NOBLOCK)
+            except zmq.ZMQError:  # zmq.Again: nothing left
+                return
+            self._dispatch(frame)
 
     def _dispatch(self, frame: bytes) -> None:
         try:
