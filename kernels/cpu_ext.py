@@ -17,8 +17,10 @@ the tests check the tile path's layouts and epilogue on every AVX-512 VNNI machi
 on an AMX machine). Where the AMX build fails (a compiler without `-mamx-int8`), the VNNI build serves. The build's
 name carries its ISA, so a cache shared between machines never hands one to a CPU without it, and each registers its
 ops under its own namespace (`torch.ops.spind_cpu_<isa>`), so builds can be loaded side by side (tests compare them).
-Callers use `ops()`, or fall back to torch when `available()` is False. Every op runs on the kernels' own thread pool
-(csrc/pool.h) at torch's thread count.
+Callers use `ops()`, or fall back to torch when `available()` is False. `build_other(csrc)` compiles another tree's
+sources (an older checkout's) under a namespace of their own, and a model loaded inside `ops_from(that)` runs them:
+a kernel change is timed against its parent in one process (`spind bench batch --against`). Every op runs on the
+kernels' own thread pool (csrc/pool.h) at torch's thread count.
 
 Built at install time: `pip install .` / `pip install -e .` (setup.py) compile this CPU's serving build into
 `prebuilt/` beside this file, with a manifest of what it was built from (sources, headers, flags, torch version), so
@@ -201,8 +203,13 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
+_ops_from: str | None = None  # while set (`ops_from`), the namespace `ops()` returns
+
+
 def ops(isa: str | None = None):
-    """The op namespace of a loaded build (the best one by default)."""
+    """The op namespace of a loaded build (the best one by default; inside `ops_from(name)`, that one)."""
+    if isa is None and _ops_from is not None:
+        return getattr(torch.ops, _ops_from)
     reason = unavailable_reason() if isa is None else load(isa)
     if reason is not None:
         raise RuntimeError(f"spind CPU kernels unavailable: {reason}")
@@ -339,6 +346,41 @@ def _remove_stale_lock(name: str) -> None:
             lock.unlink()
     except (OSError, AttributeError, RuntimeError):  # a private torch helper moved: the lock stays, as before
         pass
+
+
+def build_other(csrc: Path, isa: str | None = None) -> str:
+    """Build another tree's kernel sources (e.g. an older checkout's kernels/csrc) beside this one's, for an A/B in
+    one process (`spind bench batch --against`): every *.cpp in `csrc` with this build's flags, under an op namespace
+    of its own named by the sources' digest; returns that namespace. Raises where it cannot be built."""
+    from torch.utils import cpp_extension
+
+    isa = isa or best_isa()
+    if isa is None or isa not in loadable_isas():
+        raise RuntimeError(f"no kernel build runs on this CPU for {isa!r}")
+    sources = sorted(csrc.glob("*.cpp"))
+    if not sources:
+        raise ValueError(f"{csrc} holds no kernel sources (*.cpp)")
+    digest = hashlib.sha1(b"".join(f.name.encode() + f.read_bytes() for f in sorted(csrc.glob("*.[ch]*"))))
+    name = f"spind_cpu_{isa}_ab{digest.hexdigest()[:10]}"
+    with _ninja_on_path_env(), _said_if_slow(f"compiling {csrc}'s {isa} kernels as {name} (~{BUILD_S} s)"):
+        cpp_extension.load(name=name, sources=[str(f) for f in sources], extra_include_paths=[str(csrc)],
+                           extra_cflags=[*CFLAGS, f"-DSPIND_OPS={name}", *ISA_FLAGS[isa]], is_python_module=False,
+                           verbose=False)  # cached by torch's builder: a second call loads the same library
+    return name
+
+
+@contextlib.contextmanager
+def ops_from(namespace: str):
+    """`ops()` returns `namespace` inside the block (one thread at a time): a model loaded in it keeps those ops (its
+    layers take them at load), so two builds' models can run side by side in one process."""
+    global _ops_from
+    with _lock:
+        previous, _ops_from = _ops_from, namespace
+    try:
+        yield
+    finally:
+        with _lock:
+            _ops_from = previous
 
 
 def _build(isa: str) -> str | None:

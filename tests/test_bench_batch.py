@@ -1,6 +1,7 @@
 """`spind bench batch`: its argument checks, and one short run on the real default model over a quality text made
 here (tests never read the shared datasets): the phases it reports add up to the step, the stack's own timers see
-its calls, and timing changes no result."""
+its calls, and timing changes no result. `--against`: another tree's kernels built under their own op namespace, a
+target loaded on them, and its rounds paired with this build's."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from spind.bench.batch import BatchBenchSettings, render_tables, run_batch_bench
+from spind.bench.batch import BatchBenchSettings, _measure, render_tables, run_batch_bench
 from spind.bench.cli import batch_settings
 from spind.bench.quality import QUALITY_DATASET
+from spind.bench.report import Progress
 from spind.config import SpindConfig
 from spind.kernels import cpu_ext
 
@@ -42,6 +44,19 @@ def test_settings_reject_bad_arguments(cfg: SpindConfig, datasets_dir: Path) -> 
                          (dict(context=cfg.model.max_model_len), "max_model_len"), (dict(rounds=0), "rounds")):
         with pytest.raises(ValueError, match=message):
             batch_settings(args(datasets_dir, **bad), cfg)
+
+
+def test_against_takes_a_checkout_or_its_kernel_sources(cfg: SpindConfig, datasets_dir: Path, tmp_path: Path) -> None:
+    assert batch_settings(args(datasets_dir), cfg).against is None
+    checkout = tmp_path / "other"
+    (checkout / "kernels" / "csrc").mkdir(parents=True)
+    (checkout / "kernels" / "csrc" / "ops.cpp").write_text("// a kernel source\n")
+    for given in (checkout, checkout / "kernels" / "csrc"):
+        assert batch_settings(args(datasets_dir, against=given), cfg).against == (checkout / "kernels" / "csrc")
+    with pytest.raises(ValueError, match="holds kernel sources"):
+        batch_settings(args(datasets_dir, against=tmp_path / "nothing-here"), cfg)
+    with pytest.raises(ValueError, match="holds kernel sources"):
+        batch_settings(args(datasets_dir, against=checkout / "kernels"), cfg)
 
 
 @pytest.mark.parametrize("k", [0, 2])
@@ -84,3 +99,41 @@ def test_the_stack_timers_change_no_result(engine) -> None:
                                                                       else (0, False, False, False))
 
     assert torch.equal(logits(True), logits(False))
+
+
+PROBE = """
+#include <torch/library.h>
+int64_t probe() { return 7; }
+TORCH_LIBRARY(SPIND_OPS, m) { m.def("probe() -> int", &probe); }
+"""
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="needs spind's CPU kernels (a build for this CPU)")
+def test_another_trees_kernels_build_under_their_own_namespace(tmp_path: Path) -> None:
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    (csrc / "probe.cpp").write_text(PROBE)
+    name = cpu_ext.build_other(csrc)
+    assert name.startswith(f"spind_cpu_{cpu_ext.best_isa()}_ab")
+    assert cpu_ext.ops() is not getattr(torch.ops, name)
+    with cpu_ext.ops_from(name):
+        assert cpu_ext.ops().probe() == 7
+    assert cpu_ext.ops() is getattr(torch.ops, f"spind_cpu_{cpu_ext.best_isa()}")  # back to this build
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="the fused stack needs spind's CPU kernels")
+def test_a_run_against_another_build_pairs_every_round(cfg: SpindConfig, datasets_dir: Path) -> None:
+    # the other build here is this one's namespace under another name's role: the pairing, not a kernel, is tested
+    namespace = f"spind_cpu_{cpu_ext.best_isa()}"
+    settings = BatchBenchSettings(batches=(1, 2), context=48, k=1, rounds=3, threads=(1,), datasets_dir=datasets_dir)
+    run = _measure(cfg, settings, Progress(total=3), namespace)
+    other = run["against"]
+    assert other["namespace"] == namespace and [r["rows"] for r in other["rows"]] == [2, 4]
+    for r in other["ratios"]:
+        for phase in ("step", "gemm"):
+            q1, median, q3 = r["over_against"][phase]
+            assert 0 < q1 <= median <= q3
+    table = render_tables({"settings": {**settings.__dict__, "against": "/elsewhere/kernels/csrc"},
+                           "environment": {"dtype": "gguf", "cpu": "", "kernels": namespace, "kv_cache_dtype": "auto"},
+                           "runs": [run]})
+    assert "This build / /elsewhere/kernels/csrc" in table and "step ratio" in table

@@ -12,10 +12,17 @@ over B and rolled back after each, so every round sees the same contexts. Per B,
 - the step at B over the step at 1, and throughput at B over throughput at 1.
 Without the fused stack (no kernels, or a target that does not qualify) the stack's share is one `forward` column.
 What this does not see is the daemon around it (IPC, the coordinator's slot): `spind bench serve` measures that.
+
+`--against DIR` (another checkout, or its kernels/csrc) times a kernel change against its parent in one process:
+the other sources are built under their own op namespace (`cpu_ext.build_other`), a second target is loaded on them,
+and every round steps both, in alternating order, on the same contexts; per B, the median and quartiles of the
+per-round ratios of this build's time to the other's. Two daemons or two runs minutes apart on a shared 2-core VM
+drift by more than a kernel change gains (18-40 % seen within an hour); round-by-round pairs do not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import sys
@@ -47,12 +54,14 @@ class BatchBenchSettings:
     rounds: int = 16
     threads: tuple[int, ...] = (1,)
     datasets_dir: Path = DEFAULT_DATASETS_DIR
+    against: Path | None = None  # another tree's kernel sources (kernels/csrc), timed beside this one's
 
 
 def _stack_ops(verifier: TargetVerifier):
-    """The kernels' ops when the target runs the fused stack (their `stack_profile` times it), else None."""
-    model = verifier.runner.model
-    return cpu_ext.ops() if model.fused_stack is not None and cpu_ext.available() else None
+    """The ops of the build the target runs when it runs the fused stack (their `stack_profile` times it), else
+    None."""
+    stack = verifier.runner.model.fused_stack
+    return None if stack is None else stack.ops
 
 
 def _round(verifier: TargetVerifier, req_ids: list[str], drafts: dict[str, list[int]], ops) -> dict[str, float]:
@@ -103,44 +112,99 @@ def _round(verifier: TargetVerifier, req_ids: list[str], drafts: dict[str, list[
     return {k: v * 1e3 for k, v in out.items()}
 
 
-def _measure(cfg: SpindConfig, settings: BatchBenchSettings, progress: Progress) -> dict:
-    engine = LocalEngine.load(cfg, drafters=[])
+@dataclass
+class _Target:
+    engine: LocalEngine
+    req_ids: list[str]
+    drafts: dict[str, list[int]]
+    ops: object  # the stack's ops (None: no fused stack)
+
+    @classmethod
+    def load(cls, cfg: SpindConfig, settings: BatchBenchSettings, namespace: str | None = None) -> "_Target":
+        """The target (on the kernels of op namespace `namespace`, default this build's), its requests prefilled
+        with `--context` tokens each."""
+        with cpu_ext.ops_from(namespace) if namespace else contextlib.nullcontext():
+            engine = LocalEngine.load(cfg, drafters=[])
+        try:
+            verifier = engine.target
+            need = max(settings.batches)
+            windows = quality_windows(engine.tokenizer, settings.datasets_dir, need * settings.context,
+                                      settings.context)
+            req_ids = [f"b{i}" for i in range(need)]
+            for r, window in zip(req_ids, windows):
+                verifier.add_request(r, window, SamplingParams(temperature=0.0, max_tokens=1))
+                verifier.prefill([(r, len(window) - 1)])
+            drafts = {r: windows[i][:settings.k] for i, r in enumerate(req_ids)}  # any tokens: the cost is the rows
+            return cls(engine, req_ids, drafts, _stack_ops(verifier))
+        except BaseException:
+            engine.close()
+            raise
+
+    def round(self, b: int) -> dict[str, float]:
+        return _round(self.engine.target, self.req_ids[:b], self.drafts, self.ops)
+
+
+def _rows(settings: BatchBenchSettings, times: dict[int, dict[str, list[float]]]) -> list[dict]:
+    rows = []
+    for b in settings.batches:
+        med = {phase: statistics.median(v) for phase, v in times[b].items()}
+        tokens = b * (settings.k + 1)
+        rows.append({"batch": b, "rows": tokens, "step_ms": med.pop("step"),
+                     "tokens_per_s": tokens / statistics.median(times[b]["step"]) * 1e3, "phases_ms": med})
+    base = rows[0]
+    for r in rows:
+        r["step_over_first"] = r["step_ms"] / base["step_ms"]
+        r["throughput_over_first"] = r["tokens_per_s"] / base["tokens_per_s"]
+    return rows
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    return statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+
+
+def _measure(cfg: SpindConfig, settings: BatchBenchSettings, progress: Progress, against: str | None) -> dict:
+    targets = [_Target.load(cfg, settings)]
     try:
-        verifier = engine.target
-        need = max(settings.batches)
-        windows = quality_windows(engine.tokenizer, settings.datasets_dir, need * settings.context, settings.context)
-        req_ids = [f"b{i}" for i in range(need)]
-        for r, window in zip(req_ids, windows):
-            verifier.add_request(r, window, SamplingParams(temperature=0.0, max_tokens=1))
-            verifier.prefill([(r, len(window) - 1)])
-        drafts = {r: windows[i][:settings.k] for i, r in enumerate(req_ids)}  # any tokens: the cost is the rows
-        ops = _stack_ops(verifier)
-        for b in settings.batches:  # warm-up: per-shape state
-            _round(verifier, req_ids[:b], drafts, ops)
-        times: dict[int, dict[str, list[float]]] = {b: defaultdict(list) for b in settings.batches}
+        if against is not None:
+            targets.append(_Target.load(cfg, settings, against))
+        for t in targets:
+            for b in settings.batches:  # warm-up: per-shape state
+                t.round(b)
+        times: list[dict[int, dict[str, list[float]]]] = [{b: defaultdict(list) for b in settings.batches}
+                                                          for _ in targets]
         for i in range(settings.rounds):
             for b in settings.batches:
-                for phase, ms in _round(verifier, req_ids[:b], drafts, ops).items():
-                    times[b][phase].append(ms)
+                # alternate which build steps first: the one after inherits the other's spinning pool helpers
+                for j in (range(len(targets)) if i % 2 == 0 else reversed(range(len(targets)))):
+                    for phase, ms in targets[j].round(b).items():
+                        times[j][b][phase].append(ms)
             progress.step(f"{torch.get_num_threads()} threads: round {i + 1}/{settings.rounds} over B = "
                           f"{', '.join(map(str, settings.batches))}")
-        rows = []
-        for b in settings.batches:
-            med = {phase: statistics.median(v) for phase, v in times[b].items()}
-            tokens = b * (settings.k + 1)
-            rows.append({"batch": b, "rows": tokens, "step_ms": med.pop("step"),
-                         "tokens_per_s": tokens / statistics.median(times[b]["step"]) * 1e3, "phases_ms": med})
-        base = rows[0]
-        for r in rows:
-            r["step_over_first"] = r["step_ms"] / base["step_ms"]
-            r["throughput_over_first"] = r["tokens_per_s"] / base["tokens_per_s"]
-        return {"threads": torch.get_num_threads(), "stack_profiled": ops is not None, "rows": rows}
+        run = {"threads": torch.get_num_threads(), "stack_profiled": targets[0].ops is not None,
+               "rows": _rows(settings, times[0])}
+        if against is not None:
+            ratios = []
+            for b in settings.batches:
+                ratio = {}
+                for phase in ("step", "gemm"):
+                    if phase in times[0][b] and phase in times[1][b]:
+                        pairs = [x / y for x, y in zip(times[0][b][phase], times[1][b][phase]) if y > 0]
+                        ratio[phase] = _quartiles(pairs)  # [q1, median, q3]
+                ratios.append({"batch": b, "over_against": ratio})
+            run["against"] = {"namespace": against, "rows": _rows(settings, times[1]), "ratios": ratios}
+        return run
     finally:
-        engine.close()
+        for t in targets:
+            t.engine.close()
 
 
 def run_batch_bench(cfg: SpindConfig, settings: BatchBenchSettings) -> dict:
     progress = Progress(total=settings.rounds * len(settings.threads))
+    against = None
+    if settings.against is not None:
+        if not cpu_ext.available():
+            raise RuntimeError(f"--against needs spind's CPU kernels: {cpu_ext.unavailable_reason()}")
+        against = cpu_ext.build_other(settings.against)
     runs = []
     for threads in settings.threads:
         torch.set_num_threads(threads)
@@ -149,9 +213,10 @@ def run_batch_bench(cfg: SpindConfig, settings: BatchBenchSettings) -> dict:
             max_batch_size=max(cfg.runtime.max_batch_size, max(settings.batches)),
             kv_num_blocks=max(configured_kv_blocks(cfg), max(settings.batches) * (
                 -(-(settings.context + settings.k + 2) // cfg.runtime.kv_block_size)))))
-        runs.append(_measure(cfg_t, settings, progress))
+        runs.append(_measure(cfg_t, settings, progress, against))
     print(f"done: {len(runs)} thread counts", file=sys.stderr)
-    return {"settings": {**dataclasses.asdict(settings), "datasets_dir": str(settings.datasets_dir)},
+    return {"settings": {**dataclasses.asdict(settings), "datasets_dir": str(settings.datasets_dir),
+                         "against": None if settings.against is None else str(settings.against)},
             "environment": {"torch": torch.__version__, "cpu": _cpu_name(), "model": cfg.model.target,
                             "dtype": cfg.model.dtype, "attention": cfg.runtime.attention,
                             "kv_cache_dtype": cfg.runtime.kv_cache_dtype,
@@ -173,4 +238,17 @@ def render_tables(results: dict) -> str:
             [[str(r["batch"]), str(r["rows"]), fmt(r["step_ms"], 2), fmt(r["tokens_per_s"], 1),
               *(fmt(r["phases_ms"][p], 2) for p in phases), fmt(r["step_over_first"], 2),
               fmt(r["throughput_over_first"], 2)] for r in run["rows"]]))
+        if "against" in run:
+            other = run["against"]
+
+            def ratio(q: list[float] | None) -> str:
+                return "-" if q is None else f"{q[1]:.3f} ({q[0]:.2f}-{q[2]:.2f})"
+
+            parts.append(format_table(
+                f"This build / {s['against']} ({other['namespace']}), {run['threads']} threads: time per step, each "
+                f"round's pair in turn; median (quartiles) of {s['rounds']} per-round ratios",
+                ["B", "rows", "step ms", "against ms", "step ratio", "gemm ratio"],
+                [[str(r["batch"]), str(r["rows"]), fmt(r["step_ms"], 2), fmt(o["step_ms"], 2),
+                  ratio(q["over_against"].get("step")), ratio(q["over_against"].get("gemm"))]
+                 for r, o, q in zip(run["rows"], other["rows"], other["ratios"])]))
     return "\n\n".join(parts)

@@ -120,6 +120,9 @@ def add_parsers(sub: argparse._SubParsersAction,
     b.add_argument("--k", type=int, default=0, help="draft tokens per request (0: decode rows; k: (k+1)-row verifies)")
     b.add_argument("--rounds", type=int, default=16, help="interleaved rounds timed per batch size")
     b.add_argument("--datasets-dir", type=Path, default=DEFAULT_DATASETS_DIR)
+    b.add_argument("--against", type=Path, default=None, metavar="DIR",
+                   help="another checkout (or its kernels/csrc): its CPU kernels built beside this one's and timed "
+                        "against them round by round, in one process (a kernel change against its parent)")
     b.add_argument("--out", type=Path, default=Path("bench-results/batch.json"))
     b.set_defaults(func=cmd_bench_batch)
 
@@ -313,8 +316,14 @@ def batch_settings(args: argparse.Namespace, cfg: SpindConfig) -> BatchBenchSett
     if args.context + args.k + 1 > cfg.model.max_model_len:
         raise ValueError(f"--context {args.context} + k + 1 must fit max_model_len {cfg.model.max_model_len}")
     threads = _ints("--threads", args.threads) if args.threads else (usable_cores(),)
+    against = getattr(args, "against", None)
+    if against is not None:
+        csrc = against / "kernels" / "csrc" if (against / "kernels" / "csrc").is_dir() else against
+        if not any(csrc.glob("*.cpp")):
+            raise ValueError(f"--against {against}: neither it nor its kernels/csrc holds kernel sources (*.cpp)")
+        against = csrc.resolve()
     return BatchBenchSettings(batches=batches, context=args.context, k=args.k, rounds=args.rounds, threads=threads,
-                              datasets_dir=check_datasets_dir(args.datasets_dir))
+                              datasets_dir=check_datasets_dir(args.datasets_dir), against=against)
 
 
 def cmd_bench_batch(args: argparse.Namespace) -> int:
