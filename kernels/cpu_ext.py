@@ -140,8 +140,20 @@ def load(isa: str) -> str | None:
     """Build or load one ISA's kernels; None on success, else the reason."""
     with _lock:
         if isa not in _builds:
+            if not _builds and (other := foreign_checkout(Path(sys.modules["spind"].__file__).parent)) is not None:
+                log.warning("spind's Python comes from %s but its CPU kernels from %s (an editable install's): "
+                            "%s/csrc is not what runs here", other.parent, CSRC.parent.parent, other)
             _builds[isa] = _build(isa)
         return _builds[isa]
+
+
+def foreign_checkout(spind_dir: Path, kernels_dir: Path = CSRC.parent) -> Path | None:
+    """The kernels folder of the checkout whose `spind` package is `spind_dir`, where these kernels are not that
+    folder; else None. The case: another checkout run by PYTHONPATH beside an editable install. Its Python is its
+    own, but `spind.kernels` is a mapped package (pyproject's package-dir) that only the install's finder resolves,
+    so its kernels are the install's; a daemon A/B of two kernel versions run that way compares one with itself."""
+    own = spind_dir.resolve().parent / "kernels"
+    return own if (own / "csrc").is_dir() and own.resolve() != kernels_dir.resolve() else None
 
 
 def unavailable_reason() -> str | None:

@@ -89,3 +89,15 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path: Path, monke
     os.utime(lock, (old, old))
     cpu_ext._remove_stale_lock("spind_cpu_test")
     assert not lock.exists()
+
+
+def test_another_checkout_run_beside_an_editable_install_is_named(tmp_path: Path) -> None:
+    # `spind.kernels` resolves through the install's finder, so a checkout run by PYTHONPATH runs the install's kernels
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    for checkout in (mine, other):
+        (checkout / "spind").mkdir(parents=True)
+        (checkout / "kernels" / "csrc").mkdir(parents=True)
+    assert cpu_ext.foreign_checkout(other / "spind", mine / "kernels") == other / "kernels"
+    assert cpu_ext.foreign_checkout(mine / "spind", mine / "kernels") is None
+    assert cpu_ext.foreign_checkout(tmp_path / "site-packages" / "spind", mine / "kernels") is None  # a wheel's
+    assert cpu_ext.foreign_checkout(Path(cpu_ext.__file__).parent.parent / "spind") is None  # this checkout
