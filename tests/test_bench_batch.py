@@ -123,7 +123,7 @@ def test_another_trees_kernels_build_under_their_own_namespace(tmp_path: Path) -
 
 @pytest.mark.skipif(not cpu_ext.available(), reason="the fused stack needs spind's CPU kernels")
 def test_a_run_against_another_build_pairs_every_round(cfg: SpindConfig, datasets_dir: Path) -> None:
-    # the other build here is this one's namespace under another name's role: the pairing, not a kernel, is tested
+    # the other target runs this build's own namespace: what is tested is the pairing of rounds, not a kernel
     namespace = f"spind_cpu_{cpu_ext.best_isa()}"
     settings = BatchBenchSettings(batches=(1, 2), context=48, k=1, rounds=3, threads=(1,), datasets_dir=datasets_dir)
     run = _measure(cfg, settings, Progress(total=3), namespace)
