@@ -271,17 +271,13 @@ def prebuild(isa: str, out_dir: Path) -> Path:
     import json
     import tempfile
 
-    from torch.utils import cpp_extension
-
     lib, _ = _prebuilt(isa, out_dir)
     if lib is not None:
         return lib  # a reinstall of the same sources and torch (e.g. `pip install -e '.[test]'` after `-e .`)
     lib = out_dir / f"spind_cpu_{isa}.so"
     out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f"spind_cpu_{isa}.") as tmp, _ninja_on_path_env():
-        cpp_extension.load(name=f"spind_cpu_{isa}", sources=[str(CSRC / s) for s in SOURCES],
-                           extra_cflags=_flags(isa), extra_include_paths=[str(CSRC)], build_directory=tmp,
-                           is_python_module=False, verbose=False)
+    with tempfile.TemporaryDirectory(prefix=f"spind_cpu_{isa}.") as tmp:
+        _compile(f"spind_cpu_{isa}", [CSRC / s for s in SOURCES], CSRC, _flags(isa), build_directory=tmp)
         staged = lib.with_name(f".{lib.name}.{os.getpid()}")
         shutil.copyfile(Path(tmp) / lib.name, staged)
         os.replace(staged, lib)  # a new file, never rewritten in place: a process running the old one keeps it
@@ -360,12 +356,23 @@ def _remove_stale_lock(name: str) -> None:
         pass
 
 
+def _compile(name: str, sources: list[Path], include: Path, flags: list[str], build_directory: str | None = None,
+             slow: str | None = None) -> None:
+    """Compile and load `sources` as the op library `name` with torch's builder (ninja found on PATH; `slow` said
+    on stderr if it takes a while). Raises where it cannot be built."""
+    from torch.utils import cpp_extension
+
+    said = _said_if_slow(slow) if slow else contextlib.nullcontext()
+    with _ninja_on_path_env(), said:
+        cpp_extension.load(name=name, sources=[str(f) for f in sources], extra_cflags=flags,
+                           extra_include_paths=[str(include)], build_directory=build_directory,
+                           is_python_module=False, verbose=False)
+
+
 def build_other(csrc: Path, isa: str | None = None) -> str:
     """Build another tree's kernel sources (e.g. an older checkout's kernels/csrc) beside this one's, for an A/B in
     one process (`spind bench batch --against`): every *.cpp in `csrc` with this build's flags, under an op namespace
     of its own named by the sources' digest; returns that namespace. Raises where it cannot be built."""
-    from torch.utils import cpp_extension
-
     isa = isa or best_isa()
     if isa is None or isa not in loadable_isas():
         raise RuntimeError(f"no kernel build runs on this CPU for {isa!r}")
@@ -374,17 +381,17 @@ def build_other(csrc: Path, isa: str | None = None) -> str:
         raise ValueError(f"{csrc} holds no kernel sources (*.cpp)")
     digest = hashlib.sha1(b"".join(f.name.encode() + f.read_bytes() for f in sorted(csrc.glob("*.[ch]*"))))
     name = f"spind_cpu_{isa}_ab{digest.hexdigest()[:10]}"
-    with _ninja_on_path_env(), _said_if_slow(f"compiling {csrc}'s {isa} kernels as {name} (~{BUILD_S} s)"):
-        cpp_extension.load(name=name, sources=[str(f) for f in sources], extra_include_paths=[str(csrc)],
-                           extra_cflags=[*CFLAGS, f"-DSPIND_OPS={name}", *ISA_FLAGS[isa]], is_python_module=False,
-                           verbose=False)  # cached by torch's builder: a second call loads the same library
+    # cached by torch's builder: a second call loads the same library
+    _compile(name, sources, csrc, [*CFLAGS, f"-DSPIND_OPS={name}", *ISA_FLAGS[isa]],
+             slow=f"compiling {csrc}'s {isa} kernels as {name} (~{BUILD_S} s)")
     return name
 
 
 @contextlib.contextmanager
 def ops_from(namespace: str):
-    """`ops()` returns `namespace` inside the block (one thread at a time): a model loaded in it keeps those ops (its
-    layers take them at load), so two builds' models can run side by side in one process."""
+    """`ops()` returns `namespace` inside the block, in every thread of the process (a process-wide override, not a
+    thread-local one: load nothing else meanwhile): a model loaded in it keeps those ops (its layers take them at
+    load), so two builds' models can run side by side in one process."""
     global _ops_from
     with _lock:
         previous, _ops_from = _ops_from, namespace
@@ -411,11 +418,9 @@ def _build(isa: str) -> str | None:
         where = cpp_extension._get_build_directory(name, verbose=False)
         ahead = ("`pip install -e .` builds it ahead" if isa in install_isas()
                  else f"an install builds only {', '.join(install_isas())}")
-        with _ninja_on_path_env(), _said_if_slow(
-                f"compiling the {isa} CPU kernels ({why}; {ahead}): ~{BUILD_S} s, once per machine, torch and "
-                f"source change, cached in {where}"):
-            cpp_extension.load(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=_flags(isa),
-                               extra_include_paths=[str(CSRC)], is_python_module=False, verbose=False)
+        _compile(name, [CSRC / s for s in SOURCES], CSRC, _flags(isa),
+                 slow=f"compiling the {isa} CPU kernels ({why}; {ahead}): ~{BUILD_S} s, once per machine, torch and "
+                      f"source change, cached in {where}")
     except Exception as e:  # no compiler, no ninja, a failed build: all mean "use torch instead"
         lines = str(e).strip().splitlines()
         return f"building {', '.join(SOURCES)} failed ({type(e).__name__}: {lines[-1] if lines else e})"

@@ -414,6 +414,14 @@ SPIND_INLINE void lead_dots(const Column& col, const int32_t* quads, vi* lead, v
 }
 #endif
 
+// Every loop's block epilogue, in one order: acc = fma(T, d * scale, acc), then acc = fma(m, sum, acc) for Q4_x (T the
+// block's exact dot as one fp32 value; d, m the block's fp16 scale and minimum for these outputs; scale, sum the
+// activations' for this row and block). Every path adds each block so, which is what makes their rows bit-identical.
+SPIND_INLINE vf add_block(vf acc, vf t, vf d, vf m, bool q4, float scale, float sum) {
+  acc = vfma(t, vmul(d, vset1(scale)), acc);
+  return q4 ? vfma(m, vset1(sum), acc) : acc;
+}
+
 // use(r, t) for r < MR in order, t the exact block dot of row r0 + r at block g with one column's codes as the one
 // fp32 value combine_digits makes of it (the same value on every build and path)
 template <int MR, int D, class Use>
@@ -459,7 +467,7 @@ SPIND_INLINE void rows_block_dots(const uint8_t* codes, bool q4, const Digits<D>
 }
 
 // y[r0 + r, unit] for MR rows. Per output, blocks in increasing order: D exact int32 dots combined into T
-// (block_dot, rows_block_dots), then acc = fma(T, d * scale, acc) (and acc = fma(m, sum, acc) for Q4_x).
+// (block_dot, rows_block_dots), then add_block.
 template <int MR, int D>
 void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r0, float* y, int64_t ldy,
                    int pass) {
@@ -483,8 +491,8 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
         Column col;
         col.load(w.codes(blk, row / 16) + (row % 16) * 4, q4);
         const vf t = block_dot<D>(col, quads, &a.digit_sum[rg * D]);
-        acc[c] = vfma(t, vmul(load_f16(w.d(blk) + row), vset1(a.scale[rg])), acc[c]);
-        if (q4) acc[c] = vfma(load_f16(w.m(blk) + row), vset1(a.sum[rg]), acc[c]);
+        const vf m = q4 ? load_f16(w.m(blk) + row) : vzero();
+        acc[c] = add_block(acc[c], t, load_f16(w.d(blk) + row), m, q4, a.scale[rg], a.sum[rg]);
       }
     }
     for (int c = 0; c < kCols; ++c) vstore(y + c * kLanes, acc[c]);
@@ -498,19 +506,17 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
     // Zen 3 (`spind bench batch --against`), the default target's decode step: 0.85x the time at 1 thread, 0.93x
     // at 2 (stop 56 had seen no gain from this order in whole runs alternated, not in rounds paired in a process).
     vf acc[kCols] = {vzero(), vzero()};
-    const int16_t* q0 = a.q16.data() + r0 * a.groups * kBlock;
     for (int64_t g = 0; g < w.groups; ++g) {
       const uint8_t* blk = w.block(pair, g);
       w.prefetch_l2(pair, g, pass);
       const int64_t rg = r0 * w.groups + g;
-      const int16_t* q[1] = {q0 + g * kBlock};
 #pragma GCC unroll 2
       for (int c = 0; c < kCols; ++c) {
         const int64_t row = row0 + c * kLanes;
-        vi dot;
-        dot16_rows<1>(w.codes(blk, row / 16) + (row % 16) * 4, q4, q, &dot);
-        acc[c] = vfma(to_float(dot), vmul(load_f16(w.d(blk) + row), vset1(a.scale[rg])), acc[c]);
-        if (q4) acc[c] = vfma(load_f16(w.m(blk) + row), vset1(a.sum[rg]), acc[c]);
+        const vf d = load_f16(w.d(blk) + row);
+        const vf m = q4 ? load_f16(w.m(blk) + row) : vzero();
+        rows_block_dots<1, D>(w.codes(blk, row / 16) + (row % 16) * 4, q4, a, r0, g,
+                              [&](int, vf t) { acc[c] = add_block(acc[c], t, d, m, q4, a.scale[rg], a.sum[rg]); });
       }
     }
     for (int c = 0; c < kCols; ++c) vstore(y + c * kLanes, acc[c]);
@@ -532,8 +538,7 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
       const vf m = q4 ? load_f16(w.m(blk) + row) : vzero();
       rows_block_dots<MR, D>(w.codes(blk, row / 16) + (row % 16) * 4, q4, a, r0, g, [&](int r, vf t) {
         const int64_t rg = (r0 + r) * w.groups + g;
-        acc[r] = vfma(t, vmul(d, vset1(a.scale[rg])), acc[r]);
-        if (q4) acc[r] = vfma(m, vset1(a.sum[rg]), acc[r]);
+        acc[r] = add_block(acc[r], t, d, m, q4, a.scale[rg], a.sum[rg]);
       });
     }
     for (int r = 0; r < MR; ++r) vstore(y + r * ldy + c * kLanes, acc[r]);
@@ -666,8 +671,7 @@ void amx_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
         const vi d0 = iload(cg[h][D * r]);
         const vi d1 = D > 1 ? iload(cg[h][D * r + (D > 1 ? 1 : 0)]) : d0;
         const vi d2 = D > 2 ? iload(cg[h][D * r + (D > 2 ? 2 : 0)]) : d0;
-        acc[r][h] = vfma(combine_digits<D>(d0, d1, d2), vmul(d, vset1(a.scale[rg])), acc[r][h]);
-        if (q4) acc[r][h] = vfma(m, vset1(a.sum[rg]), acc[r][h]);
+        acc[r][h] = add_block(acc[r][h], combine_digits<D>(d0, d1, d2), d, m, q4, a.scale[rg], a.sum[rg]);
       }
     }
   }
