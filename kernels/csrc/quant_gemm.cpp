@@ -499,12 +499,13 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
     return;
   }
 #else
-  if constexpr (MR == 1 && D == 2) {
-    // One row (decode), 16-bit activations: both columns of each block before the next block, as on VNNI (their
-    // codes share every 64-byte line; column by column, each unit's blocks were streamed twice). Each output's blocks
-    // in increasing order, the same operations as the many-row loop below: the same results. Same-process A/B on
-    // Zen 3 (`spind bench batch --against`), the default target's decode step: 0.85x the time at 1 thread, 0.93x
-    // at 2 (stop 56 had seen no gain from this order in whole runs alternated, not in rounds paired in a process).
+  if constexpr (MR == 1) {
+    // One row (decode): both columns of each block before the next block, as on VNNI (their codes share every
+    // 64-byte line; column by column, each unit's blocks were streamed twice). Each output's blocks in increasing
+    // order, the same operations as the many-row loop below: the same results. Same-process A/B on Zen 3 (`spind
+    // bench batch --against`), the default target's decode step: 0.85x the time at 1 thread, 0.93x at 2 (stop 56 had
+    // seen no gain from this order in whole runs alternated, not in rounds paired in a process); with 8-bit
+    // activations (`gguf-q8`, which kept the column order until stop 58): its decode step 0.90x / 0.93x.
     vf acc[kCols] = {vzero(), vzero()};
     for (int64_t g = 0; g < w.groups; ++g) {
       const uint8_t* blk = w.block(pair, g);
@@ -523,7 +524,7 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
     return;
   }
 #endif
-  // Many rows (verify, batch, prefill; AVX2's 8-bit activations at one row too): one column at a time over every
+  // Many rows (verify, batch, prefill): one column at a time over every
   // block, MR accumulators (both columns' 2 MR accumulators did not fit the registers: the compiler spilled them in
   // every block).
   for (int c = 0; c < kCols; ++c) {
