@@ -552,10 +552,12 @@ struct IntPath {
 #ifdef SPIND_VNNI
   static constexpr int kRows = D == 3 ? 5 : 7;  // rows sharing each unpacked code vector (registers: 3 a row)
 #else
-  // 16-bit dots (dot16_rows): a row holds two int32 sums; 5 rows so that a verify of k = 4 drafts is one block (it
-  // was 4 + 1: the codes unpacked and the block's epilogue run twice). Same-process A/B on Zen 3 (`spind bench batch
-  // --k 4 --against`): the default target's 5-row step 0.87x the time at 1 thread, 0.94x at 2; 10 rows 0.94x / 0.96x
-  static constexpr int kRows = D == 2 ? 5 : 4;
+  // 5 rows so that a verify of k = 4 drafts is one block (it was 4 + 1: the codes unpacked and the block's epilogue
+  // run twice). Same-process A/B on Zen 3 (`spind bench batch --k 4 --against`), 1 / 2 threads: 16-bit activations
+  // (dot16_rows: a row holds two int32 sums; the default gguf-q16), the target's 5-row step 0.87x / 0.94x the time,
+  // 10 rows 0.94x / 0.96x; 8-bit (gguf-q8, 4 rows until stop 58) 5 rows 0.88x / 0.96x, 20 rows 0.96x / 0.96x,
+  // 10 rows 0.94x / 0.97x, 64 rows 0.97x / 0.97x
+  static constexpr int kRows = 5;
 #endif
   template <int MR>
   static void block(const Weights& w, const Inputs& in, int64_t unit, int64_t r0, float* y, int64_t ldy, int pass) {
