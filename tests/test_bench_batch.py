@@ -130,10 +130,10 @@ def test_a_run_against_another_build_pairs_every_round(cfg: SpindConfig, dataset
     other = run["against"]
     assert other["namespace"] == namespace and [r["rows"] for r in other["rows"]] == [2, 4]
     for r in other["ratios"]:
-        for phase in ("step", "gemm"):
+        for phase in ("step", "gemm", "attention"):
             q1, median, q3 = r["over_against"][phase]
             assert 0 < q1 <= median <= q3
     table = render_tables({"settings": {**settings.__dict__, "against": "/elsewhere/kernels/csrc"},
                            "environment": {"dtype": "gguf", "cpu": "", "kernels": namespace, "kv_cache_dtype": "auto"},
                            "runs": [run]})
-    assert "This build / /elsewhere/kernels/csrc" in table and "step ratio" in table
+    assert "This build / /elsewhere/kernels/csrc" in table and "step ratio" in table and "attention ratio" in table

@@ -41,9 +41,13 @@ constexpr int kMaxVecs = 16;    // head dim up to 16 vectors (256 on AVX-512, 12
 // K rows are prefetched this many positions ahead of the scores' tile: a decode row computes little per position,
 // so one tile ahead (16) left the scattered K/V reads latency-bound (~4 GB/s at 1000 tokens of context)
 constexpr int64_t kAheadK = 64;
-// and an item's first positions' K and V rows are requested into L2 when it starts: its K pass then its V pass read
-// them in order, and the L2 holds more misses in flight than the L1. Zen 4, 16 decode rows of 256 positions over 30
-// layers (94 MB of fp16 KV, from memory) at 1 thread: 17.1-17.7 -> 14.8-15.8 ms.
+// and an item's first positions' K rows are requested into L2 when it starts (the L2 holds more misses in flight than
+// the L1). Zen 4, 16 decode rows of 256 positions over 30 layers (94 MB of fp16 KV, from memory) at 1 thread, with
+// the V rows requested so too: 17.1-17.7 -> 14.8-15.8 ms. The V rows are requested into L2 during the K pass instead,
+// a tile's V beside its K: on Zen 3 the prefetches of 256 positions' K and V at an item's start (1024 lines) stalled
+// at the prefetch instructions themselves (perf: ~14 % of attention's samples on them), and the V pass still waited
+// on its loads (~25 % on the first FMA of each V line); same-process A/B (`spind bench batch --against`), the
+// default target's attention 0.90-0.94x the time at 1 to 16 decode rows of 256 positions, 1 and 2 threads.
 constexpr int64_t kAheadL2 = 256;
 
 template <typename KV>
@@ -178,7 +182,6 @@ void attend(const Item<KV>& it) {
   // scores, kLanes positions at a time (lanes past a row's last visible position are computed and never read)
   for (int64_t i = 0; i < std::min(kAheadK, all_visible); ++i) prefetch(it.k + it.rs[i] * it.row_stride, D);
   for (int64_t i = kAheadK; i < std::min(kAheadL2, all_visible); ++i) prefetch_l2(it.k + it.rs[i] * it.row_stride, D);
-  for (int64_t i = 0; i < std::min(kAheadL2, all_visible); ++i) prefetch_l2(it.v + it.rs[i] * it.row_stride, D);
   alignas(64) float kbuf[kLanes][D];  // an fp16 tile's K rows widened once for all the item's rows (fp32: unused)
   for (int64_t p0 = 0; p0 < all_visible; p0 += kLanes) {
     const float* krow[kLanes];
@@ -193,6 +196,8 @@ void attend(const Item<KV>& it) {
     }
     for (int64_t i = p0 + kAheadK; i < std::min(p0 + kAheadK + kLanes, all_visible); ++i)
       prefetch(it.k + it.rs[i] * it.row_stride, D);
+    for (int64_t i = p0; i < std::min(p0 + kLanes, all_visible); ++i)  // this tile's V rows, for the V pass
+      prefetch_l2(it.v + it.rs[i] * it.row_stride, D);
     for (int64_t r = 0; r < R; ++r) {
       if (p0 >= visible(r)) continue;
       const float* qv = qrow(r);

@@ -16,8 +16,9 @@ What this does not see is the daemon around it (IPC, the coordinator's slot): `s
 `--against DIR` (another checkout, or its kernels/csrc) times a kernel change against its parent in one process:
 the other sources are built under their own op namespace (`cpu_ext.build_other`), a second target is loaded on them,
 and every round steps both, in alternating order, on the same contexts; per B, the median and quartiles of the
-per-round ratios of this build's time to the other's. Two daemons or two runs minutes apart on a shared 2-core VM
-drift by more than a kernel change gains (18-40 % seen within an hour); round-by-round pairs do not.
+per-round ratios of this build's time to the other's, for the step, its GEMMs and its attention. Two daemons or two
+runs minutes apart on a shared 2-core VM drift by more than a kernel change gains (18-40 % seen within an hour);
+round-by-round pairs do not.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from spind.params import SamplingParams
 from spind.worker.target import TargetVerifier, VerifyItem
 
 PHASES = ("gemm", "attention", "row_ops", "lm_head", "forward_rest", "accept")
+RATIO_PHASES = ("step", "gemm", "attention")  # what --against pairs round by round (the kernels' own phases)
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,7 @@ def _measure(cfg: SpindConfig, settings: BatchBenchSettings, progress: Progress,
             ratios = []
             for b in settings.batches:
                 ratio = {}
-                for phase in ("step", "gemm"):
+                for phase in RATIO_PHASES:
                     if phase in times[0][b] and phase in times[1][b]:
                         pairs = [x / y for x, y in zip(times[0][b][phase], times[1][b][phase]) if y > 0]
                         ratio[phase] = _quartiles(pairs)  # [q1, median, q3]
@@ -247,8 +249,8 @@ def render_tables(results: dict) -> str:
             parts.append(format_table(
                 f"This build / {s['against']} ({other['namespace']}), {run['threads']} threads: time per step, each "
                 f"round's pair in turn; median (quartiles) of {s['rounds']} per-round ratios",
-                ["B", "rows", "step ms", "against ms", "step ratio", "gemm ratio"],
+                ["B", "rows", "step ms", "against ms", *(f"{p} ratio" for p in RATIO_PHASES)],
                 [[str(r["batch"]), str(r["rows"]), fmt(r["step_ms"], 2), fmt(o["step_ms"], 2),
-                  ratio(q["over_against"].get("step")), ratio(q["over_against"].get("gemm"))]
+                  *(ratio(q["over_against"].get(p)) for p in RATIO_PHASES)]
                  for r, o, q in zip(run["rows"], other["rows"], other["ratios"])]))
     return "\n\n".join(parts)
