@@ -122,7 +122,8 @@ struct Digits {
   std::vector<float> sum;          // [M][G] sum of the block's x (fp32, k increasing), for Q4_1's m term
   std::vector<int32_t> digit_sum;  // [M][G][D], for Q8_0's +128 offset on VNNI
 #ifndef SPIND_VNNI
-  std::vector<int16_t> q16;        // D = 2: [M][G][32] the value kBase a + b itself (AVX2 dots it in one vpmaddwd)
+  std::vector<int16_t> q16;        // D = 2: [M][G][32] the value kBase a + b itself (AVX2 dots it in one vpmaddwd),
+                                   // each 4 k in the order k0, k0 + 2, k0 + 1, k0 + 3 (dot16_rows' even | odd)
 #endif
 
   Digits(const float* x, int64_t M, int64_t K)
@@ -184,9 +185,11 @@ struct Digits {
       __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(xv[j], inv));
       q = _mm256_min_epi32(_mm256_max_epi32(q, lo), hi);
 #ifndef SPIND_VNNI
-      if constexpr (D == 2)  // |q| <= 32512: the saturating pack is exact; lanes back in order
+      if constexpr (D == 2) {  // |q| <= 32512: the saturating pack is exact; each 4 k as k0, k0 + 2, k0 + 1, k0 + 3
+        const __m128i p = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q16.data() + rg * kBlock + 8 * j),
-                         _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
+                         _mm_shufflehi_epi16(_mm_shufflelo_epi16(p, 0xD8), 0xD8));
+      }
 #endif
       for (int e = D - 1; e >= 0; --e) {
         __m256i d;
@@ -322,48 +325,42 @@ SPIND_INLINE vf block_dot(const Column& col, const int32_t* quads, const int32_t
 
 #ifndef SPIND_VNNI
 // AVX2, 16-bit activations: the exact int32 block dots of one column (kLanes output rows) with MR rows, into
-// out[0 .. MR). The codes are widened to int16 one 64-byte code row at a time and used at once by every row (each
-// row keeps two int32 accumulators), so no widened copy of the block is kept: the block's 16 widened vectors did not
-// fit AVX2's 16 registers beside the accumulators, and were spilled and reloaded for every row: 1.3x faster from 4
-// rows. The exact int32 sum over the block of code x q for 16-bit q (|q| <= 32512: a pair <= 8.3e6, the block
-// <= 1.4e8, no overflow), lanes in order: the value a two-digit dot reaches as 255 dot(a) + dot(b).
-// Integer adds being associative, GCC (12) turned each row's running sums into a tree: every code row's vpmaddwd
-// products of all MR rows computed first and spilled to the stack, then added (seen in the objdump of the 4-row
-// block). An empty asm naming the sums as its in-out registers after each add keeps them running sums (the same
-// exact integers): same-process A/B on Zen 3 (AMD EPYC, 1 / 2 threads), the default model's decoder shapes at 5 rows
-// 0.78 / 0.91x the time, at 16 rows 0.95 / 0.88x, the whole target's 20-row verify step (B = 4, k = 4) 0.85 / 0.88x.
+// out[0 .. MR). A 64-byte code row gives each lane (output row) 4 consecutive k; read as 16-bit words, a lane's two
+// words hold k0, k1 and k2, k3, so masking (or shifting) the words gives the lane's even codes k0, k2 and its odd
+// codes k1, k3 as int16 in place, and vpmaddwd against the row's (q[k0], q[k2]) and (q[k1], q[k3]) broadcast (q16
+// keeps each 4 k in that order) adds two products into the lane's own int32: one running sum a row, no interleave
+// of the codes and no horizontal add. The exact int32 sum over the block of code x q for 16-bit q (|q| <= 32512:
+// a pair <= 8.3e6, the block <= 1.4e8, no overflow): the value a two-digit dot reaches as 255 dot(a) + dot(b).
+// Integer adds being associative, GCC (12) turned each row's running sum into a tree, every code row's products of
+// all MR rows computed first and spilled to the stack; an empty asm naming the sum as an in-out register after each
+// add keeps it a running sum (the same exact integers).
 template <int MR>
 SPIND_INLINE void dot16_rows(const uint8_t* codes, bool q4, const int16_t* const* q, vi* out) {
-  vi lo[MR], hi[MR];  // lanes 0, 1 | 4, 5 and 2, 3 | 6, 7: (k0 + k1, k2 + k3) each
 #pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r) lo[r] = hi[r] = izero();
-  const vi low4 = iset1(0x0F0F0F0F);
-  auto use = [&](vi w, vi sign, int k0) {  // one code row: 4 consecutive k per lane, from k0
-    const vi wl = _mm256_unpacklo_epi8(w, sign), wh = _mm256_unpackhi_epi8(w, sign);
+  for (int r = 0; r < MR; ++r) out[r] = izero();
+  auto use = [&](vi even, vi odd, int k0) {  // one code row's 4 consecutive k per lane, from k0: k0, k0 + 2 | odd
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      const vi qk = _mm256_set1_epi64x(*reinterpret_cast<const int64_t*>(q[r] + k0));  // k0 .. k0 + 3, repeated
-      lo[r] = iadd(lo[r], madd16(wl, qk));
-      hi[r] = iadd(hi[r], madd16(wh, qk));
-      asm("" : "+x"(lo[r]), "+x"(hi[r]));  // the sums stay running sums, in registers (see above)
+      const int32_t* qk = reinterpret_cast<const int32_t*>(q[r] + k0);  // q[k0], q[k0 + 2] | q[k0 + 1], q[k0 + 3]
+      out[r] = iadd(out[r], iadd(madd16(even, iset1(qk[0])), madd16(odd, iset1(qk[1]))));
+      asm("" : "+x"(out[r]));  // the sum stays a running sum, in a register (see above)
     }
   };
   if (q4) {
+    const vi low4 = iset1_16(0x000F);
 #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {  // code row p: low nibbles k = 4p .., high nibbles k = 16 + 4p ..
       const vi v = iload(codes + p * 64);
-      use(iand(v, low4), izero(), 4 * p);
-      use(iand(srl16(v, 4), low4), izero(), 16 + 4 * p);
+      use(iand(v, low4), iand(srl16(v, 8), low4), 4 * p);
+      use(iand(srl16(v, 4), low4), srl16(v, 12), 16 + 4 * p);
     }
   } else {
 #pragma GCC unroll 8
-    for (int p = 0; p < 8; ++p) {  // signed codes, sign-extended
+    for (int p = 0; p < 8; ++p) {  // signed codes, each byte sign-extended in its word
       const vi v = iload(codes + p * 64);
-      use(v, _mm256_cmpgt_epi8(izero(), v), 4 * p);
+      use(sra16(sll16(v, 8), 8), sra16(v, 8), 4 * p);
     }
   }
-#pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r) out[r] = _mm256_hadd_epi32(lo[r], hi[r]);  // lanes 0..7 in order
 }
 #endif
 
@@ -467,11 +464,14 @@ SPIND_INLINE void rows_block_dots(const uint8_t* codes, bool q4, const Digits<D>
 }
 
 // y[r0 + r, unit] for MR rows. Per output, blocks in increasing order: D exact int32 dots combined into T
-// (block_dot, rows_block_dots), then add_block.
-template <int MR, int D>
+// (block_dot, rows_block_dots), then add_block. One instance per block format (kQ4: Q4_x), so that the inner loops
+// carry no test of the format (a run-time flag left a branch per row in every block's epilogue; with dot16_rows'
+// even | odd words, same-process A/B on Zen 3 (AMD EPYC), the default target's GEMMs 0.93-0.97x the time at 1 and 4
+// decode rows, 0.93-0.95x at a 5-row verify, 0.91-0.94x at 64 rows, 1 and 2 threads).
+template <int MR, int D, bool kQ4>
 void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r0, float* y, int64_t ldy,
                    int pass) {
-  const bool q4 = w.format == Format::kQ4_1;
+  constexpr bool q4 = kQ4;
   const int64_t pair = unit * kUnit / kPair, row0 = unit * kUnit % kPair;  // first output row of the unit in its pair
 #ifdef SPIND_VNNI
   if constexpr (MR == 1) {
@@ -524,9 +524,8 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
     return;
   }
 #endif
-  // Many rows (verify, batch, prefill): one column at a time over every
-  // block, MR accumulators (both columns' 2 MR accumulators did not fit the registers: the compiler spilled them in
-  // every block).
+  // Many rows (verify, batch, prefill): one column at a time over every block, MR accumulators (both columns' 2 MR
+  // accumulators did not fit the registers: the compiler spilled them in every block).
   for (int c = 0; c < kCols; ++c) {
     const int64_t row = row0 + c * kLanes;  // 0..31 within the pair: tile row / 16, lane row % 16
     vf acc[MR];
@@ -554,14 +553,15 @@ struct IntPath {
 #else
   // 5 rows so that a verify of k = 4 drafts is one block (it was 4 + 1: the codes unpacked and the block's epilogue
   // run twice). Same-process A/B on Zen 3 (`spind bench batch --k 4 --against`), 1 / 2 threads: 16-bit activations
-  // (dot16_rows: a row holds two int32 sums; the default gguf-q16), the target's 5-row step 0.87x / 0.94x the time,
-  // 10 rows 0.94x / 0.96x; 8-bit (gguf-q8, 4 rows until stop 58) 5 rows 0.88x / 0.96x, 20 rows 0.96x / 0.96x,
-  // 10 rows 0.94x / 0.97x, 64 rows 0.97x / 0.97x
+  // (dot16_rows, the default gguf-q16), the target's 5-row step 0.87x / 0.94x the time, 10 rows 0.94x / 0.96x; 8-bit
+  // (gguf-q8, 4 rows until stop 58) 5 rows 0.88x / 0.96x, 20 rows 0.96x / 0.96x, 10 rows 0.94x / 0.97x, 64 rows
+  // 0.97x / 0.97x
   static constexpr int kRows = 5;
 #endif
   template <int MR>
   static void block(const Weights& w, const Inputs& in, int64_t unit, int64_t r0, float* y, int64_t ldy, int pass) {
-    int_row_block<MR, D>(w, in, unit, r0, y, ldy, pass);
+    if (w.format == Format::kQ4_1) int_row_block<MR, D, true>(w, in, unit, r0, y, ldy, pass);
+    else int_row_block<MR, D, false>(w, in, unit, r0, y, ldy, pass);
   }
 };
 

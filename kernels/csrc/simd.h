@@ -124,6 +124,8 @@ inline vi srl32(vi a, int n) { return _mm256_srli_epi32(a, n); }
 inline vi izero() { return _mm256_setzero_si256(); }
 inline vi iadd(vi a, vi b) { return _mm256_add_epi32(a, b); }
 inline vi srl16(vi a, int n) { return _mm256_srli_epi16(a, n); }
+inline vi sll16(vi a, int n) { return _mm256_slli_epi16(a, n); }
+inline vi sra16(vi a, int n) { return _mm256_srai_epi16(a, n); }
 inline vi iset1_16(int16_t x) { return _mm256_set1_epi16(x); }
 inline vi iadd16(vi a, vi b) { return _mm256_add_epi16(a, b); }
 inline vi iabs8(vi a) { return _mm256_abs_epi8(a); }  // |-128| = 128 read as u8
