@@ -551,12 +551,15 @@ struct IntPath {
 #ifdef SPIND_VNNI
   static constexpr int kRows = D == 3 ? 5 : 7;  // rows sharing each unpacked code vector (registers: 3 a row)
 #else
-  // 5 rows so that a verify of k = 4 drafts is one block (it was 4 + 1: the codes unpacked and the block's epilogue
-  // run twice). Same-process A/B on Zen 3 (`spind bench batch --k 4 --against`), 1 / 2 threads: 16-bit activations
-  // (dot16_rows, the default gguf-q16), the target's 5-row step 0.87x / 0.94x the time, 10 rows 0.94x / 0.96x; 8-bit
-  // (gguf-q8, 4 rows until stop 58) 5 rows 0.88x / 0.96x, 20 rows 0.96x / 0.96x, 10 rows 0.94x / 0.97x, 64 rows
-  // 0.97x / 0.97x
-  static constexpr int kRows = 5;
+  // At least 5 rows so that a verify of k = 4 drafts is one block (it was 4 + 1: the codes unpacked and the block's
+  // epilogue run twice). Same-process A/B on Zen 3 (`spind bench batch --k 4 --against`), 1 / 2 threads: 8-bit
+  // activations (gguf-q8, 4 rows until stop 58) 5 rows 0.88x / 0.96x the time, 20 rows 0.96x / 0.96x, 10 rows 0.94x /
+  // 0.97x, 64 rows 0.97x / 0.97x. 16-bit (dot16_rows, the default gguf-q16; stop 57's 5 rows took its 5-row verify
+  // step to 0.87x / 0.94x the time of 4 + 1): 8 rows since a row holds one int32 sum (stop 59), the unpacked codes
+  // shared by more rows: the default target's GEMMs at 8 rows against 5, 1 / 2 threads, 16 decode rows 0.90x / 0.98x,
+  // 20 rows (B = 4, k = 4) 0.93x / 0.99x, 64 rows 0.94x / 0.95x; 4 rows (a 5-row verify as 3 + 2) 1.09-1.15x at 5 and
+  // 10 rows (the GEMM alone)
+  static constexpr int kRows = D == 2 ? 8 : 5;
 #endif
   template <int MR>
   static void block(const Weights& w, const Inputs& in, int64_t unit, int64_t r0, float* y, int64_t ldy, int pass) {
