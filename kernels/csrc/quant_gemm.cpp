@@ -329,11 +329,14 @@ SPIND_INLINE vf block_dot(const Column& col, const int32_t* quads, const int32_t
 // words hold k0, k1 and k2, k3, so masking (or shifting) the words gives the lane's even codes k0, k2 and its odd
 // codes k1, k3 as int16 in place, and vpmaddwd against the row's (q[k0], q[k2]) and (q[k1], q[k3]) broadcast (q16
 // keeps each 4 k in that order) adds two products into the lane's own int32: one running sum a row, no interleave
-// of the codes and no horizontal add. The exact int32 sum over the block of code x q for 16-bit q (|q| <= 32512:
-// a pair <= 8.3e6, the block <= 1.4e8, no overflow): the value a two-digit dot reaches as 255 dot(a) + dot(b).
+// of the codes and no horizontal add (a row held two sums before stop 59). Each code row is widened and used by every
+// row at once: a widened copy of the block did not fit the 16 registers beside the sums. The exact int32 sum over
+// the block of code x q for 16-bit q (|q| <= 32512: a pair <= 8.3e6, the block <= 1.4e8, no overflow): the value a
+// two-digit dot reaches as 255 dot(a) + dot(b).
 // Integer adds being associative, GCC (12) turned each row's running sum into a tree, every code row's products of
 // all MR rows computed first and spilled to the stack; an empty asm naming the sum as an in-out register after each
-// add keeps it a running sum (the same exact integers).
+// add keeps it a running sum (the same exact integers; stop 57, Zen 3: 5-row GEMMs 0.78x / 0.91x the time at 1 / 2
+// threads, a 20-row verify step 0.85x / 0.88x).
 template <int MR>
 SPIND_INLINE void dot16_rows(const uint8_t* codes, bool q4, const int16_t* const* q, vi* out) {
 #pragma GCC unroll 16
