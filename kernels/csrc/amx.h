@@ -140,49 +140,32 @@ inline const std::string& status() {
 }
 inline void configure(const Config& c) { _tile_loadconfig(&c); }
 inline void release() { _tile_release(); }
-// The instructions encode their tiles, and GCC's intrinsics paste the argument's text into the assembly: each
-// index is spelled out as a literal.
-#define SPIND_TILE_CASES(OP)                                                                             \
-  if constexpr (T == 0) OP(0); else if constexpr (T == 1) OP(1); else if constexpr (T == 2) OP(2);       \
-  else if constexpr (T == 3) OP(3); else if constexpr (T == 4) OP(4); else if constexpr (T == 5) OP(5);  \
-  else if constexpr (T == 6) OP(6); else OP(7)
+// The tile instructions in inline assembly of our own (the tile index an immediate, printed by %c), each telling the
+// compiler exactly which memory it reads or writes: a tile's rows lie within kMaxRows x kMaxColsb bytes of its base
+// at the strides used here (Span). GCC's intrinsics describe tilestored by a "memory" clobber, which made GCC keep
+// the GEMM's accumulators on the stack, reloaded and stored around every block; and tileloadd by no memory operand at
+// all, so nothing told GCC that the stores the tile reads must come first.
+struct Span {
+  uint8_t bytes[kMaxRows * kMaxColsb];
+};
 template <int T>
 inline void load(const void* p, int64_t stride) {
-#define SPIND_OP(N) _tile_loadd(N, p, stride)
-  SPIND_TILE_CASES(SPIND_OP);
-#undef SPIND_OP
+  __asm__ volatile("tileloadd (%1,%2,1), %%tmm%c3" : : "m"(*static_cast<const Span*>(p)), "r"(p), "r"(stride), "i"(T));
 }
 template <int T>
 inline void zero() {
-#define SPIND_OP(N) _tile_zero(N)
-  SPIND_TILE_CASES(SPIND_OP);
-#undef SPIND_OP
+  __asm__ volatile("tilezero %%tmm%c0" : : "i"(T));
 }
 template <int T>
 inline void store(void* p, int64_t stride) {
-#define SPIND_OP(N) _tile_stored(N, p, stride)
-  SPIND_TILE_CASES(SPIND_OP);
-#undef SPIND_OP
+  __asm__ volatile("tilestored %%tmm%c3, (%1,%2,1)" : "=m"(*static_cast<Span*>(p)) : "r"(p), "r"(stride), "i"(T));
 }
-#undef SPIND_TILE_CASES
-// C += A B for the triples the GEMM uses (csrc/quant_gemm.cpp: A = 2 or 5, C = A + 1 + B, B = 0 or 1): signed A x
-// unsigned B (tdpbsud) or signed x signed (tdpbssd)
+// C += A B: signed A x unsigned B (tdpbsud) or signed x signed (tdpbssd)
 template <int C, int A, int B, bool kUnsignedB>
 inline void dp() {
-  static_assert((A == 2 || A == 5) && (B == 0 || B == 1) && C == A + 1 + B, "a tile triple the GEMM does not use");
-#define SPIND_OP(C_, A_, B_)                             \
-  if constexpr (kUnsignedB) _tile_dpbsud(C_, A_, B_); \
-  else _tile_dpbssd(C_, A_, B_)
-  if constexpr (A == 2 && B == 0) {
-    SPIND_OP(3, 2, 0);
-  } else if constexpr (A == 2) {
-    SPIND_OP(4, 2, 1);
-  } else if constexpr (B == 0) {
-    SPIND_OP(6, 5, 0);
-  } else {
-    SPIND_OP(7, 5, 1);
-  }
-#undef SPIND_OP
+  static_assert(C >= 0 && C < 8 && A >= 0 && A < 8 && B >= 0 && B < 8 && C != A && C != B && A != B, "tiles 0 .. 7");
+  if constexpr (kUnsignedB) __asm__ volatile("tdpbsud %%tmm%c2, %%tmm%c1, %%tmm%c0" : : "i"(C), "i"(A), "i"(B));
+  else __asm__ volatile("tdpbssd %%tmm%c2, %%tmm%c1, %%tmm%c0" : : "i"(C), "i"(A), "i"(B));
 }
 #endif
 

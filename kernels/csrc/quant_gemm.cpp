@@ -117,7 +117,8 @@ struct Digits {
   static constexpr int32_t kLimit = D == 1 ? 127 : D == 2 ? 127 * 255 + 127 : (1 << 22) - 1;  // |x / scale| <= kLimit
   int64_t rows, groups;
   std::vector<int8_t> digits;      // [G][M][D][32]: digit e of x[r, 32g + k] at ((g M + r) D + e) 32 + k (block-major:
-                                   // a block's rows and digits are one run of 32-byte rows, as an AMX tile reads them)
+                                   // a block's rows and digits are one run of 32-byte rows, as an AMX tile reads them),
+                                   // and one row's digits of padding (an AMX row block may read one row past its own)
   std::vector<float> scale;        // [M][G]
   std::vector<float> sum;          // [M][G] sum of the block's x (fp32, k increasing), for Q4_1's m term
   std::vector<int32_t> digit_sum;  // [M][G][D], for Q8_0's +128 offset on VNNI
@@ -127,7 +128,8 @@ struct Digits {
 #endif
 
   Digits(const float* x, int64_t M, int64_t K)
-      : rows(M), groups(K / kBlock), digits(M * K * D), scale(M * groups), sum(M * groups), digit_sum(M * groups * D)
+      : rows(M), groups(K / kBlock), digits((M * K + kBlock) * D), scale(M * groups), sum(M * groups),
+        digit_sum(M * groups * D)
 #ifndef SPIND_VNNI
       , q16(D == 2 ? M * K : 0)
 #endif
@@ -587,11 +589,22 @@ constexpr int64_t kRowTile = 64;
 // exact int32 dots go through memory (a tile store) into the very epilogue of the VNNI path (combine_digits, then
 // the same FMAs in the same order per output), so every row is bit-identical to the VNNI path's, whatever M and
 // whichever path a call takes: greedy speculation stays exact when a forward's row count crosses the threshold.
-// The tile work of block g + 1 is issued before block g's epilogue, which reads C rows stored one step earlier.
 //
-// Tiles: 0, 1 = B_0, B_1; a tile of kRowTile rows is cut into row blocks of two heights at most (split evenly), each
-// height with its own A and C tiles (2, 3, 4 and 5, 6, 7), so one configuration serves a whole call of <= kRowTile
-// rows.
+// Tile registers are not renamed: a tile load waits for the dot products still reading the tile it overwrites, and
+// a tile zeroed waits for the store still reading it. So the work of a block is laid out over different tiles so
+// that the next block's tile work overlaps this block's epilogue (on a Xeon with AMX, loads, dots and stores of one
+// set of tiles in turn left the tile unit idle most of the time: 64 rows of the default target's layers took 1.2x
+// the VNNI path's time at 1 thread, not a fraction of it):
+// - one row block (M <= kAmxRows, a verify or a small batch): tiles 0, 1 = B_0, B_1, 2 = A, and two C pairs (3, 4
+//   and 5, 6) used by alternate blocks: block g + 1's dots are issued before block g's C tiles are stored and its
+//   epilogue runs. Q4_1's codes are unpacked one block ahead of their tile load, into alternate buffers (a tile
+//   load does not take data forwarded from pending stores: unpacked just before, it waited for them to reach L1).
+// - more rows: row blocks in pairs, B_0, B_1 (the pair's codes, unpacked once for all its row blocks) shared by two
+//   A tiles (2, 3) and four C tiles (4 .. 7); the accumulators live in the output rows (the epilogue's adds are
+//   ALU-bound; the loads and stores beside them take other ports), and block g + 1's tile work is issued as soon as
+//   block g's C tiles are stored, before block g's epilogue.
+// Every row block of a call has the tiles' one height (the largest of its even split): a block one row shorter
+// reads one row of digits past its own (Digits pads the end), whose dots the epilogue leaves unread.
 
 // Calls of at least this many rows take the tiles (SPIND_AMX_MIN_ROWS; `spind bench decode` shows it).
 int64_t amx_default_min_rows() {
@@ -600,131 +613,205 @@ int64_t amx_default_min_rows() {
 }
 std::atomic<int64_t> amx_min_rows{amx_default_min_rows()};
 
-// rows per row block: D MR tile rows <= 16, and the 2 MR accumulators in registers
+// rows per row block: D MR tile rows <= 16, and (one row block) the 2 MR accumulators in registers
 template <int D>
 constexpr int64_t kAmxRows = D == 3 ? 5 : 8;
 
-// the tiles {A, C_0, C_1} of each row-block height
-template <int kSet>
-struct TileSet {
-  static constexpr int A = kSet == 0 ? 2 : 5, C0 = A + 1, C1 = A + 2;
-};
+// Rows of a tile above which row blocks go in pairs (prefill chunks). Fewer rows run row block by row block: A/B on
+// a Xeon with AMX, the default target's layers at 1 thread, pairs against one by one: 12 rows 1.06x the time, 16
+// rows 1.08x, 32 rows 1.00x, 64 rows 0.89x (the pairs' accumulators in memory cost more than they save in B loads
+// and unpacking until the pairs are many)
+template <int D>
+constexpr int64_t kAmxPairedAbove = 4 * kAmxRows<D>;
 
-amx::Config tile_config(int D, int64_t hi, int64_t lo) {
+// Tiles of a call with one row block (`paired` false) or pairs of them, `height` rows each
+amx::Config tile_config(int D, int64_t height, bool paired) {
   amx::Config c;
   c.set(0, kBlock / 4, 64);
   c.set(1, kBlock / 4, 64);
-  const int64_t heights[2] = {hi, lo};
-  for (int k = 0; k < 2; ++k) {
-    const int a = k == 0 ? TileSet<0>::A : TileSet<1>::A, rows = static_cast<int>(std::max<int64_t>(1, heights[k]) * D);
-    c.set(a, rows, kBlock);
-    c.set(a + 1, rows, 64);
-    c.set(a + 2, rows, 64);
-  }
+  const int rows = static_cast<int>(height * D);
+  const int n_a = paired ? 2 : 1;
+  for (int t = 2; t < 2 + n_a; ++t) c.set(t, rows, kBlock);
+  for (int t = 2 + n_a; t < 2 + n_a + 4; ++t) c.set(t, rows, 64);
   return c;
 }
 
-// One block's tile work: B_0, B_1 loaded (Q4_1 unpacked through b), A loaded, c[h] = A B_h stored ([D MR][16])
-template <int kSet, bool kQ4>
-SPIND_INLINE void tile_block(const Weights& w, const uint8_t* blk, const int8_t* digits, uint8_t (*b)[kBlock / 4][64],
-                             int32_t (*c)[amx::kMaxRows][16]) {
-  using T = TileSet<kSet>;
-  if constexpr (kQ4) {
-    for (int h = 0; h < 2; ++h) {
-      vi wq[8];
-      unpack_nibbles(w.codes(blk, h), wq);
-      for (int p = 0; p < 8; ++p) _mm512_store_si512(b[h][p], wq[p]);
+// 64-byte rows of unpacked codes, as a B tile reads them
+struct alignas(64) CodeRow {
+  uint8_t bytes[64];
+};
+
+// Block blk's Q4_1 codes as the B tiles read them, out[h][p] (row p: k = 4p .. 4p + 3 of the half's 16 outputs, the
+// low nibbles; p >= 4 the high ones)
+SPIND_INLINE void unpack_block(const Weights& w, const uint8_t* blk, CodeRow* out) {
+  const vi low4 = iset1(0x0F0F0F0F);
+  for (int h = 0; h < 2; ++h)
+    for (int p = 0; p < 4; ++p) {
+      const vi v = iload(w.codes(blk, h) + p * 64);
+      _mm512_store_si512(out[h * 8 + p].bytes, iand(v, low4));
+      _mm512_store_si512(out[h * 8 + p + 4].bytes, iand(srl16(v, 4), low4));
     }
-    amx::load<0>(b[0], 64);
-    amx::load<1>(b[1], 64);
-  } else {
-    amx::load<0>(w.codes(blk, 0), 64);
-    amx::load<1>(w.codes(blk, 1), 64);
-  }
-  amx::load<T::A>(digits, kBlock);
-  amx::zero<T::C0>();
-  amx::zero<T::C1>();
-  amx::dp<T::C0, T::A, 0, kQ4>();
-  amx::dp<T::C1, T::A, 1, kQ4>();
-  amx::store<T::C0>(c[0], 64);
-  amx::store<T::C1>(c[1], 64);
 }
 
-// y[r0 + r, unit] for the MR rows of a block; each output's blocks added in increasing order, as int_row_block does
-template <int MR, int D, int kSet>
-void amx_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r0, float* y, int64_t ldy, int pass) {
-  const bool q4 = w.format == Format::kQ4_1;
-  const int64_t pair = unit;  // an AVX-512 unit is a whole pair (kUnit == kPair)
-  alignas(64) uint8_t b[2][kBlock / 4][64];
-  alignas(64) int32_t c[2][2][amx::kMaxRows][16];  // [block parity][h][D r + e][output]
-  auto tiles = [&](int64_t g) {
-    w.prefetch_l2(pair, g, pass);
-    if (q4) tile_block<kSet, true>(w, w.block(pair, g), a.at(r0, g), b, c[g & 1]);
-    else tile_block<kSet, false>(w, w.block(pair, g), a.at(r0, g), b, c[g & 1]);
-  };
-  vf acc[MR][2];
-#pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = vzero();
-  tiles(0);
-  for (int64_t g = 0; g < w.groups; ++g) {
-    if (g + 1 < w.groups) tiles(g + 1);
+// The epilogue of one row's block g for one half: acc (y's 16 outputs, or a register) += the row's C rows dots
+template <int D, bool kQ4>
+SPIND_INLINE vf epilogue(vf acc, const int32_t* dots, vf d, vf m, float scale, float sum) {
+  const vf t = combine_digits<D>(iload(dots), iload(dots + 16 * (D > 1)), iload(dots + 32 * (D > 2)));
+  return add_block(acc, t, d, m, kQ4, scale, sum);
+}
+
+// One row block (M <= kAmxRows): y[r0 + r, unit] for its MR rows
+template <int MR, int D, bool kQ4>
+void amx_single_block(const Weights& w, const Digits<D>& a, int64_t pair, int64_t r0, float* y, int64_t ldy,
+                      int pass) {
+  alignas(64) CodeRow b[2][16];                 // Q4_1: the unpacked codes of alternate blocks
+  alignas(64) int32_t c[2][amx::kMaxRows][16];  // [h][D r + e][output]
+  auto dots = [&](int64_t g) {  // block g's dots into C pair 3, 4 (g even) or 5, 6
     const uint8_t* blk = w.block(pair, g);
-    const auto& cg = c[g & 1];
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      const vf d = load_f16(w.d(blk) + 16 * h);
-      const vf m = q4 ? load_f16(w.m(blk) + 16 * h) : vzero();
+    w.prefetch_l2(pair, g, pass);
+    if constexpr (kQ4) {
+      amx::load<0>(b[g & 1][0].bytes, 64);
+      amx::load<1>(b[g & 1][8].bytes, 64);
+      if (g + 1 < w.groups) unpack_block(w, w.block(pair, g + 1), b[(g + 1) & 1]);
+    } else {
+      amx::load<0>(w.codes(blk, 0), 64);
+      amx::load<1>(w.codes(blk, 1), 64);
+    }
+    amx::load<2>(a.at(r0, g), kBlock);
+    if (g & 1) {
+      amx::zero<5>(), amx::zero<6>();
+      amx::dp<5, 2, 0, kQ4>(), amx::dp<6, 2, 1, kQ4>();
+    } else {
+      amx::zero<3>(), amx::zero<4>();
+      amx::dp<3, 2, 0, kQ4>(), amx::dp<4, 2, 1, kQ4>();
+    }
+  };
+  vf acc0[MR], acc1[MR];  // the halves' accumulators (a 2-D array of them GCC kept on the stack)
 #pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r) {
-        const int64_t rg = (r0 + r) * w.groups + g;
-        const vi d0 = iload(cg[h][D * r]);
-        const vi d1 = D > 1 ? iload(cg[h][D * r + (D > 1 ? 1 : 0)]) : d0;
-        const vi d2 = D > 2 ? iload(cg[h][D * r + (D > 2 ? 2 : 0)]) : d0;
-        acc[r][h] = add_block(acc[r][h], combine_digits<D>(d0, d1, d2), d, m, q4, a.scale[rg], a.sum[rg]);
-      }
+  for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = vzero();
+  if constexpr (kQ4) unpack_block(w, w.block(pair, 0), b[0]);
+  dots(0);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    if (g + 1 < w.groups) dots(g + 1);
+    if (g & 1) amx::store<5>(c[0], 64), amx::store<6>(c[1], 64);
+    else amx::store<3>(c[0], 64), amx::store<4>(c[1], 64);
+    const uint8_t* blk = w.block(pair, g);
+    const vf d0 = load_f16(w.d(blk)), d1 = load_f16(w.d(blk) + 16);
+    const vf m0 = kQ4 ? load_f16(w.m(blk)) : vzero(), m1 = kQ4 ? load_f16(w.m(blk) + 16) : vzero();
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {  // a row's two halves together (by half, GCC spilled the accumulators)
+      const int64_t rg = (r0 + r) * w.groups + g;
+      acc0[r] = epilogue<D, kQ4>(acc0[r], c[0][D * r], d0, m0, a.scale[rg], a.sum[rg]);
+      acc1[r] = epilogue<D, kQ4>(acc1[r], c[1][D * r], d1, m1, a.scale[rg], a.sum[rg]);
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int h = 0; h < 2; ++h) vstore(y + r * ldy + 16 * h, acc[r][h]);
+  for (int r = 0; r < MR; ++r) {
+    vstore(y + r * ldy, acc0[r]);
+    vstore(y + r * ldy + 16, acc1[r]);
+  }
 }
 
-template <int D, int kSet, int MR = kAmxRows<D>>
-void amx_rows(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r0, float* y, int64_t ldy, int64_t n,
-              int pass) {
+template <int D, bool kQ4, int MR = kAmxRows<D>>
+void amx_single(const Weights& w, const Digits<D>& a, int64_t pair, int64_t r0, float* y, int64_t ldy, int64_t n,
+                int pass) {
   if constexpr (MR > 1) {
-    if (n < MR) return amx_rows<D, kSet, MR - 1>(w, a, unit, r0, y, ldy, n, pass);
+    if (n < MR) return amx_single<D, kQ4, MR - 1>(w, a, pair, r0, y, ldy, n, pass);
   }
-  amx_row_block<MR, D, kSet>(w, a, unit, r0, y, ldy, pass);
+  amx_single_block<MR, D, kQ4>(w, a, pair, r0, y, ldy, pass);
+}
+
+// Two row blocks of n0 and n1 rows from row r0: y[r0 + r, unit] accumulated in place. codes:
+// the pair's blocks as B tiles read them (Q4_1 unpacked; Q8_0 null: the packed codes as they lie).
+template <int D, bool kQ4>
+void amx_block_pair(const Weights& w, const CodeRow* codes, const Digits<D>& a, int64_t pair, int64_t r0, int64_t n0,
+                    int64_t n1, float* y, int64_t ldy, int pass) {
+  const int64_t r1 = r0 + n0;
+  alignas(64) int32_t c[2][2][amx::kMaxRows][16];  // [row block][h][D r + e][output]
+  const int64_t rs[2] = {r0, r1}, ns[2] = {n0, n1};
+  auto dots = [&](int64_t g) {
+    if constexpr (kQ4) {
+      amx::load<0>(codes[g * 16].bytes, 64);
+      amx::load<1>(codes[g * 16 + 8].bytes, 64);
+    } else {
+      const uint8_t* blk = w.block(pair, g);
+      w.prefetch_l2(pair, g, pass);
+      amx::load<0>(w.codes(blk, 0), 64);
+      amx::load<1>(w.codes(blk, 1), 64);
+    }
+    amx::load<2>(a.at(r0, g), kBlock);
+    amx::load<3>(a.at(r1, g), kBlock);
+    amx::zero<4>(), amx::zero<5>(), amx::zero<6>(), amx::zero<7>();
+    amx::dp<4, 2, 0, kQ4>(), amx::dp<5, 2, 1, kQ4>(), amx::dp<6, 3, 0, kQ4>(), amx::dp<7, 3, 1, kQ4>();
+  };
+  for (int64_t r = 0; r < n0 + n1; ++r) vstore(y + r * ldy, vzero()), vstore(y + r * ldy + 16, vzero());
+  dots(0);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    amx::store<4>(c[0][0], 64), amx::store<5>(c[0][1], 64), amx::store<6>(c[1][0], 64), amx::store<7>(c[1][1], 64);
+    if (g + 1 < w.groups) dots(g + 1);
+    const uint8_t* blk = w.block(pair, g);
+    const vf d0 = load_f16(w.d(blk)), d1 = load_f16(w.d(blk) + 16);
+    const vf m0 = kQ4 ? load_f16(w.m(blk)) : vzero(), m1 = kQ4 ? load_f16(w.m(blk) + 16) : vzero();
+    for (int i = 0; i < 2; ++i)
+      for (int64_t r = 0; r < ns[i]; ++r) {
+        const int64_t rg = (rs[i] + r) * w.groups + g;
+        float* yr = y + (rs[i] - r0 + r) * ldy;
+        vstore(yr, epilogue<D, kQ4>(vload(yr), c[i][0][D * r], d0, m0, a.scale[rg], a.sum[rg]));
+        vstore(yr + 16, epilogue<D, kQ4>(vload(yr + 16), c[i][1][D * r], d1, m1, a.scale[rg], a.sum[rg]));
+      }
+  }
 }
 
 // As gemm<IntPath<D>>: threads split the units (32 outputs each); a thread runs its units over each tile of kRowTile
 // rows, a unit over the tile's row blocks (the unit's weights stay in cache between them).
-template <int D>
+template <int D, bool kQ4>
 at::Tensor amx_gemm(const at::Tensor& x, const Weights& w, int64_t n_out) {
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor y = at::empty({M, n_out}, x.options());
   const Digits<D> in(x.data_ptr<float>(), M, K);
   float* yp = y.data_ptr<float>();
   parallel_for(0, n_out / kUnit, 1, [&](int64_t begin, int64_t end) {
-    int64_t configured[2] = {0, 0};
+    std::vector<CodeRow> codes(kQ4 && M > kAmxPairedAbove<D> ? w.groups * 16 : 0);  // a pair's unpacked codes
+    int64_t configured = 0;  // height x 2 + paired
     for (int64_t tile = 0; tile < M; tile += kRowTile) {
       const int64_t rows = std::min(M - tile, kRowTile);
-      const int64_t blocks = (rows + kAmxRows<D> - 1) / kAmxRows<D>;
+      const bool paired = rows > kAmxPairedAbove<D>;
+      const int64_t blocks = paired ? 2 * ((rows + 2 * kAmxRows<D> - 1) / (2 * kAmxRows<D>))
+                                    : (rows + kAmxRows<D> - 1) / kAmxRows<D>;
       const int64_t lo = rows / blocks, n_hi = rows % blocks, hi = lo + (n_hi != 0);  // n_hi blocks of hi rows first
-      if (hi != configured[0] || lo != configured[1]) {
-        amx::configure(tile_config(D, hi, lo));
-        configured[0] = hi, configured[1] = lo;
+      if (hi * 2 + paired != configured) {
+        amx::configure(tile_config(D, hi, paired));
+        configured = hi * 2 + paired;
       }
-      for (int64_t u = begin; u < end; ++u)
-        for (int64_t i = 0, r0 = tile; i < blocks; r0 += i < n_hi ? hi : lo, ++i) {
-          float* yu = yp + r0 * n_out + u * kUnit;
-          if (i < n_hi) amx_rows<D, 0>(w, in, u, r0, yu, n_out, hi, static_cast<int>(i));
-          else amx_rows<D, 1>(w, in, u, r0, yu, n_out, lo, static_cast<int>(i));
+      for (int64_t u = begin; u < end; ++u) {
+        if (!paired) {
+          for (int64_t i = 0, r0 = tile; i < blocks; ++i) {
+            const int64_t n = i < n_hi ? hi : lo;
+            amx_single<D, kQ4>(w, in, u, r0, yp + r0 * n_out + u * kUnit, n_out, n, static_cast<int>(i));
+            r0 += n;
+          }
+          continue;
         }
+        if constexpr (kQ4)
+          for (int64_t g = 0; g < w.groups; ++g) {
+            w.prefetch_l2(u, g, 0);
+            unpack_block(w, w.block(u, g), codes.data() + g * 16);
+          }
+        for (int64_t i = 0, r0 = tile; i < blocks; i += 2) {
+          const int64_t n0 = i < n_hi ? hi : lo, n1 = i + 1 < n_hi ? hi : lo;
+          amx_block_pair<D, kQ4>(w, codes.data(), in, u, r0, n0, n1, yp + r0 * n_out + u * kUnit, n_out,
+                                 static_cast<int>(i));
+          r0 += n0 + n1;
+        }
+      }
     }
     amx::release();
   });
   return y;
+}
+
+template <int D>
+at::Tensor amx_gemm(const at::Tensor& x, const Weights& w, int64_t n_out) {
+  return w.format == Format::kQ4_1 ? amx_gemm<D, true>(x, w, n_out) : amx_gemm<D, false>(x, w, n_out);
 }
 #endif  // SPIND_AMX
 
