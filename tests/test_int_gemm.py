@@ -128,10 +128,10 @@ def test_scaled_sums_match_the_digits_reference(isa: str, mode: str, qtype: str)
     b = random_blocks(qtype, n, k, seed=3)
     x = torch.randn(7, k, generator=torch.Generator().manual_seed(4)) * torch.logspace(-3, 2, 7)[:, None]
     dig, scale, sums = ops.quantize_rows(x, digits)
-    assert dig.shape == (7, k // 32, digits, 32) and dig.abs().max() <= 127
+    assert dig.shape == (7, k // 32, digits, 32) and dig[:, :, 0].abs().max() <= 127  # the leading digit: |q| bound
     q = dig[:, :, 0].double()
-    for e in range(1, digits):
-        q = q * 255 + dig[:, :, e].double()
+    for e in range(1, digits):  # balanced base-256 digits, each in [-128, 127]
+        q = q * 256 + dig[:, :, e].double()
     assert q.abs().max() <= LIMIT[digits]
     assert ((q * scale.double()[..., None] - x.double().view(7, k // 32, 32)).abs()
             <= scale.double()[..., None] * 0.51).all()  # half a step, and x / scale rounded in fp32

@@ -107,13 +107,16 @@ struct Weights {
 // A block of 32 activations as D int8 digits: x ~ scale * sum_e kBase^(D-1-e) digit_e (balanced digits).
 //   D = 1 (`gguf-q8`, llama.cpp's Q8_1 idea): |digit| <= 127, an 8-bit copy of the block (1 in 254 of its largest
 //         entry); on the default model its top-1 agrees with fp32 activations at ~93 % of positions;
-//   D = 2 (`gguf-q16`): base 255, |digits| <= 127 (what AVX2's maddubs bounds need), a 15-bit copy (1 in 65024);
-//   D = 3 (`gguf` on AVX-512 VNNI): base 256, a 23-bit fixed-point copy, as fine as fp32's 24-bit significand for
-//         the block's largest entry.
+//   D = 2 (`gguf-q16`): a 15-bit copy (1 in 65024), |q| <= 127 x 255 + 127 (AVX2 dots q itself, q16, by vpmaddwd);
+//   D = 3 (`gguf` on AVX-512 VNNI): a 23-bit fixed-point copy, as fine as fp32's 24-bit significand for the block's
+//         largest entry.
+// Digits in base 256, each in [-128, 127]. D = 2 used base 255 until stop 60 (digits within +-127, for AVX2's
+// maddubs, which no longer dots them): base 256 combines two digit dots as (dot_0 << 8) + dot_1, one integer
+// operation fewer per row and 16 outputs of every block on VNNI and AMX, for the same exact q and dot.
 // The same code on every build (AVX2 vectors, which AVX-512 builds have too): every build quantizes identically.
 template <int D>
 struct Digits {
-  static constexpr int32_t kBase = D == 3 ? 256 : 255;
+  static constexpr int32_t kBase = 256;
   static constexpr int32_t kLimit = D == 1 ? 127 : D == 2 ? 127 * 255 + 127 : (1 << 22) - 1;  // |x / scale| <= kLimit
   int64_t rows, groups;
   std::vector<int8_t> digits;      // [G][M][D][32]: digit e of x[r, 32g + k] at ((g M + r) D + e) 32 + k (block-major:
@@ -166,8 +169,7 @@ struct Digits {
   }
 
   // Exact integer steps after one fp32 multiply: q = round-to-nearest-even(x inv) (vcvtps2dq, as lrintf), clamped;
-  // then per digit, least significant last, base 256: ((q + 128) & 255) - 128; base 255: q - 255 round(q / 255), the
-  // division in fp32 exact here (|q| <= 32512, and q / 255 is never within 0.002 of a half-integer). The digits are
+  // then per digit, least significant last: ((q + 128) & 255) - 128, and q = (q - digit) >> 8. The digits are
   // narrowed to int8 by saturating packs (exact: every digit fits) and the digit sums added in int32 (exact).
   SPIND_INLINE void quantize_block(const float* xb, int64_t rg) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -195,15 +197,9 @@ struct Digits {
 #endif
       for (int e = D - 1; e >= 0; --e) {
         __m256i d;
-        if constexpr (kBase == 256) {
-          d = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(q, _mm256_set1_epi32(128)), _mm256_set1_epi32(255)),
-                               _mm256_set1_epi32(128));
-          q = _mm256_srai_epi32(_mm256_sub_epi32(q, d), 8);
-        } else {
-          const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(1.0f / 255.0f)));
-          d = _mm256_sub_epi32(q, _mm256_mullo_epi32(a, _mm256_set1_epi32(255)));
-          q = a;
-        }
+        d = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(q, _mm256_set1_epi32(128)), _mm256_set1_epi32(255)),
+                             _mm256_set1_epi32(128));
+        q = _mm256_srai_epi32(_mm256_sub_epi32(q, d), 8);
         digit[e][j] = d;
       }
     }
@@ -306,8 +302,8 @@ SPIND_INLINE vf combine_digits(vi d0, vi d1, vi d2) {
     return to_float(d0);
   } else {
 #ifdef SPIND_VNNI
-    if constexpr (D == 2) return to_float(iadd(isub(_mm512_slli_epi32(d0, 8), d0), d1));  // 255 d0 + d1
-    else return vfma(to_float(iadd(_mm512_slli_epi32(d0, 8), d1)), vset1(256.0f), to_float(d2));  // base 256
+    if constexpr (D == 2) return to_float(iadd(_mm512_slli_epi32(d0, 8), d1));  // 256 d0 + d1
+    else return vfma(to_float(iadd(_mm512_slli_epi32(d0, 8), d1)), vset1(256.0f), to_float(d2));
 #else
     const vf base = vset1(static_cast<float>(Digits<D>::kBase));
     vf t = vfma(to_float(d0), base, to_float(d1));
@@ -334,7 +330,7 @@ SPIND_INLINE vf block_dot(const Column& col, const int32_t* quads, const int32_t
 // of the codes and no horizontal add (a row held two sums before stop 59). Each code row is widened and used by every
 // row at once: a widened copy of the block did not fit the 16 registers beside the sums. The exact int32 sum over
 // the block of code x q for 16-bit q (|q| <= 32512: a pair <= 8.3e6, the block <= 1.4e8, no overflow): the value a
-// two-digit dot reaches as 255 dot(a) + dot(b).
+// two-digit dot reaches as 256 dot(a) + dot(b).
 // Integer adds being associative, GCC (12) turned each row's running sum into a tree, every code row's products of
 // all MR rows computed first and spilled to the stack; an empty asm naming the sum as an in-out register after each
 // add keeps it a running sum (the same exact integers; stop 57, Zen 3: 5-row GEMMs 0.78x / 0.91x the time at 1 / 2
@@ -395,7 +391,7 @@ SPIND_INLINE void lead_dots(const Column& col, const int32_t* quads, vi* lead, v
       }
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r)
-      lead[r] = D == 1 ? iadd(lead[r], other[r]) : iadd(isub(_mm512_slli_epi32(lead[r], 8), lead[r]), other[r]);
+      lead[r] = D == 1 ? iadd(lead[r], other[r]) : iadd(_mm512_slli_epi32(lead[r], 8), other[r]);
   } else {
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) lead[r] = tail[r] = izero();
