@@ -587,18 +587,19 @@ constexpr int64_t kRowTile = 64;
 // whichever path a call takes: greedy speculation stays exact when a forward's row count crosses the threshold.
 //
 // Tile registers are not renamed: a tile load waits for the dot products still reading the tile it overwrites, and
-// a tile zeroed waits for the store still reading it. So the work of a block is laid out over different tiles so
-// that the next block's tile work overlaps this block's epilogue (on a Xeon with AMX, loads, dots and stores of one
-// set of tiles in turn left the tile unit idle most of the time: 64 rows of the default target's layers took 1.2x
-// the VNNI path's time at 1 thread, not a fraction of it):
-// - one row block (M <= kAmxRows, a verify or a small batch): tiles 0, 1 = B_0, B_1, 2 = A, and two C pairs (3, 4
-//   and 5, 6) used by alternate blocks: block g + 1's dots are issued before block g's C tiles are stored and its
-//   epilogue runs. Q4_1's codes are unpacked one block ahead of their tile load, into alternate buffers (a tile
-//   load does not take data forwarded from pending stores: unpacked just before, it waited for them to reach L1).
-// - more rows: row blocks in pairs, B_0, B_1 (the pair's codes, unpacked once for all its row blocks) shared by two
-//   A tiles (2, 3) and four C tiles (4 .. 7); the accumulators live in the output rows (the epilogue's adds are
-//   ALU-bound; the loads and stores beside them take other ports), and block g + 1's tile work is issued as soon as
-//   block g's C tiles are stored, before block g's epilogue.
+// a tile zeroed waits for the store still reading it. So a block's work is laid out over different tiles, the next
+// block's tile work issued before this block's C tiles are stored (stop 59's scheme loaded, dotted and stored one
+// set of tiles in turn; on a Xeon with AMX its samples sat on the tile instructions, and 64 rows of the default
+// target's layers took 0.87x the VNNI path's time at 1 thread). On that Xeon the tile work and the vector epilogue
+// did not overlap (a microbenchmark's tile step and epilogue took the sum of their times), so what is left to gain
+// is in doing less of either:
+// - up to kAmxPairedAbove rows (a verify, a batch of decodes): row block by row block, with tiles 0, 1 = B_0, B_1,
+//   2 = A, and two C pairs (3, 4 and 5, 6) used by alternate blocks. Q4_1's codes are unpacked one block ahead of
+//   their tile load, into alternate buffers (a tile load does not take data forwarded from pending stores: unpacked
+//   just before, it waited for them to reach L1, ~35 % of a 64-row call's samples).
+// - more rows (prefill chunks): row blocks in pairs, B_0, B_1 (the unit's codes, unpacked once for all its row
+//   blocks) shared by two A tiles (2, 3) and four C tiles (4 .. 7), the accumulators in the output rows (32 of them
+//   do not fit the registers).
 // Every row block of a call has the tiles' one height (the largest of its even split): a block one row shorter
 // reads one row of digits past its own (Digits pads the end), whose dots the epilogue leaves unread.
 
@@ -613,10 +614,11 @@ std::atomic<int64_t> amx_min_rows{amx_default_min_rows()};
 template <int D>
 constexpr int64_t kAmxRows = D == 3 ? 5 : 8;
 
-// Rows of a tile above which row blocks go in pairs (prefill chunks). Fewer rows run row block by row block: A/B on
-// a Xeon with AMX, the default target's layers at 1 thread, pairs against one by one: 12 rows 1.06x the time, 16
-// rows 1.08x, 32 rows 1.00x, 64 rows 0.89x (the pairs' accumulators in memory cost more than they save in B loads
-// and unpacking until the pairs are many)
+// Rows of a tile above which row blocks go in pairs (prefill chunks). Fewer rows run row block by row block: on a
+// Xeon with AMX, the default target's layers (30 distinct layers' shapes, random codes) at 1 thread, pairs' time
+// over row block by row block's, medians of 3 alternated processes: 12 rows 1.05x, 16 rows 1.07x, 32 rows 0.99x,
+// 64 rows 0.87x (the accumulators kept in memory cost more than the shared B tiles and codes save, until the pairs
+// are many)
 template <int D>
 constexpr int64_t kAmxPairedAbove = 4 * kAmxRows<D>;
 
@@ -656,7 +658,7 @@ SPIND_INLINE vf epilogue(vf acc, const int32_t* dots, vf d, vf m, float scale, f
   return add_block(acc, t, d, m, kQ4, scale, sum);
 }
 
-// One row block (M <= kAmxRows): y[r0 + r, unit] for its MR rows
+// One row block of MR <= kAmxRows rows: y[r0 + r, unit]
 template <int MR, int D, bool kQ4>
 void amx_single_block(const Weights& w, const Digits<D>& a, int64_t pair, int64_t r0, float* y, int64_t ldy,
                       int pass) {
