@@ -610,7 +610,7 @@ int64_t amx_default_min_rows() {
 }
 std::atomic<int64_t> amx_min_rows{amx_default_min_rows()};
 
-// rows per row block: D MR tile rows <= 16, and (one row block) the 2 MR accumulators in registers
+// rows per row block: D MR tile rows <= 16, and (a row block at a time) the 2 MR accumulators in registers
 template <int D>
 constexpr int64_t kAmxRows = D == 3 ? 5 : 8;
 
@@ -622,7 +622,7 @@ constexpr int64_t kAmxRows = D == 3 ? 5 : 8;
 template <int D>
 constexpr int64_t kAmxPairedAbove = 4 * kAmxRows<D>;
 
-// Tiles of a call with one row block (`paired` false) or pairs of them, `height` rows each
+// Tiles of a call whose row blocks, `height` rows each, run one at a time (`paired` false) or in pairs
 amx::Config tile_config(int D, int64_t height, bool paired) {
   amx::Config c;
   c.set(0, kBlock / 4, 64);
