@@ -642,13 +642,11 @@ struct alignas(64) CodeRow {
 // Block blk's Q4_1 codes as the B tiles read them, out[h][p] (row p: k = 4p .. 4p + 3 of the half's 16 outputs, the
 // low nibbles; p >= 4 the high ones)
 SPIND_INLINE void unpack_block(const Weights& w, const uint8_t* blk, CodeRow* out) {
-  const vi low4 = iset1(0x0F0F0F0F);
-  for (int h = 0; h < 2; ++h)
-    for (int p = 0; p < 4; ++p) {
-      const vi v = iload(w.codes(blk, h) + p * 64);
-      _mm512_store_si512(out[h * 8 + p].bytes, iand(v, low4));
-      _mm512_store_si512(out[h * 8 + p + 4].bytes, iand(srl16(v, 4), low4));
-    }
+  for (int h = 0; h < 2; ++h) {
+    vi wq[8];
+    unpack_nibbles(w.codes(blk, h), wq);
+    for (int p = 0; p < 8; ++p) _mm512_store_si512(out[h * 8 + p].bytes, wq[p]);
+  }
 }
 
 // The epilogue of one row's block g for one half: acc (y's 16 outputs, or a register) += the row's C rows dots
@@ -665,13 +663,13 @@ void amx_single_block(const Weights& w, const Digits<D>& a, int64_t pair, int64_
   alignas(64) CodeRow b[2][16];                 // Q4_1: the unpacked codes of alternate blocks
   alignas(64) int32_t c[2][amx::kMaxRows][16];  // [h][D r + e][output]
   auto dots = [&](int64_t g) {  // block g's dots into C pair 3, 4 (g even) or 5, 6
-    const uint8_t* blk = w.block(pair, g);
     w.prefetch_l2(pair, g, pass);
     if constexpr (kQ4) {
       amx::load<0>(b[g & 1][0].bytes, 64);
       amx::load<1>(b[g & 1][8].bytes, 64);
       if (g + 1 < w.groups) unpack_block(w, w.block(pair, g + 1), b[(g + 1) & 1]);
     } else {
+      const uint8_t* blk = w.block(pair, g);
       amx::load<0>(w.codes(blk, 0), 64);
       amx::load<1>(w.codes(blk, 1), 64);
     }
@@ -723,9 +721,7 @@ void amx_single(const Weights& w, const Digits<D>& a, int64_t pair, int64_t r0, 
 template <int D, bool kQ4>
 void amx_block_pair(const Weights& w, const CodeRow* codes, const Digits<D>& a, int64_t pair, int64_t r0, int64_t n0,
                     int64_t n1, float* y, int64_t ldy, int pass) {
-  const int64_t r1 = r0 + n0;
   alignas(64) int32_t c[2][2][amx::kMaxRows][16];  // [row block][h][D r + e][output]
-  const int64_t rs[2] = {r0, r1}, ns[2] = {n0, n1};
   auto dots = [&](int64_t g) {
     if constexpr (kQ4) {
       amx::load<0>(codes[g * 16].bytes, 64);
@@ -737,7 +733,7 @@ void amx_block_pair(const Weights& w, const CodeRow* codes, const Digits<D>& a, 
       amx::load<1>(w.codes(blk, 1), 64);
     }
     amx::load<2>(a.at(r0, g), kBlock);
-    amx::load<3>(a.at(r1, g), kBlock);
+    amx::load<3>(a.at(r0 + n0, g), kBlock);
     amx::zero<4>(), amx::zero<5>(), amx::zero<6>(), amx::zero<7>();
     amx::dp<4, 2, 0, kQ4>(), amx::dp<5, 2, 1, kQ4>(), amx::dp<6, 3, 0, kQ4>(), amx::dp<7, 3, 1, kQ4>();
   };
@@ -749,13 +745,13 @@ void amx_block_pair(const Weights& w, const CodeRow* codes, const Digits<D>& a, 
     const uint8_t* blk = w.block(pair, g);
     const vf d0 = load_f16(w.d(blk)), d1 = load_f16(w.d(blk) + 16);
     const vf m0 = kQ4 ? load_f16(w.m(blk)) : vzero(), m1 = kQ4 ? load_f16(w.m(blk) + 16) : vzero();
-    for (int i = 0; i < 2; ++i)
-      for (int64_t r = 0; r < ns[i]; ++r) {
-        const int64_t rg = (rs[i] + r) * w.groups + g;
-        float* yr = y + (rs[i] - r0 + r) * ldy;
-        vstore(yr, epilogue<D, kQ4>(vload(yr), c[i][0][D * r], d0, m0, a.scale[rg], a.sum[rg]));
-        vstore(yr + 16, epilogue<D, kQ4>(vload(yr + 16), c[i][1][D * r], d1, m1, a.scale[rg], a.sum[rg]));
-      }
+    for (int64_t r = 0; r < n0 + n1; ++r) {  // the pair's rows are consecutive: row r is block i's row r - i n0
+      const int i = r >= n0, rb = static_cast<int>(r - i * n0);
+      const int64_t rg = (r0 + r) * w.groups + g;
+      float* yr = y + r * ldy;
+      vstore(yr, epilogue<D, kQ4>(vload(yr), c[i][0][D * rb], d0, m0, a.scale[rg], a.sum[rg]));
+      vstore(yr + 16, epilogue<D, kQ4>(vload(yr + 16), c[i][1][D * rb], d1, m1, a.scale[rg], a.sum[rg]));
+    }
   }
 }
 
