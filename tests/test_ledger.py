@@ -4,6 +4,8 @@ selecting costs more than speculation is worth. Scripted feedback, no clock, no 
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import pytest
 
@@ -59,6 +61,10 @@ def test_drafts_valued_at_the_prices_asked_cut_at_the_floors():
     empty = ShadowLedger(["ngram"], evidence=1)
     empty.add(0, 0, 0, ())
     assert empty.verdict(cheap).rates == (0.0,)  # a proposal of nothing is worth nothing
+    weighed = ShadowLedger(["ngram"], evidence=1)
+    weighed.add(0, 4, 4, slots=1.0)  # a draft accepted whole: the drafter's own slot there would take all of it
+    weighed.add(0, 4, 0, slots=3.0)  # one that fails where its own slots would have run 3 times, all failing
+    assert weighed.verdict(cheap).rates[0] == pytest.approx((3.0 * 1 + (-1.0) * 3) / 4, abs=0.01)
     recent = ShadowLedger(["ngram"], window=4, evidence=1)
     for _ in range(50):
         recent.add(0, 4, 4)
@@ -167,17 +173,23 @@ def test_a_model_drafter_keeps_selection_on():
     assert sel.verdict.best is None and not sel.idle
 
 
+def settling_selector(monkeypatch) -> tuple[LBSSSelector, Capacity]:
+    """LBSS over n-gram lookup and suffix decoding (no KV drafters), deciding from 20 drafts and repricing at every
+    forward, with room for both."""
+    monkeypatch.setattr(lbss, "DOMINANCE_EVIDENCE", 20)
+    monkeypatch.setattr(lbss, "REPRICE_FORWARDS", 1)
+    sel = LBSSSelector(SelectionConfig(seed=0, alpha=2), ["ngram", "suffix"], 4, verify_points=profile_points(),
+                       draft_s_per_token={"ngram": 1e-5, "suffix": 1e-5}, kv_drafters=())
+    return sel, Capacity({"ngram": 16, "suffix": 16})
+
+
 def test_with_one_calibrated_drafter_left_selection_settles_on_it_without_the_matching(monkeypatch):
     """Once the ledger leaves suffix decoding alone (n-gram dominated) and its confidence is calibrated, the stages'
     exploration and matching could only choose among its k's and plain decoding, which its confidence floor already
     decides slot by slot: every request runs it at the default k with its floor, no matching is drawn up, and only
     every SETTLED_SHADOW-th shadow turn is granted. A request that names its drafter, a model drafter in the arm set,
     or n-gram catching up on the text unsettles it."""
-    monkeypatch.setattr(lbss, "DOMINANCE_EVIDENCE", 20)
-    monkeypatch.setattr(lbss, "REPRICE_FORWARDS", 1)
-    sel = LBSSSelector(SelectionConfig(seed=0, alpha=2), ["ngram", "suffix"], 4, verify_points=profile_points(),
-                       draft_s_per_token={"ngram": 1e-5, "suffix": 1e-5}, kv_drafters=())
-    cap = Capacity({"ngram": 16, "suffix": 16})
+    sel, cap = settling_selector(monkeypatch)
     t = 0
     while sel.settled_on is None:
         arm = sel.select([info("r", t)], cap)[0]
@@ -250,3 +262,69 @@ def test_drafts_seen_at_one_load_value_the_drafters_at_another(monkeypatch):
     assert idle_at == 1 and sel.verdict.best <= 0 and arms == [PLAIN_ARM] * 16
     ledger = sel.describe()["ledger"]
     assert ledger["2"]["suffix"] > 0 >= ledger["16"]["suffix"]
+
+
+def copy_text_acceptance(p: int) -> int:
+    """n-gram lookup's shadow draft after p tokens of a text that repeats, every 64 tokens, a run of 24 it can copy:
+    inside the run its draft matches what is left of it (at most 8 tokens); elsewhere it proposes nothing."""
+    left = 24 - p % 64
+    return min(8, left) if left > 0 else 0
+
+
+def test_a_copy_run_counts_once_for_the_drafter_that_would_copy_it_whole(monkeypatch):
+    """A request that runs suffix decoding (it names it: one token a slot, always accepted), with shadow drafts on
+    every slot, over a text that has a copy run of 24 tokens every 64: n-gram lookup would take a run in about five
+    of its own slots (4 tokens each at k = 4) and propose nothing elsewhere. On its own slots suffix decoding is
+    worth more (~0.69 tokens a slot against n-gram's ~0.3), but a run shows in a shadow draft at each of the 12
+    slots suffix decoding spends on it: counted one a draft (what the slots did unknown), n-gram lookup rates above
+    suffix decoding, which is left out. Weighed by the own slots each draft stands for (`LBSSSelector._ledger`: a
+    draft accepted to k, at a slot that committed 2 tokens, 2 / 5 of one), n-gram lookup is the one left out."""
+    monkeypatch.setattr(lbss, "DOMINANCE_EVIDENCE", 20)
+    named = RequestInfo(req_id="r", requested="suffix", requested_k=1, current=None, num_prompt_tokens=40,
+                        num_output_tokens=0)
+    for with_slots, dominated in ((True, {"ngram"}), (False, {"suffix"})):
+        sel = LBSSSelector(SelectionConfig(seed=0, alpha=2), ["ngram", "suffix"], 4, verify_points=profile_points(),
+                           draft_s_per_token={"ngram": 1e-5, "suffix": 1e-5})
+        cap = Capacity({"ngram": 16, "suffix": 16})
+        p = 0
+        for _ in range(640):
+            arm = sel.select([dataclasses.replace(named, num_output_tokens=p)], cap)[0]
+            assert arm == Arm("suffix", 1)
+            ngram = copy_text_acceptance(p)
+            sel.observe([SlotFeedback(
+                req_id="r", arm=arm, num_drafted=1, num_accepted=1, num_committed=2, draft_s=0.0,
+                verify_s=cpu_verify(1, 2), batch_size=1, batch_tokens=2,
+                shadow=(("ngram", 8 if ngram else 0, ngram), ("suffix", 1, 1)),
+                shadow_slot=((2, "suffix"), (2, "suffix")) if with_slots else ())])
+            p += 2
+        rates = dict(zip(["ngram", "suffix"], sel.verdict.rates))
+        assert sel.dominated == dominated, (with_slots, rates)
+        if with_slots:
+            assert rates["ngram"] < 0.8 * rates["suffix"]
+
+
+def test_settled_selection_stays_until_another_drafter_dominates_its_own(monkeypatch):
+    """Settled on suffix decoding, it stays there while n-gram lookup's shadow drafts are worth about as much (a
+    few per cent more: within DOMINANCE_MARGIN, the ledger's noise between two drafters that do alike), with no
+    stretch of full selection in between; once suffix decoding's drafts fall clearly behind, it settles on n-gram."""
+    sel, cap = settling_selector(monkeypatch)
+    t = 0
+
+    def run(slots: int, worth) -> list:
+        nonlocal t
+        settled = []
+        for _ in range(slots):
+            arm = sel.select([info("r", t)], cap)[0]
+            sel.observe([shadow_feedback("r", arm, 1, worth(t))])
+            settled.append(sel.settled_on)
+            t += 1
+        return settled
+
+    run(300, lambda t: {"suffix": 4, "ngram": 4 if t % 4 == 0 else 0})
+    assert sel.settled_on == "suffix"
+    close = run(3000, lambda t: {"suffix": 0 if t % 60 == 0 else 4, "ngram": 4})  # n-gram ~2% ahead: within margin
+    v = dict(zip(["ngram", "suffix"], sel.verdict.rates))
+    assert v["suffix"] < v["ngram"] < v["suffix"] / (1 - lbss.DOMINANCE_MARGIN)
+    assert close == ["suffix"] * len(close)  # never unsettled
+    run(3000, lambda t: {"suffix": 4 if t % 4 == 0 else 0, "ngram": 4})
+    assert sel.settled_on == "ngram"

@@ -66,6 +66,8 @@ def test_shadow_drafts_are_decided_by_the_committed_tokens():
     shadows.add("r", 0, {"ng": [1]})  # ^ cut short: the decided tokens' confidences
     shadows.remove("r")
     assert shadows.resolve("r", prompt) == []
+    shadows.add("r", len(prompt), {"ng": [4]}, slot=(3, "sfx"))  # drafted at a slot that ran suffix, 3 tokens
+    assert shadows.resolve("r", prompt + [4]) == [Decided("ng", 1, 1, (), (3, "sfx"))]
 
 
 def test_lbss_learns_a_requests_ngram_acceptance_from_shadows_alone():

@@ -505,7 +505,8 @@ class SlotPhases:
             self.metrics.record_verify(name, r.num_drafted, r.num_accepted)
         shadowed = arm.drafter is not None and arm.drafter in st.shadow
         st.shadow = []
-        self.shadows.add(st.req_id, len(seq.token_ids), r.shadow, r.shadow_confidence)
+        self.shadows.add(st.req_id, len(seq.token_ids), r.shadow, r.shadow_confidence,
+                         (len(r.tokens), arm.drafter if r.num_drafted else ""))
         kept = seq.append(r.tokens)
         self.committed_tokens += len(kept)
         if seq.params.grammar is not None:
@@ -527,6 +528,7 @@ class SlotPhases:
                 num_committed=len(kept), draft_s=max(0.0, draft_s - switch_s), verify_s=outcome.verify_s,
                 switch_s=switch_s, batch_size=len(outcome.batch),
                 batch_tokens=outcome.num_tokens, shadow=tuple(d[:3] for d in decided), shadowed=shadowed,
+                shadow_slot=tuple(d.slot for d in decided),
                 shadow_confidence=tuple((d.drafter, d.confidence, d.accepted) for d in decided if d.confidence),
                 select_s=st.select_s + outcome.shadow_s / max(1, len(outcome.batch)))
             st.select_s = 0.0

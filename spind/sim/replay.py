@@ -202,11 +202,12 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
                     if shadow.confidence is not None:
                         rated[name] = list(shadow.confidence)
                     shadow_s += calls(name, r, len(seq))
-                shadows.add(r, len(seq), proposed, rated)
             tokens = draft.tokens if draft is not None else []
             accepted = 0
             while accepted < len(tokens) and tokens[accepted] == rec.output[pos + accepted]:
                 accepted += 1
+            if wanted[r]:
+                shadows.add(r, len(seq), proposed, rated, (min(accepted + 1, left), arm.drafter if tokens else ""))
             results[r] = (len(tokens), accepted, min(accepted + 1, left))
             tokens_in_forward += len(tokens) + 1
         verify_s = costs.verify_s(len(ids), tokens_in_forward)
@@ -228,6 +229,7 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
                 req_id=r, arm=arm, num_drafted=drafted, num_accepted=accepted, num_committed=committed,
                 draft_s=draft_s.get(r, 0.0), verify_s=verify_s, batch_size=len(ids), batch_tokens=tokens_in_forward,
                 shadow=tuple(d[:3] for d in decided), shadowed=arm.drafter is not None and wanted[r],
+                shadow_slot=tuple(d.slot for d in decided),
                 shadow_confidence=tuple((d.drafter, d.confidence, d.accepted) for d in decided if d.confidence),
                 select_s=(select_s + shadow_s) / len(ids)))
             current[r] = arm

@@ -161,7 +161,7 @@ DOMINANCE_MARGIN = 0.05  # ... where it is worth less than (1 - this) x the best
 #                         one run's slots (3-8% in others), though `fixed:` runs find suffix decoding the better one on
 #                         every workload of the shared datasets
 IDLE_SHADOW = 8  # while selecting does not pay (`_idle`): every IDLE_SHADOW-th shadow turn is granted
-SETTLED_SHADOW = 4  # while settled on one drafter (`_settle`): every SETTLED_SHADOW-th shadow turn is granted
+SETTLED_SHADOW = 16  # while settled on one drafter (`_settle`): every SETTLED_SHADOW-th shadow turn is granted
 OVERHEAD_WINDOW = 33  # fully selected slots whose selecting seconds overhead_s is the median of (per batch size: a
 #                      slow first matching, or a slot the OS preempted, must not idle selection for long)
 FIT_HISTORY = 64  # verify forwards whose predicted and measured seconds describe() keeps
@@ -386,14 +386,22 @@ class LBSSSelector:
         (with its feedback's ~45 us: ~2% of a batch-1 slot of the default model on a 2-core CPU, where suffix decoding
         at a fixed k beat `spin` by 3-6% through `bench e2e`). Settled, each request runs the drafter at the default k
         (what `fixed:` runs) and its floor; the shadow drafts go on, fewer (SETTLED_SHADOW), so the ledger sees
-        another drafter catch up and the next price reading (every REPRICE_FORWARDS forwards) unsettles it."""
+        another drafter catch up and the next price reading (every REPRICE_FORWARDS forwards) unsettles it.
+
+        Settled, it stays so while no other drafter dominates its drafter (hysteresis): where two drafters' drafts are
+        worth about the same (within DOMINANCE_MARGIN), the ledger's noise would otherwise settle and unsettle it by
+        turns, and each unsettled stretch pays the full selection for a choice worth a few per cent at most."""
         if self.nothing_pays or self.has_hints:
             return None
         left = [d for d in self.arm_set.drafters if d not in self.dominated]
-        if len(left) != 1 or not self.dominated:
+        if len(left) == 1 and self.dominated:
+            choice = left[0]
+        elif self.settled_on in left and self.verdict.best is not None and self.verdict.best > 0.0:
+            choice = self.settled_on
+        else:
             return None
-        j = self.arm_set.drafter_index[left[0]]
-        return left[0] if self.calibration.known(j) and j in self._shadowed else None
+        j = self.arm_set.drafter_index[choice]
+        return choice if self.calibration.known(j) and j in self._shadowed else None
 
     def _select_settled(self, reqs: Sequence[RequestInfo], capacity: Capacity) -> list[Arm]:
         """Every request on the settled drafter at the default k, cut at its floor (`_settle`)."""
@@ -540,14 +548,31 @@ class LBSSSelector:
 
     def _ledger(self, fb: SlotFeedback) -> None:
         """Each decided shadow draft into the ledger, with its tokens' ratings (valued at a price reading:
-        `_pricing_at`)."""
+        `_pricing_at`), weighed by the drafter's own slots it stands for: the ledger values a drafter per slot *it*
+        would run, but its shadow drafts come at the slots of whatever the request ran. A draft drafted at a slot
+        that ran the same drafter is one of its own slots (weight 1). Elsewhere, a draft accepted to the default k
+        is a copy run, which goes on past it: the drafter's own slot would take 1 + k tokens of it where the slot
+        the draft was drafted at committed `advance`, so it stands for advance / (1 + k) own slots; any other draft
+        stands for one (its own slots there advance about as the slots run do). Counted one a draft, a copy run
+        shows at each of the slots another drafter spends on it: replayed on the outputs of `fixed:suffix` runs
+        (alpaca, mtbench, gsm8k, humaneval; default model, k = 4), n-gram lookup's shadow drafts at suffix
+        decoding's slots rated it 38% (alpaca), 24%, 29% and 26% above what its own slots accept, ahead of suffix
+        decoding's worth everywhere, where its own slots accept 5-14% less for 1.3-1.8x the draft tokens; weighed
+        so, +14%, +6%, +8% and +8%, below suffix decoding's worth everywhere once draft tokens are priced. Suffix
+        decoding's drafts at n-gram lookup's slots read its own slots 18% to 2% low weighed so (-33% to -12% with
+        every draft weighed as a copy run, advance / (1 + accepted): suffix decoding's acceptance does not come in
+        runs); with this, either drafter settled on, the other one's ledger ranks them as their own slots do."""
         rated: dict[str, list[tuple[float, ...]]] = {}  # in fb.shadow's order, per drafter
         for name, confidence, _ in fb.shadow_confidence:
             rated.setdefault(name, []).append(confidence)
-        for name, drafted, accepted in fb.shadow:
+        slots = fb.shadow_slot or ((0, ""),) * len(fb.shadow)  # not known: one own slot each
+        k = self.default_k
+        for (name, drafted, accepted), (advance, ran) in zip(fb.shadow, slots):
             j = self.arm_set.drafter_index.get(name)
-            if j is not None:
-                self.ledger.add(j, drafted, accepted, rated[name].pop(0) if rated.get(name) else None)
+            if j is None:
+                continue
+            weight = advance / (1.0 + k) if advance and ran != name and accepted >= k else 1.0
+            self.ledger.add(j, drafted, accepted, rated[name].pop(0) if rated.get(name) else None, weight)
 
     def _plain_price_at(self, batch_size: int) -> float:
         """Plain decoding's tokens per second at this batch size (the cost model's); 0 where not priced."""
@@ -558,17 +583,23 @@ class LBSSSelector:
         """How the ledger values a drafter's shadow drafts at this batch size (`ledger.Pricing`): the confidence floor
         per draft position (where the drafter is calibrated) and what each position's token costs the batch in tokens
         (without the price margin: the floors keep the tokens worth the margin, which cost what they cost), as the
-        slots of this size cut and price them (`_prices_of_tokens`); None where nothing is priced."""
+        slots of this size cut and price them (`_prices_of_tokens`), and no further than the default k: what a
+        settled drafter runs (`_select_settled`), and the draft lengths the profile priced (past them the last
+        position's price holds, below what a CPU's longer forwards cost); None where nothing is priced."""
         plain_price = self._plain_price_at(batch_size)
         if plain_price <= 0:
             return None
         margin = 1.0 + self.cfg.price_margin
+        k = self.default_k
 
         def pricing(j: int) -> tuple[tuple[float, ...] | None, tuple[float, ...]]:
             costs = tuple(plain_price * s for s in self._token_seconds(j, batch_size))
-            floors = (tuple(self.calibration.floor(j, margin * c) for c in costs) if self.calibration.known(j)
-                      else None)
-            return floors, costs
+            if self.calibration.known(j):
+                base = [self.calibration.floor(j, margin * c) for c in costs]
+                floors = tuple(base[min(t, len(base) - 1)] for t in range(k))
+            else:
+                floors = (-np.inf,) * k
+            return floors + (np.nan,), costs  # no rating passes a nan floor: every draft cut at k
         return pricing
 
     def _quiet(self, j: int, confidence: Sequence[float]) -> bool:

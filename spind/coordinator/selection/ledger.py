@@ -7,7 +7,9 @@ were drafted: each token's own rating (where the drafter rates its tokens) and h
 them at the prices of the batch size it is asked about (`Pricing`, the selector's at that size): each draft cut where
 its slot would have cut it (at the confidence floor of each draft position; all of it where the drafter is not
 calibrated), the tokens it would have added less what those it would have drafted cost, in tokens (an empty proposal:
-0), averaged over the drafts with the latest weighing most (exponential decay).
+0), averaged over the drafts with the latest weighing most (exponential decay), each weighed by the drafter's own
+slots it stands for (`add`: a copy run seen at several slots of another drafter is one or two of its own;
+`LBSSSelector._ledger` says how many), and no further than the default k (`LBSSSelector._pricing_at`).
 
 What survives does not depend on the batch size; what a token costs does. So every draft, whatever batch it was
 drafted in, values the drafters at every batch size, and a server whose load changes knows at once whether drafting
@@ -60,12 +62,15 @@ class ShadowLedger:
         self._rating = np.full((d, window, max_len + 1), np.nan)
         self._drafted = np.zeros((d, window), dtype=np.int64)
         self._accepted = np.zeros((d, window), dtype=np.int64)
+        self._slots = np.ones((d, window))  # the drafter's own slots each draft stands for (`add`)
         self._seen = [0] * d  # drafts added per drafter (the latest is at (seen - 1) % window)
         self._weights = (1.0 - 1.0 / window) ** np.arange(window)  # by age, the latest first
 
-    def add(self, j: int, drafted: int, accepted: int, rating: Sequence[float] | None = None) -> None:
+    def add(self, j: int, drafted: int, accepted: int, rating: Sequence[float] | None = None,
+            slots: float = 1.0) -> None:
         """One of drafter j's shadow drafts, decided: `drafted` tokens (0: it proposed none), the first `accepted`
-        of them survived; rating: its own confidence per token (None where it rates none)."""
+        of them survived; rating: its own confidence per token (None where it rates none); slots: how many of the
+        drafter's own slots it stands for (its weight in the mean)."""
         i = self._seen[j] % self.window
         n = min(max(0, drafted), self.max_len)
         row = self._rating[j, i]
@@ -77,6 +82,7 @@ class ShadowLedger:
             row[:len(r)] = r
         self._drafted[j, i] = n
         self._accepted[j, i] = min(max(0, accepted), n)
+        self._slots[j, i] = max(0.0, slots)
         self._seen[j] += 1
 
     def seen(self, j: int) -> int:
@@ -100,8 +106,9 @@ class ShadowLedger:
         cost = np.concatenate(([0.0], np.cumsum(per_position)))[kept]
         value = np.minimum(accepted, kept) - cost
         age = ((seen - 1) % self.window - np.arange(n)) % self.window
-        w = self._weights[age]
-        return float(np.dot(w, value) / w.sum())
+        w = self._weights[age] * self._slots[j, :n]
+        total = w.sum()
+        return float(np.dot(w, value) / total) if total > 0 else 0.0
 
     def verdict(self, pricing: Pricing) -> Verdict:
         """The ledger read at one batch size's prices."""

@@ -90,6 +90,9 @@ class SlotFeedback:
     # of those shadow drafts, the ones whose drafter gave a confidence per token: (drafter, the decided tokens'
     # confidences, accepted) each, what selection calibrates the drafter's confidence on
     shadow_confidence: tuple[tuple[str, tuple[float, ...], int], ...] = ()
+    # per shadow draft (in `shadow`'s order): what the slot it was drafted at did, (tokens it committed, the drafter
+    # it ran or "" where it drafted nothing), which weighs the draft in the ledger (`LBSSSelector._ledger`)
+    shadow_slot: tuple[tuple[int, str], ...] = ()
     # its share of what selecting cost the slot: the coordinator's selector calls (split over the requests it selected
     # for) and the target worker's shadow drafts (split over the verify's requests); summed over a slot's feedback
     select_s: float = 0.0

@@ -39,6 +39,7 @@ class _Pending:
     position: int  # sequence length when it was drafted
     draft: list[int]
     confidence: tuple[float, ...]  # the drafter's per token (Draft.confidence); () where it has none
+    slot: tuple[int, str]  # what the slot it was drafted at did: the tokens it committed, the drafter it ran ("")
 
 
 class Decided(NamedTuple):
@@ -46,6 +47,7 @@ class Decided(NamedTuple):
     drafted: int  # its tokens that were decided (all of them, but at a request's end)
     accepted: int
     confidence: tuple[float, ...] = ()  # of the decided tokens, where the drafter gives one
+    slot: tuple[int, str] = (1, "")  # the tokens the slot it was drafted at committed, the drafter that slot ran
 
 
 class ShadowDrafts:
@@ -53,12 +55,13 @@ class ShadowDrafts:
         self._pending: dict[str, list[_Pending]] = {}
 
     def add(self, req_id: str, position: int, drafts: dict[str, list[int]],
-            confidence: dict[str, list[float]] | None = None) -> None:
+            confidence: dict[str, list[float]] | None = None, slot: tuple[int, str] = (1, "")) -> None:
         """Shadow drafts a worker returned for the request, drafted after its first `position` tokens, with their
-        confidences where the drafter has them."""
+        confidences where the drafter has them; slot: what that slot did (the tokens it committed, the drafter it
+        ran, "" for none)."""
         if drafts:
             conf = confidence or {}
-            self._pending.setdefault(req_id, []).extend(_Pending(n, position, list(d), tuple(conf.get(n, ())))
+            self._pending.setdefault(req_id, []).extend(_Pending(n, position, list(d), tuple(conf.get(n, ())), slot)
                                                         for n, d in drafts.items())
 
     def resolve(self, req_id: str, tokens: list[int], is_final: bool = False) -> list[Decided]:
@@ -74,9 +77,9 @@ class ShadowDrafts:
             while n < len(committed) and committed[n] == p.draft[n]:
                 n += 1
             if n < len(committed) or len(committed) == len(p.draft):  # a mismatch, or all of it matched
-                out.append(Decided(p.drafter, len(p.draft), n, p.confidence))
+                out.append(Decided(p.drafter, len(p.draft), n, p.confidence, p.slot))
             elif is_final and committed:
-                out.append(Decided(p.drafter, len(committed), n, p.confidence[:len(committed)]))
+                out.append(Decided(p.drafter, len(committed), n, p.confidence[:len(committed)], p.slot))
             elif not is_final:
                 keep.append(p)
         self._pending[req_id] = keep
