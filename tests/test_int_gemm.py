@@ -144,6 +144,47 @@ def test_scaled_sums_match_the_digits_reference(isa: str, mode: str, qtype: str)
     assert ((y - ref).abs() <= 2e-6 * ref.abs().amax(dim=1, keepdim=True)).all()
 
 
+def reference_digits(x: torch.Tensor, digits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The quantizer's definition in fp32 torch ops: per block of 32, scale = amax / limit, q = x * (limit / amax)
+    rounded to nearest even and clamped, balanced base-256 digits (most significant first), and the block's sum
+    in fp32 with k increasing."""
+    limit = {1: 127, 2: 127 * 255 + 127, 3: (1 << 22) - 1}[digits]
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.tensor(float(limit)) / amax, torch.zeros(()))
+    q = torch.round(blocks * inv[..., None]).clamp(-limit, limit).to(torch.int64)
+    out = []
+    for _ in range(digits):  # least significant first
+        d = ((q + 128) & 255) - 128
+        out.append(d)
+        q = (q - d) >> 8
+    total = torch.zeros(blocks.shape[:2])
+    for k in range(32):
+        total = total + blocks[..., k]
+    return torch.stack(out[::-1], dim=2).to(torch.int8), amax / limit, total
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("digits", [1, 2, 3])
+def test_every_build_quantizes_activations_as_defined(isa: str, digits: int) -> None:
+    """Digits, scales and sums bit for bit against the definition, for row counts whose blocks run through each of
+    a build's loops (AVX-512: 16 blocks at a time, then 8, then 1), with zero blocks, rounding ties and magnitudes
+    from 1e-30 to 1e30."""
+    ops = ops_for(isa)
+    g = torch.Generator().manual_seed(13)
+    for m, k in ((1, 32), (1, 576), (3, 160), (7, 1536), (64, 576)):
+        n = m * k // 32  # blocks, each at its own magnitude, in random order
+        magnitude = torch.logspace(-30, 30, n)[torch.randperm(n, generator=g)]
+        x = torch.randn(m, k, generator=g) * magnitude.repeat_interleave(32).view(m, k)
+        x.view(-1, 32)[::5] = 0.0  # every fifth block all zeros
+        x.view(-1)[7::97] = 0.5  # ties once scaled, in blocks whose maximum is 127 / 256
+        x.view(-1, 32)[3::11, 0] = 127 / 256
+        got = ops.quantize_rows(x, digits)
+        want = reference_digits(x, digits)
+        for a, b, what in zip(got, want, ("digits", "scale", "sum")):
+            assert torch.equal(a.view(b.shape), b), (m, k, what)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
@@ -253,7 +294,8 @@ def test_decoder_stack_equals_the_module_forward(model_dir, dtype: str) -> None:
         runner.add_request("b")
         prompt = list(range(200, 270))
         first = runner.forward([ForwardItem("a", prompt, 3)])[0]  # a prefill
-        mixed = runner.forward([ForwardItem("a", [5, 6, 7, 8, 9], 5), ForwardItem("b", prompt[:40], 2)])  # verify + prefill
+        # a verify and a prefill in one forward
+        mixed = runner.forward([ForwardItem("a", [5, 6, 7, 8, 9], 5), ForwardItem("b", prompt[:40], 2)])
         outs.append(torch.cat([first, *mixed]))
     assert torch.equal(outs[0], outs[1])
 
