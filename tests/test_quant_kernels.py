@@ -152,6 +152,15 @@ def test_fused_ops_match_the_modules_they_replace(ops) -> None:
     norm.weight.data = torch.randn(576, generator=g)
     x = torch.randn(7, 576, generator=g) * 5
     assert torch.allclose(ops.rms_norm(x, norm.weight.data, 1e-5), norm(x), rtol=1e-5, atol=1e-6)
+    # the residual add folded into the norm: x += r in place, then the very norm of the sum (bit for bit)
+    for width in (576, 100):  # and a row with a tail
+        w = torch.randn(width, generator=g)
+        x, r = torch.randn(7, width, generator=g) * 5, torch.randn(7, width, generator=g)
+        summed = x + r
+        y = ops.add_rms_norm(x, r, w, 1e-5)
+        assert torch.equal(x, summed) and torch.equal(y, ops.rms_norm(summed, w, 1e-5))
+    with pytest.raises(RuntimeError, match="residual"):
+        ops.add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 4), torch.ones(8), 1e-5)
     for inter in (1536, 100):  # a multiple of the vector width, and one with a tail
         gu = torch.randn(5, 2 * inter, generator=g) * 6
         gate, up = gu.split(inter, dim=-1)

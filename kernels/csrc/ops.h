@@ -11,6 +11,8 @@ namespace SPIND_OPS {
 // fp32-precision activations, 1 or 2 for 8- or 15-bit ones
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, bool q8_0, int64_t digits);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+// x += residual in place, then rms_norm(x, w, eps): a decoder layer's residual add and the next norm in one pass
+at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& residual, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& gu);
 at::Tensor rope_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                    at::Tensor v_cache, const at::Tensor& slots, int64_t H, int64_t Hkv);

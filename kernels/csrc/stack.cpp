@@ -1,9 +1,10 @@
-// A LLaMA decoder stack of the quantized (`gguf`, `gguf-q16`, `gguf-q8`) targets in one call: per layer RMSNorm, the fused q/k/v
-// GEMM, RoPE and the KV-cache writes, row attention, the output GEMM and residual add, RMSNorm, the fused gate/up
-// GEMM, SiLU x up, the down GEMM and residual add. The kernels are the very ones the per-module forward calls
-// (csrc/ops.h), in the same order on the same tensors, so the results are bit-identical to it; what goes is the
-// Python between them (~11 module calls per layer, ~2 ms of a ~10 ms decode step of the default model at 1 thread),
-// which also ran on one core while the other waited.
+// A LLaMA decoder stack of the quantized (`gguf`, `gguf-q16`, `gguf-q8`) targets in one call: per layer RMSNorm, the
+// fused q/k/v GEMM, RoPE and the KV-cache writes, row attention, the output GEMM, the residual add and RMSNorm (one
+// pass: add_rms_norm), the fused gate/up GEMM, SiLU x up, the down GEMM, whose residual add the next layer's first
+// norm does (the last layer's is an add of its own). The kernels compute what the per-module forward computes
+// (csrc/ops.h: the same operations per element, in the same order on the same tensors), so the results are
+// bit-identical to it; what goes is the Python between them (~11 module calls per layer, ~2 ms of a ~10 ms decode
+// step of the default model at 1 thread), which also ran on one core while the other waited.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -85,8 +86,10 @@ at::Tensor decoder_layers(const at::Tensor& h, at::TensorList weights, c10::Arra
     mark = now;
   };
   at::Tensor x = h.contiguous().clone();
+  at::Tensor down;  // the previous layer's MLP output, added to x by this layer's first norm
   for (int64_t l = 0; l < layers; ++l) {
-    at::Tensor normed = SPIND_OPS::rms_norm(x, norms[2 * l], eps);
+    at::Tensor normed = l == 0 ? SPIND_OPS::rms_norm(x, norms[0], eps)
+                               : SPIND_OPS::add_rms_norm(x, down, norms[2 * l], eps);
     lap(kRowOps);
     at::Tensor qkv = linear(normed, 4 * l);
     lap(kGemm);
@@ -96,18 +99,17 @@ at::Tensor decoder_layers(const at::Tensor& h, at::TensorList weights, c10::Arra
     lap(kAttention);
     at::Tensor attn_out = linear(o.view({T, -1}), 4 * l + 1);
     lap(kGemm);
-    x.add_(attn_out);
-    normed = SPIND_OPS::rms_norm(x, norms[2 * l + 1], eps);
+    normed = SPIND_OPS::add_rms_norm(x, attn_out, norms[2 * l + 1], eps);  // x += attn_out first
     lap(kRowOps);
     at::Tensor gu = linear(normed, 4 * l + 2);
     lap(kGemm);
     at::Tensor act = SPIND_OPS::silu_mul(gu);
     lap(kRowOps);
-    at::Tensor down = linear(act, 4 * l + 3);
+    down = linear(act, 4 * l + 3);
     lap(kGemm);
-    x.add_(down);
-    lap(kRowOps);
   }
+  if (layers > 0) x.add_(down);
+  lap(kRowOps);
   if (profiling) g_calls.fetch_add(1);
   return x;
 }
