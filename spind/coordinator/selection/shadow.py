@@ -47,7 +47,8 @@ class Decided(NamedTuple):
     drafted: int  # its tokens that were decided (all of them, but at a request's end)
     accepted: int
     confidence: tuple[float, ...] = ()  # of the decided tokens, where the drafter gives one
-    slot: tuple[int, str] = (1, "")  # the tokens the slot it was drafted at committed, the drafter that slot ran
+    slot: tuple[int, str] = (0, "")  # the tokens the slot it was drafted at committed, the drafter that slot ran;
+                                     # (0, "") not known (the ledger counts the draft as one own slot)
 
 
 class ShadowDrafts:
@@ -55,10 +56,10 @@ class ShadowDrafts:
         self._pending: dict[str, list[_Pending]] = {}
 
     def add(self, req_id: str, position: int, drafts: dict[str, list[int]],
-            confidence: dict[str, list[float]] | None = None, slot: tuple[int, str] = (1, "")) -> None:
+            confidence: dict[str, list[float]] | None = None, slot: tuple[int, str] = (0, "")) -> None:
         """Shadow drafts a worker returned for the request, drafted after its first `position` tokens, with their
         confidences where the drafter has them; slot: what that slot did (the tokens it committed, the drafter it
-        ran, "" for none)."""
+        ran, "" for none; (0, "") where not known)."""
         if drafts:
             conf = confidence or {}
             self._pending.setdefault(req_id, []).extend(_Pending(n, position, list(d), tuple(conf.get(n, ())), slot)
