@@ -32,17 +32,17 @@ log = logging.getLogger(__name__)
 POLL_MS = 500  # idle poll; between polls the worker checks that its parent is alive
 
 
-def serve(worker, sock: zmq.Socket) -> None:
+def serve(worker, sock: zmq.Socket, parent: int) -> None:
     """Answer ops in arrival order; run idle work (precomputes, a drafter's own) only while nothing else waits.
-    What the worker raises (a lost device) ends it."""
-    parent = os.getppid()
+    Returns when the process's parent is no longer `parent` (the coordinator died: do not linger as an orphan),
+    checked whenever the worker has nothing to answer. What the worker raises (a lost device) ends it."""
     while True:
+        if os.getppid() != parent:
+            return
         if worker.has_idle_work and not sock.poll(0):
             worker.run_idle_work()
             continue
         if not sock.poll(POLL_MS):
-            if os.getppid() != parent:  # the coordinator died: do not linger as an orphan
-                return
             continue
         frame = sock.recv()
         try:
@@ -66,7 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="the device as this process sees it (default: the config's)")
     ap.add_argument("--group-devices", default=None,
                     help="a tensor-parallel target's devices, comma-separated, as this process sees them")
+    ap.add_argument("--parent-pid", type=int, default=None,
+                    help="the coordinator's PID: the worker exits once it is no longer its parent (default: its "
+                         "parent at start)")
     args = ap.parse_args(argv)
+    # The coordinator that started this process: watched while serving, so that a coordinator that dies (even while
+    # the models load, or before this line ran: then the parent is already PID 1 or a subreaper) leaves no orphan
+    parent = os.getppid() if args.parent_pid is None else args.parent_pid
+    if os.getppid() != parent:
+        return 0
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker[{args.name}] %(levelname)s %(message)s")
     import torch  # after argparse: a bad invocation fails fast
 
@@ -92,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         worker = Worker(args.name, cfg, probs_out=channel, device=args.device)
     sock.send(P.encode(worker.ready(torch.get_num_threads())))
     try:
-        serve(worker, sock)
+        serve(worker, sock, parent)
     except Exception as e:
         if not is_fatal_device_error(e):
             raise

@@ -120,6 +120,7 @@ class WorkerProcess:
         self.proc = subprocess.Popen(
             [*self.command, "--name", self.name, "--config", "-", "--endpoint", endpoint,
              "--probs-endpoint", self.probs_endpoint, "--threads", str(self.info.threads), "--device", device,
+             "--parent-pid", str(os.getpid()),
              *(["--group-devices", ",".join(group)] if len(group) > 1 else [])],
             stdin=subprocess.PIPE, env=env)
         self.proc.stdin.write(json.dumps(asdict(self.cfg)).encode())
