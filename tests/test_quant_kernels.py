@@ -191,7 +191,8 @@ def test_an_fp16_cache_is_read_as_its_exact_fp32_widening(ops) -> None:
     b, ql, n = 1, meta.query_lens_cpu[1], meta.seq_lens_cpu[1]
     for j in range(ql):  # a verify's rows as decode rows
         alone = build_metadata([1], [n - ql + j + 1], [tables[b]], meta.block_size)
-        assert torch.equal(row_attention(ops, q[cu[b] + j:cu[b] + j + 1], k16, v16, alone), out[cu[b] + j:cu[b] + j + 1])
+        row = slice(cu[b] + j, cu[b] + j + 1)
+        assert torch.equal(row_attention(ops, q[row], k16, v16, alone), out[row])
     with pytest.raises(RuntimeError, match="both the same"):
         row_attention(ops, q, k16, v16.float(), meta)
 
