@@ -31,6 +31,7 @@ SUPPORTED = cpu_ext.supported_isas()
 LOADABLE = cpu_ext.loadable_isas()
 MODES = {"q8": 1, "q16": 2}  # op suffix -> activation digits
 LIMIT = {1: 127, 2: 127 * 255 + 127}  # |activation / scale| bound of each mode
+LIMITS = {**LIMIT, 3: (1 << 22) - 1}  # and of the fp32-precision activations' three digits
 
 
 def ops_for(isa: str):
@@ -148,7 +149,7 @@ def reference_digits(x: torch.Tensor, digits: int) -> tuple[torch.Tensor, torch.
     """The quantizer's definition in fp32 torch ops: per block of 32, scale = amax / limit, q = x * (limit / amax)
     rounded to nearest even and clamped, balanced base-256 digits (most significant first), and the block's sum
     in fp32 with k increasing."""
-    limit = {1: 127, 2: 127 * 255 + 127, 3: (1 << 22) - 1}[digits]
+    limit = LIMITS[digits]
     blocks = x.view(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1)
     inv = torch.where(amax > 0, torch.tensor(float(limit)) / amax, torch.zeros(()))
@@ -177,8 +178,9 @@ def test_every_build_quantizes_activations_as_defined(isa: str, digits: int) -> 
         magnitude = torch.logspace(-30, 30, n)[torch.randperm(n, generator=g)]
         x = torch.randn(m, k, generator=g) * magnitude.repeat_interleave(32).view(m, k)
         x.view(-1, 32)[::5] = 0.0  # every fifth block all zeros
-        x.view(-1)[7::97] = 0.5  # ties once scaled, in blocks whose maximum is 127 / 256
-        x.view(-1, 32)[3::11, 0] = 127 / 256
+        x.view(-1)[7::97] = 0.5  # lone entries in zero blocks (their scale from them alone)
+        # the last block: its maximum the limit (scale exactly 1), the others halves, each a rounding tie
+        x.view(-1, 32)[-1] = torch.cat([torch.tensor([float(LIMITS[digits])]), torch.arange(-15, 16) + 0.5])
         got = ops.quantize_rows(x, digits)
         want = reference_digits(x, digits)
         for a, b, what in zip(got, want, ("digits", "scale", "sum")):
