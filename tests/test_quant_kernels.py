@@ -140,10 +140,37 @@ def test_row_attention_matches_the_reference_and_is_invariant(ops) -> None:
     assert torch.equal(out_sub, torch.cat([out[cu[2]:cu[3]], out[cu[1]:cu[2]]]))
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)
-        assert torch.equal(row_attention(ops, q, k, v, meta), out)
+        for n in (2, 3):  # the items cut at other places (by their work: row_attention_parts)
+            torch.set_num_threads(n)
+            assert torch.equal(row_attention(ops, q, k, v, meta), out), n
     finally:
         torch.set_num_threads(threads)
+
+
+def test_row_attention_cuts_its_items_by_work(ops) -> None:
+    """Threads get contiguous runs of items of about equal work (each part within one item of its share), not of
+    equal count: a prefill's later chunks see more positions, so its first half by work holds most of its items."""
+    def parts(query_lens: list[int], ctx_lens: list[int], threads: int) -> tuple[list[int], list[int]]:
+        cu = torch.tensor([0, *query_lens]).cumsum(0)
+        bounds, work = ops.row_attention_parts(cu, torch.tensor(ctx_lens), 3, 3, threads)
+        return bounds.tolist(), work.tolist()
+
+    bounds, work = parts([229], [229], 2)  # 29 chunks x 3 KV heads
+    assert len(work) == 87 and bounds[0] == 0 and bounds[-1] == 87 and len(bounds) == 3
+    assert bounds[1] > 87 * 0.6  # by count it would be 43
+    for query_lens, ctx_lens in (([229], [229]), ([64, 1, 1, 1, 5], [256, 100, 600, 30, 41]), ([1] * 16, [256] * 16),
+                                 ([1, 5], [7, 500])):
+        for threads in (1, 2, 3, 4, 64):
+            bounds, work = parts(query_lens, ctx_lens, threads)
+            items = len(work)
+            assert bounds[0] == 0 and bounds[-1] == items and bounds == sorted(bounds)
+            assert len(bounds) == min(threads, items) + 1
+            share = sum(work) / (len(bounds) - 1)
+            for lo, hi in zip(bounds, bounds[1:]):
+                assert sum(work[lo:hi]) <= share + max(work), (query_lens, threads, bounds)
+    # a later chunk of a prompt is worth more than an earlier one, a decode row of long context more than a short one
+    _, work = parts([16, 1, 1], [16, 10, 900], 1)
+    assert work[0] < work[3] and work[6] < work[9]
 
 
 def test_fused_ops_match_the_modules_they_replace(ops) -> None:

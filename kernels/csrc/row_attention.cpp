@@ -6,12 +6,12 @@
 // ctx_lens[b] cache slots slots[slot_start[b] ...]; row t of request b sits at position
 // ctx_lens[b] - (cu_q[b+1] - t) and sees the positions up to and including its own.
 //
-// Work items are up to kChunk rows of a request and one KV head with the query heads that share it (GQA), run on
-// the kernels' thread pool (a single decode row still splits by KV head); the item's rows share every K/V row
-// read: an fp16 cache's K tile is widened once per item into an L1 buffer that all its rows read (a verify's 5 rows
-// x 3 query heads widened each K vector 15 times), and V goes through groups of rows (`v_rows`: up to 6 on AVX-512
-// at head dim 64) whose accumulators stay in registers, each V vector widened once in a register for the group
-// (against widening it into a buffer and reloading it per row pair: attention 8-10% faster at 8 decode rows, Zen 4).
+// Work items are up to kChunk rows of a request and one KV head with the query heads that share it (GQA), run on the
+// kernels' thread pool in runs of equal work (a single decode row still splits by KV head); the item's rows share every
+// K/V row read: an fp16 cache's K tile is widened once per item into an L1 buffer that all its rows read (a verify's 5
+// rows x 3 query heads widened each K vector 15 times), and V goes through groups of rows (`v_rows`: up to 6 on AVX-512
+// at head dim 64) whose accumulators stay in registers, each V vector widened once in a register for the group (against
+// widening it into a buffer and reloading it per row pair: attention 8-10% faster at 8 decode rows, Zen 4).
 // For one (row, head), in a fixed sequence whatever else is in the call:
 //   scores: per position, q . k as a chain of vector FMAs over the head dim, its lanes summed by one fixed tree
 //           (`transpose_sum`: kLanes positions per reduction, no horizontal sum per dot), times the scale;
@@ -245,7 +245,50 @@ constexpr std::array<AttendFn<KV>, sizeof...(I)> attend_table(std::index_sequenc
 
 struct Chunk {
   int64_t b, first, last;
+  int64_t visible_end;  // positions the chunk's last row sees
 };
+
+// Each request's rows in chunks of up to kChunk, in order
+std::vector<Chunk> make_chunks(const int64_t* cu, const int64_t* ctx, int64_t B) {
+  std::vector<Chunk> chunks;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = cu[b]; t < cu[b + 1]; t += kChunk) {
+      const int64_t last = std::min(t + kChunk, cu[b + 1]);
+      chunks.push_back({b, t, last, ctx[b] - (cu[b + 1] - last)});
+    }
+  return chunks;
+}
+
+// An item's work in (row, position) units: every row of every query head over the positions the chunk sees, the
+// K tile's widening, and a fixed start
+int64_t item_work(const Chunk& ch, int64_t group) {
+  constexpr int64_t kItemStart = 64;
+  return ch.visible_end * ((ch.last - ch.first) * group + 2) + kItemStart;
+}
+
+// The items [0, chunks x Hkv) cut into one contiguous part per thread of about equal work (item_work): bounds[p] ..
+// bounds[p + 1] is part p. Cut by item count instead, a prefill's second half held most of its work (a chunk sees
+// the positions of every chunk before it: 3/4 of a long prompt's attention), and its attention at 2 threads took 0.8x
+// its time at 1 thread (Xeon, 229 tokens; 0.44x cut by work). Which thread runs an item changes no result.
+std::vector<int64_t> balanced_parts(const std::vector<Chunk>& chunks, int64_t Hkv, int64_t group, int64_t threads) {
+  const int64_t items = static_cast<int64_t>(chunks.size()) * Hkv;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, items));
+  std::vector<int64_t> bounds{0};
+  if (parts == 1) {
+    bounds.push_back(items);
+    return bounds;
+  }
+  int64_t total = 0;
+  for (const Chunk& ch : chunks) total += item_work(ch, group) * Hkv;
+  int64_t done = 0;
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t p = static_cast<int64_t>(bounds.size());  // the next part to start
+    if (p < parts && done * parts >= total * p) bounds.push_back(item);
+    done += item_work(chunks[item / Hkv], group);
+  }
+  while (static_cast<int64_t>(bounds.size()) <= parts) bounds.push_back(items);
+  return bounds;
+}
 
 // Every (chunk of rows, KV head) item on the pool: a KV head's query heads in one item, so they share each K/V read.
 // (One item per query head would balance a decode row's 3 KV heads on 2 threads, and change no result, but measured
@@ -257,11 +300,11 @@ void run_items(const std::vector<Chunk>& chunks, const float* qp, float* op, con
   static constexpr auto table = attend_table<KV>(std::make_index_sequence<kMaxVecs>{});
   const AttendFn<KV> fn = table[D / kLanes - 1];
   const int64_t ld = (max_ctx + kLanes - 1) / kLanes * kLanes;
-  const int64_t items = static_cast<int64_t>(chunks.size()) * Hkv;
-  parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> bounds = balanced_parts(chunks, Hkv, group, at::get_num_threads());
+  parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t part_begin, int64_t part_end) {
     thread_local std::vector<float> scores;  // reused across calls, never zeroed: every score read is written first
     if (static_cast<int64_t>(scores.size()) < kChunk * group * ld) scores.resize(kChunk * group * ld);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = bounds[part_begin]; item < bounds[part_end]; ++item) {
       const Chunk ch = chunks[item / Hkv];
       const int64_t kvh = item % Hkv, h0 = kvh * group, n = ch.last - ch.first, b = ch.b;
       const Item<KV> it{qp + (ch.first * H + h0) * D, op + (ch.first * H + h0) * D, kp + kvh * D,
@@ -295,14 +338,13 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k_cache, const a
   const int64_t *cu = cu_q.data_ptr<int64_t>(), *ctx = ctx_lens.data_ptr<int64_t>();
   const int64_t *sl = slots.data_ptr<int64_t>(), *start = slot_start.data_ptr<int64_t>();
   TORCH_CHECK(cu[0] == 0 && cu[B] == T, "cu_q must run from 0 to T");
-  std::vector<Chunk> chunks;
   int64_t max_ctx = 0;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(cu[b + 1] - cu[b] <= ctx[b] && cu[b + 1] >= cu[b], "request ", b, ": more queries than context");
     TORCH_CHECK(start[b] >= 0 && start[b] + ctx[b] <= slots.size(0), "request ", b, ": slots out of range");
-    for (int64_t t = cu[b]; t < cu[b + 1]; t += kChunk) chunks.push_back({b, t, std::min(t + kChunk, cu[b + 1])});
     max_ctx = std::max(max_ctx, ctx[b]);
   }
+  const std::vector<Chunk> chunks = make_chunks(cu, ctx, B);
   const int64_t num_slots = k_cache.size(0);
   for (int64_t i = 0; i < slots.size(0); ++i) TORCH_CHECK(sl[i] >= 0 && sl[i] < num_slots, "slot out of range");
 
@@ -351,12 +393,28 @@ std::tuple<at::Tensor, at::Tensor> context_slots(const at::Tensor& block_tables,
       *out++ = int64_t{tables[b * W + p / block_size]} * block_size + p % block_size;
   return {slots, start};
 }
+
+// How row_attention cuts a call's items over `threads` threads, for tests: (bounds [parts + 1], each item's work)
+std::tuple<at::Tensor, at::Tensor> row_attention_parts(const at::Tensor& cu_q, const at::Tensor& ctx_lens, int64_t Hkv,
+                                                       int64_t group, int64_t threads) {
+  TORCH_CHECK(cu_q.scalar_type() == at::kLong && ctx_lens.scalar_type() == at::kLong && cu_q.is_contiguous() &&
+              ctx_lens.is_contiguous() && cu_q.size(0) == ctx_lens.size(0) + 1, "cu_q [B + 1] and ctx_lens [B], int64");
+  TORCH_CHECK(Hkv >= 1 && group >= 1 && threads >= 1, "Hkv, group and threads must be >= 1");
+  const std::vector<Chunk> chunks = make_chunks(cu_q.data_ptr<int64_t>(), ctx_lens.data_ptr<int64_t>(),
+                                                ctx_lens.size(0));
+  const std::vector<int64_t> bounds = balanced_parts(chunks, Hkv, group, threads);
+  at::Tensor work = at::empty({static_cast<int64_t>(chunks.size()) * Hkv}, at::kLong);
+  for (int64_t i = 0; i < work.size(0); ++i) work.data_ptr<int64_t>()[i] = item_work(chunks[i / Hkv], group);
+  return {at::tensor(at::ArrayRef<int64_t>(bounds)), work};
+}
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(SPIND_OPS, m) {
   m.def("context_slots(Tensor block_tables, Tensor seq_lens, int block_size) -> (Tensor, Tensor)", &context_slots);
   m.def("row_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor slot_start, Tensor cu_q, "
         "Tensor ctx_lens, float scale) -> Tensor", &SPIND_OPS::row_attention);
+  m.def("row_attention_parts(Tensor cu_q, Tensor ctx_lens, int Hkv, int group, int threads) -> (Tensor, Tensor)",
+        &row_attention_parts);
 }
 
 }  // namespace spind_cpu
