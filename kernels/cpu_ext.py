@@ -33,8 +33,9 @@ Ops (all batch-invariant: a row's result does not depend on the other rows of th
 - `q4_1_linear(x, blocks)`, `q8_0_linear(x, blocks)` (fp32-precision activations), `*_q16` and `*_q8` (15- and
   8-bit activations): y = x W^T from packed GGUF blocks (csrc/quant_gemm.cpp);
   `quantize_rows(x, digits)`: the activation digits those compute with (tests);
-- `amx_info()` -> (kind, reason the tiles go unused or "", min rows), `set_amx_min_rows(rows)`: the AMX path's
-  state and threshold (every build has them; kind "none" where there are no tiles);
+- `amx_info()` -> (kind, reason the tiles go unused or "", min rows, pair above), `set_amx_min_rows(rows)`,
+  `set_amx_pair_above(blocks)`: the AMX path's state, threshold and layout (every build has them; kind "none" where
+  there are no tiles); `tune_amx_layout()` times the two layouts and keeps the faster;
 - `row_attention(q, k_cache, v_cache, slots, slot_start, cu_q, ctx_lens, scale)` (csrc/row_attention.cpp), for
   head dims `row_attention_supports`;
 - `rms_norm(x, w, eps)`, `silu_mul(gate_up)`, `rope_kv(...)`: fused row-wise ops of the quantized forward
@@ -52,6 +53,7 @@ import hashlib
 import logging
 import os
 import shutil
+import statistics
 import sys
 import threading
 import time
@@ -83,6 +85,11 @@ _logged: set[str] = set()
 
 
 ISA_ENV = "SPIND_CPU_ISA"  # force a build (e.g. avx2 on an AVX-512 machine, to run or time that path)
+AMX_PAIR_ENV = "SPIND_AMX_PAIR_ABOVE"  # fix the AMX layout (row blocks of a tile above which they pair), untimed
+PAIR_ABOVE = 4  # the kernels' default (csrc/quant_gemm.cpp)
+NEVER_PAIR = 1 << 30  # row blocks no tile has: every tile runs its row blocks one at a time
+_tuned: dict[str, dict | None] = {}  # isa -> tune_amx_layout's result
+_tune_lock = threading.Lock()
 
 
 def best_isa() -> str | None:
@@ -131,9 +138,74 @@ def _has_amx_int8() -> bool:
 
 def amx_info(isa: str | None = None) -> dict:
     """The AMX path of a loaded build: {"kind": "hardware" | "emulated" | "none", "reason": why its tiles go unused
-    ("" when they are used), "min_rows": calls of at least this many rows take them}."""
-    kind, reason, min_rows = ops(isa).amx_info()
-    return {"kind": kind, "reason": reason, "min_rows": min_rows}
+    ("" when they are used), "min_rows": calls of at least this many rows take them, "pair_above": a tile of more
+    row blocks than this runs them in pairs (NEVER_PAIR: one at a time)}."""
+    kind, reason, min_rows, pair_above = ops(isa).amx_info()
+    return {"kind": kind, "reason": reason, "min_rows": min_rows, "pair_above": pair_above}
+
+
+def set_amx_pair_above(blocks: int, isa: str | None = None) -> int:
+    """A tile of more than `blocks` row blocks runs them in pairs from now on, in this process (NEVER_PAIR: never);
+    returns the previous value. For tune_amx_layout, benches and tests: every value gives the same outputs."""
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks <= NEVER_PAIR:
+        raise ValueError(f"AMX pair-above must be an integer in [1, {NEVER_PAIR}], got {blocks!r}")
+    return ops(isa).set_amx_pair_above(blocks)
+
+
+def tune_amx_layout(isa: str | None = None) -> dict | None:
+    """Which layout a many-row AMX call takes, chosen by timing both on this machine (csrc/quant_gemm.cpp: its row
+    blocks one at a time, accumulators in registers, or in pairs sharing B tiles, accumulators in memory; one CPU
+    ran 64 rows 0.87x the time in pairs, another 1.26x). Once per process and build, on the first quantized model
+    loaded (~0.1 s): a 64-row call of 15-bit activations against a 1536 x 576 Q4_1 weight (the default target's
+    gate/up shape) at torch's thread count, the layouts alternated over 9 rounds, the faster by the median of the
+    rounds' ratios is kept. Both give bit-identical rows, so the choice moves time only. Returns {"pair_above",
+    "paired_ms", "single_ms", "ratio"} (None where the build has no hardware tiles in use, or `SPIND_AMX_PAIR_ABOVE`
+    fixes the layout)."""
+    isa = isa or best_isa()
+    if isa is None or os.environ.get(AMX_PAIR_ENV) or load(isa) is not None:
+        return None
+    with _tune_lock:
+        if isa in _tuned:
+            return _tuned[isa]
+        info = amx_info(isa)
+        if info["kind"] != "hardware" or info["reason"]:
+            _tuned[isa] = None
+            return None
+        _tuned[isa] = _time_layouts(ops(isa), info["pair_above"] if info["pair_above"] < NEVER_PAIR else PAIR_ABOVE)
+        log.info("AMX layout: %s", _tuned[isa])
+        return _tuned[isa]
+
+
+def _time_layouts(kernel_ops, pair_above: int, rounds: int = 9) -> dict:
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (1536 // 32, 576 // 32, 640), dtype=torch.uint8, generator=g)
+    blocks[..., :128] = torch.full((64,), 0.01, dtype=torch.float16).view(torch.uint8)  # d and m: normal fp16
+    x = torch.randn(64, 576, generator=g)
+    times: dict[int, list[float]] = {pair_above: [], NEVER_PAIR: []}
+    previous = kernel_ops.set_amx_pair_above(pair_above)
+    try:
+        for r in range(rounds + 1):
+            for layout in (times if r % 2 else reversed(times)):
+                kernel_ops.set_amx_pair_above(layout)
+                t = time.perf_counter()
+                for _ in range(3):
+                    kernel_ops.q4_1_linear_q16(x, blocks)
+                if r:  # round 0 warms both up
+                    times[layout].append(time.perf_counter() - t)
+    finally:
+        kernel_ops.set_amx_pair_above(previous)
+    return layout_choice(times[pair_above], times[NEVER_PAIR], pair_above, kernel_ops.set_amx_pair_above)
+
+
+def layout_choice(paired: list[float], single: list[float], pair_above: int, apply=None) -> dict:
+    """The faster layout by the median of per-round ratios of paired to single times (each round timed both, so a
+    noisy machine's slow spells cancel); `apply(pair_above)` sets it."""
+    ratio = statistics.median(p / s for p, s in zip(paired, single, strict=True))
+    chosen = pair_above if ratio < 1.0 else NEVER_PAIR
+    if apply is not None:
+        apply(chosen)
+    return {"pair_above": chosen, "paired_ms": round(statistics.median(paired) * 1e3, 3),
+            "single_ms": round(statistics.median(single) * 1e3, 3), "ratio": round(ratio, 3)}
 
 
 def load(isa: str) -> str | None:
@@ -192,7 +264,8 @@ def set_amx_min_rows(rows: int, isa: str | None = None) -> int:
 
 def describe() -> str | None:
     """The build in use as the benches show it: its name, and for AMX whether and from how many rows a GEMM takes
-    the tiles (e.g. "avx512amx (AMX tiles from 4 rows)"); None when the kernels are unavailable."""
+    the tiles and in which layout (e.g. "avx512amx (AMX tiles from 4 rows, row blocks one at a time)"); None when the
+    kernels are unavailable."""
     if not available():
         return None
     isa = best_isa()
@@ -201,7 +274,10 @@ def describe() -> str | None:
         return isa
     if info["reason"]:
         return f"{isa} (AMX tiles unused: {info['reason']})"
-    return f"{isa} ({'emulated ' if info['kind'] == 'emulated' else ''}AMX tiles from {info['min_rows']} rows)"
+    layout = ("row blocks one at a time" if info["pair_above"] >= NEVER_PAIR
+              else f"row blocks in pairs above {info['pair_above']} a tile")
+    return (f"{isa} ({'emulated ' if info['kind'] == 'emulated' else ''}AMX tiles from {info['min_rows']} rows, "
+            f"{layout})")
 
 
 def row_attention_supports(head_dim: int) -> bool:

@@ -56,12 +56,18 @@ def _tiles_from_one_row(ops) -> None:
     _restore.append((ops, ops.set_amx_min_rows(1)))  # the op itself: cpu_ext's wrapper takes a build's name
 
 
+_restore_layout: list = []
+
+
 @pytest.fixture(autouse=True)
 def _restore_amx_threshold():
     yield
     while _restore:
         ops, rows = _restore.pop()
         ops.set_amx_min_rows(rows)
+    while _restore_layout:
+        ops, blocks = _restore_layout.pop()
+        ops.set_amx_pair_above(blocks)
 
 
 def linear(ops, qtype: str, mode: str):
@@ -223,10 +229,13 @@ def test_builds_are_bit_identical(mode: str, qtype: str) -> None:
 @pytest.mark.parametrize("isa", AMX)
 @pytest.mark.parametrize("mode", ["", *MODES])  # "": `gguf`, fp32-precision activations (three digits)
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_amx_rows_equal_the_vnni_rows(isa: str, mode: str, qtype: str) -> None:
-    """Every row of a call on the tiles, at every height (partial tiles, several tiles, two 64-row tiles) and thread
-    count, bit-identical to the VNNI build's row, computed alone: a forward may switch path by row count."""
+@pytest.mark.parametrize("pair_above", [1, cpu_ext.PAIR_ABOVE, cpu_ext.NEVER_PAIR])
+def test_amx_rows_equal_the_vnni_rows(isa: str, mode: str, qtype: str, pair_above: int) -> None:
+    """Every row of a call on the tiles, at every height (partial tiles, several tiles, two 64-row tiles), thread
+    count and layout (row blocks in pairs from 2, 5 or never), bit-identical to the VNNI build's row, computed
+    alone: a forward may switch path by row count, and tune_amx_layout picks the layout by time."""
     amx, vnni = ops_for(isa), ops_for("avx512vnni")
+    _restore_layout.append((amx, amx.set_amx_pair_above(pair_above)))
     name = ("q8_0_linear" if qtype == "Q8_0" else "q4_1_linear") + (f"_{mode}" if mode else "")
     b = pack(random_blocks(qtype, 96, 320, seed=9))
     x = torch.randn(130, 320, generator=torch.Generator().manual_seed(10)) * torch.logspace(-3, 3, 130)[:, None]
@@ -256,6 +265,53 @@ def test_calls_below_the_amx_threshold_take_the_vnni_code(isa: str) -> None:
         with pytest.raises(ValueError, match="AMX min rows"):
             cpu_ext.set_amx_min_rows(bad, isa)
     assert cpu_ext.amx_info(isa)["min_rows"] == 5
+
+
+@pytest.mark.parametrize("isa", AMX)
+def test_the_amx_layout_is_set_and_checked(isa: str) -> None:
+    ops = ops_for(isa)
+    previous = cpu_ext.set_amx_pair_above(2, isa)
+    _restore_layout.append((ops, previous))
+    assert cpu_ext.amx_info(isa)["pair_above"] == 2
+    assert cpu_ext.set_amx_pair_above(cpu_ext.NEVER_PAIR, isa) == 2
+    for bad in (0, -1, cpu_ext.NEVER_PAIR + 1, 2.0, True):
+        with pytest.raises(ValueError, match="AMX pair-above"):
+            cpu_ext.set_amx_pair_above(bad, isa)
+    assert cpu_ext.amx_info(isa)["pair_above"] == cpu_ext.NEVER_PAIR
+    assert "row blocks one at a time" in cpu_ext.describe() or cpu_ext.best_isa() != isa
+
+
+def test_the_faster_layout_is_chosen_by_the_median_round() -> None:
+    """Each round timed both layouts: the median of the rounds' ratios decides, so one slow spell (a noisy machine's)
+    in either layout's times does not; a tie keeps the row blocks one at a time (registers, no shared codes)."""
+    chosen: list[int] = []
+    paired, single = [1.0, 1.0, 9.0, 1.0, 1.0], [1.2, 1.2, 1.2, 0.1, 1.2]  # paired faster in 4 rounds of 5
+    got = cpu_ext.layout_choice(paired, single, 4, chosen.append)
+    assert got["pair_above"] == 4 and chosen == [4] and got["ratio"] == pytest.approx(1 / 1.2, abs=1e-3)
+    assert got["paired_ms"] == 1000.0 and got["single_ms"] == 1200.0  # medians, in ms
+    got = cpu_ext.layout_choice([1.3, 1.3, 1.3], [1.0, 2.0, 1.0], 3, chosen.append)
+    assert got["pair_above"] == cpu_ext.NEVER_PAIR and chosen[-1] == cpu_ext.NEVER_PAIR and got["ratio"] == 1.3
+    assert cpu_ext.layout_choice([1.0], [1.0], 4)["pair_above"] == cpu_ext.NEVER_PAIR
+    with pytest.raises(ValueError):
+        cpu_ext.layout_choice([1.0, 1.0], [1.0], 4)  # rounds must pair up
+
+
+@pytest.mark.skipif(not cpu_ext._has_amx_int8(), reason="this CPU has no AMX-INT8: no tiles to time")
+def test_tune_amx_layout_times_both_and_keeps_the_faster(monkeypatch) -> None:
+    ops = ops_for("avx512amx")
+    _restore_layout.append((ops, ops.set_amx_pair_above(cpu_ext.PAIR_ABOVE)))
+    monkeypatch.setattr(cpu_ext, "_tuned", {})
+    got = cpu_ext.tune_amx_layout("avx512amx")
+    assert got["pair_above"] == (cpu_ext.PAIR_ABOVE if got["ratio"] < 1 else cpu_ext.NEVER_PAIR)
+    assert got["paired_ms"] > 0 and got["single_ms"] > 0
+    assert cpu_ext.amx_info("avx512amx")["pair_above"] == got["pair_above"]
+    assert cpu_ext.tune_amx_layout("avx512amx") is got  # once per process
+    monkeypatch.setattr(cpu_ext, "_tuned", {})
+    monkeypatch.setenv(cpu_ext.AMX_PAIR_ENV, "3")  # the user's layout: not timed, not changed
+    ops.set_amx_pair_above(3)
+    assert cpu_ext.tune_amx_layout("avx512amx") is None and cpu_ext.amx_info("avx512amx")["pair_above"] == 3
+    monkeypatch.delenv(cpu_ext.AMX_PAIR_ENV)
+    assert cpu_ext.tune_amx_layout(cpu_ext.EMULATED_AMX) is None  # emulated tiles: nothing worth timing
 
 
 def test_amx_info_names_each_build() -> None:

@@ -652,12 +652,12 @@ constexpr int64_t kRowTile = 64;
 // set of tiles in turn; on a Xeon with AMX its samples sat on the tile instructions, and 64 rows of the default
 // target's layers took 0.87x the VNNI path's time at 1 thread). On that Xeon the tile work and the vector epilogue
 // did not overlap (a microbenchmark's tile step and epilogue took the sum of their times), so what is left to gain
-// is in doing less of either:
-// - up to kAmxPairedAbove rows (a verify, a batch of decodes): row block by row block, with tiles 0, 1 = B_0, B_1,
+// is in doing less of either. Two layouts (which one a tile takes: amx_pair_above, below):
+// - row block by row block (a verify, a batch of decodes; on some CPUs every call), with tiles 0, 1 = B_0, B_1,
 //   2 = A, and two C pairs (3, 4 and 5, 6) used by alternate blocks. Q4_1's codes are unpacked one block ahead of
 //   their tile load, into alternate buffers (a tile load does not take data forwarded from pending stores: unpacked
 //   just before, it waited for them to reach L1, ~35 % of a 64-row call's samples).
-// - more rows (prefill chunks): row blocks in pairs, B_0, B_1 (the unit's codes, unpacked once for all its row
+// - in pairs (prefill chunks, where that is faster): B_0, B_1 (the unit's codes, unpacked once for all its row
 //   blocks) shared by two A tiles (2, 3) and four C tiles (4 .. 7), the accumulators in the output rows (32 of them
 //   do not fit the registers).
 // Every row block of a call has the tiles' one height (the largest of its even split): a block one row shorter
@@ -674,13 +674,18 @@ std::atomic<int64_t> amx_min_rows{amx_default_min_rows()};
 template <int D>
 constexpr int64_t kAmxRows = D == 3 ? 5 : 8;
 
-// Rows of a tile above which row blocks go in pairs (prefill chunks). Fewer rows run row block by row block: on a
-// Xeon with AMX, the default target's layers (30 distinct layers' shapes, random codes) at 1 thread, pairs' time
-// over row block by row block's, medians of 3 alternated processes: 12 rows 1.05x, 16 rows 1.07x, 32 rows 0.99x,
-// 64 rows 0.87x (the accumulators kept in memory cost more than the shared B tiles and codes save, until the pairs
-// are many)
-template <int D>
-constexpr int64_t kAmxPairedAbove = 4 * kAmxRows<D>;
+// Row blocks of a tile above which they go in pairs (prefill chunks); fewer run row block by row block. Which layout
+// is faster depends on the CPU, so kernels/cpu_ext.py times both once per process (tune_amx_layout) and sets this
+// (SPIND_AMX_PAIR_ABOVE fixes it instead). Measured, the default target's layers' shapes with random codes, pairs'
+// time over row block by row block's: stop 62's Xeon (2 vCPUs, L3 480 MB), 1 thread, medians of 3 alternated
+// processes: 12 rows 1.05x, 16 rows 1.07x, 32 rows 0.99x, 64 rows 0.87x; stop 64's Xeon (Sapphire Rapids, L3 105 MB),
+// 9 alternated rounds in one process, 1 and 2 threads: 64 rows 1.26x / 1.29x, 229 rows 1.20x / 1.12x (there the
+// accumulators kept in memory cost more than the shared B tiles and codes save, at any height).
+int64_t amx_default_pair_above() {
+  const char* env = std::getenv("SPIND_AMX_PAIR_ABOVE");
+  return env != nullptr && *env != '\0' ? std::clamp<int64_t>(std::atoll(env), 1, int64_t{1} << 30) : 4;
+}
+std::atomic<int64_t> amx_pair_above{amx_default_pair_above()};
 
 // Tiles of a call whose row blocks, `height` rows each, run one at a time (`paired` false) or in pairs
 amx::Config tile_config(int D, int64_t height, bool paired) {
@@ -823,12 +828,13 @@ at::Tensor amx_gemm(const at::Tensor& x, const Weights& w, int64_t n_out) {
   at::Tensor y = at::empty({M, n_out}, x.options());
   const Digits<D> in(x.data_ptr<float>(), M, K, false);  // tiles take Q8_0 codes signed: no +128 offset
   float* yp = y.data_ptr<float>();
+  const int64_t paired_above = amx_pair_above.load(std::memory_order_relaxed) * kAmxRows<D>;  // rows, for the call
   parallel_for(0, n_out / kUnit, 1, [&](int64_t begin, int64_t end) {
-    std::vector<CodeRow> codes(kQ4 && M > kAmxPairedAbove<D> ? w.groups * 16 : 0);  // a pair's unpacked codes
+    std::vector<CodeRow> codes(kQ4 && M > paired_above ? w.groups * 16 : 0);  // a pair's unpacked codes
     int64_t configured = 0;  // height x 2 + paired
     for (int64_t tile = 0; tile < M; tile += kRowTile) {
       const int64_t rows = std::min(M - tile, kRowTile);
-      const bool paired = rows > kAmxPairedAbove<D>;
+      const bool paired = rows > paired_above;
       const int64_t blocks = paired ? 2 * ((rows + 2 * kAmxRows<D> - 1) / (2 * kAmxRows<D>))
                                     : (rows + kAmxRows<D> - 1) / kAmxRows<D>;
       const int64_t lo = rows / blocks, n_hi = rows % blocks, hi = lo + (n_hi != 0);  // n_hi blocks of hi rows first
@@ -1042,13 +1048,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
   return copy_out(Digits<3>(x.data_ptr<float>(), M, x.size(1), true));
 }
 
-// (kind, why the tiles go unused or "", rows from which a call takes them): kind is "hardware", "emulated" (the
-// test build) or "none" (a build without tiles)
-std::tuple<std::string, std::string, int64_t> amx_info() {
+// (kind, why the tiles go unused or "", rows from which a call takes them, row blocks of a tile above which they go in
+// pairs): kind is "hardware", "emulated" (the test build) or "none" (a build without tiles)
+std::tuple<std::string, std::string, int64_t, int64_t> amx_info() {
 #ifdef SPIND_AMX
-  return {amx::kKind, amx::status(), amx_min_rows.load()};
+  return {amx::kKind, amx::status(), amx_min_rows.load(), amx_pair_above.load()};
 #else
-  return {"none", "a build without AMX tiles", 0};
+  return {"none", "a build without AMX tiles", 0, 0};
+#endif
+}
+
+// Tiles of more than `blocks` row blocks run them in pairs from now on; returns the previous value. Every value gives
+// the same rows (tests, benches, and cpu_ext.tune_amx_layout).
+int64_t set_amx_pair_above(int64_t blocks) {
+  TORCH_CHECK(blocks >= 1 && blocks <= (int64_t{1} << 30), "set_amx_pair_above: blocks must be in [1, 2^30], got ",
+              blocks);
+#ifdef SPIND_AMX
+  return amx_pair_above.exchange(blocks);
+#else
+  return 0;
 #endif
 }
 
@@ -1078,7 +1096,8 @@ TORCH_LIBRARY_FRAGMENT(SPIND_OPS, m) {
   m.def("q4_1_linear_q16(Tensor x, Tensor blocks) -> Tensor", &q4_1_linear_q16);
   m.def("q8_0_linear_q16(Tensor x, Tensor blocks) -> Tensor", &q8_0_linear_q16);
   m.def("quantize_rows(Tensor x, int digits) -> (Tensor, Tensor, Tensor)", &quantize_rows);
-  m.def("amx_info() -> (str, str, int)", &amx_info);
+  m.def("amx_info() -> (str, str, int, int)", &amx_info);
+  m.def("set_amx_pair_above(int blocks) -> int", &set_amx_pair_above);
   m.def("set_amx_min_rows(int rows) -> int", &set_amx_min_rows);
 }
 

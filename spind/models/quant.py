@@ -150,6 +150,7 @@ def quantize_target(model: nn.Module, model_dir: Path, dtype: str, layers: list[
         log.info("%s target: %d of %d linear layers kept fp32 (their GGUF type has no %s kernel)",
                  dtype, kept.count(False), len(kept), dtype)
     if dtype in GGUF_DTYPES and cpu_ext.available():
+        cpu_ext.tune_amx_layout()  # once per process: the faster of the AMX path's two layouts on this CPU
         fuse_modules(model)
         model.fused_stack = FusedStack.build(model)
     return model
