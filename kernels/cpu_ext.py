@@ -176,6 +176,18 @@ def tune_amx_layout(isa: str | None = None) -> dict | None:
         return _tuned[isa]
 
 
+def tune_other_layout(namespace: str) -> dict | None:
+    """tune_amx_layout for another tree's build (`build_other`'s namespace), so that an A/B times each build in its
+    faster layout; None where its sources have no layout choice (older trees) or this machine no tiles in use."""
+    other = getattr(torch.ops, namespace)
+    if os.environ.get(AMX_PAIR_ENV) or not hasattr(other, "set_amx_pair_above"):
+        return None
+    kind, reason, _, pair_above = other.amx_info()
+    if kind != "hardware" or reason:
+        return None
+    return _time_layouts(other, pair_above if pair_above < NEVER_PAIR else PAIR_ABOVE)
+
+
 def _time_layouts(kernel_ops, pair_above: int, rounds: int = 9) -> dict:
     g = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (1536 // 32, 576 // 32, 640), dtype=torch.uint8, generator=g)

@@ -310,8 +310,13 @@ def test_tune_amx_layout_times_both_and_keeps_the_faster(monkeypatch) -> None:
     monkeypatch.setenv(cpu_ext.AMX_PAIR_ENV, "3")  # the user's layout: not timed, not changed
     ops.set_amx_pair_above(3)
     assert cpu_ext.tune_amx_layout("avx512amx") is None and cpu_ext.amx_info("avx512amx")["pair_above"] == 3
+    assert cpu_ext.tune_other_layout("spind_cpu_avx512amx") is None
     monkeypatch.delenv(cpu_ext.AMX_PAIR_ENV)
     assert cpu_ext.tune_amx_layout(cpu_ext.EMULATED_AMX) is None  # emulated tiles: nothing worth timing
+    assert cpu_ext.tune_other_layout(f"spind_cpu_{cpu_ext.EMULATED_AMX}") is None
+    # another build's namespace (`bench batch --against`), here this build's own: timed and set the same way
+    got = cpu_ext.tune_other_layout("spind_cpu_avx512amx")
+    assert cpu_ext.amx_info("avx512amx")["pair_above"] == got["pair_above"] in (3, cpu_ext.NEVER_PAIR)
 
 
 def test_amx_info_names_each_build() -> None:

@@ -207,6 +207,7 @@ def run_batch_bench(cfg: SpindConfig, settings: BatchBenchSettings) -> dict:
         if not cpu_ext.available():
             raise RuntimeError(f"--against needs spind's CPU kernels: {cpu_ext.unavailable_reason()}")
         against = cpu_ext.build_other(settings.against)
+        cpu_ext.tune_other_layout(against)  # each build in its faster AMX layout (this one's: at its model's load)
     runs = []
     for threads in settings.threads:
         torch.set_num_threads(threads)
