@@ -165,14 +165,10 @@ def tune_amx_layout(isa: str | None = None) -> dict | None:
     if isa is None or os.environ.get(AMX_PAIR_ENV) or load(isa) is not None:
         return None
     with _tune_lock:
-        if isa in _tuned:
-            return _tuned[isa]
-        info = amx_info(isa)
-        if info["kind"] != "hardware" or info["reason"]:
-            _tuned[isa] = None
-            return None
-        _tuned[isa] = _time_layouts(ops(isa), info["pair_above"] if info["pair_above"] < NEVER_PAIR else PAIR_ABOVE)
-        log.info("AMX layout: %s", _tuned[isa])
+        if isa not in _tuned:
+            _tuned[isa] = _tune(ops(isa))
+            if _tuned[isa] is not None:
+                log.info("AMX layout: %s", _tuned[isa])
         return _tuned[isa]
 
 
@@ -182,10 +178,15 @@ def tune_other_layout(namespace: str) -> dict | None:
     other = getattr(torch.ops, namespace)
     if os.environ.get(AMX_PAIR_ENV) or not hasattr(other, "set_amx_pair_above"):
         return None
-    kind, reason, _, pair_above = other.amx_info()
+    return _tune(other)
+
+
+def _tune(kernel_ops) -> dict | None:
+    """Time a build's layouts and keep the faster, where its tiles are hardware ones in use; else None."""
+    kind, reason, _, pair_above = kernel_ops.amx_info()
     if kind != "hardware" or reason:
         return None
-    return _time_layouts(other, pair_above if pair_above < NEVER_PAIR else PAIR_ABOVE)
+    return _time_layouts(kernel_ops, pair_above if pair_above < NEVER_PAIR else PAIR_ABOVE)
 
 
 def _time_layouts(kernel_ops, pair_above: int, rounds: int = 9) -> dict:
