@@ -6,9 +6,10 @@ of AlpacaEval's reference outputs) and send a decode row (`--k 0`) or a (k+1)-ro
 over B and rolled back after each, so every round sees the same contexts. Per B, medians over rounds:
 - ms per step and the tokens per second it gives (B (k+1) rows; a decode row is a token);
 - where the step went: the decoder stack's GEMMs, its attention and its row-wise ops (RMSNorm, RoPE and the cache
-  writes, SiLU x up, residual adds), timed inside the stack's one C++ call (`stack_profile`); the lm_head with the
-  final norm (the same B rows, timed alone); the rest of the forward (the runner's metadata, the attention plan,
-  the embedding: Python and torch dispatch); acceptance and sampling after the forward;
+  writes, SiLU x up, residual adds), timed inside the stack's one C++ call (`stack_profile`); the final norm and
+  the lm_head, timed around their calls in the same forward (`_HeadTimer`); the rest of the forward (the runner's
+  metadata, the attention plan, the embedding: Python and torch dispatch); acceptance and sampling after the
+  forward. Every phase is a disjoint part of the step, so none reads below zero;
 - the step at B over the step at 1, and throughput at B over throughput at 1.
 Without the fused stack (no kernels, or a target that does not qualify) the stack's share is one `forward` column.
 What this does not see is the daemon around it (IPC, the coordinator's slot): `spind bench serve` measures that.
@@ -66,6 +67,30 @@ def _stack_ops(verifier: TargetVerifier):
     return None if stack is None else stack.ops
 
 
+class _HeadTimer:
+    """Seconds spent in the model's final norm and lm_head calls while installed (forward hooks on both modules):
+    the head's share of the very forward being timed. (It was a separate call on random rows after the step: cold,
+    on a busy VM it read more than the forward spent there, and the forward's rest came out below zero.)"""
+
+    def __init__(self, model) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+        self._handles = []
+        for module in (model.norm, model.lm_head):
+            self._handles.append(module.register_forward_pre_hook(self._enter))
+            self._handles.append(module.register_forward_hook(self._exit))
+
+    def _enter(self, module, args) -> None:
+        self._start = time.perf_counter()
+
+    def _exit(self, module, args, output) -> None:
+        self.seconds += time.perf_counter() - self._start
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
 def _round(verifier: TargetVerifier, req_ids: list[str], drafts: dict[str, list[int]], ops) -> dict[str, float]:
     """One timed step of every request in `req_ids`, rolled back after: ms per phase and in all."""
     runner = verifier.runner
@@ -86,24 +111,19 @@ def _round(verifier: TargetVerifier, req_ids: list[str], drafts: dict[str, list[
     if ops is not None:
         ops.stack_profile(True)
     runner.forward = timed_forward  # an instance attribute over the method, for this one call
+    head = _HeadTimer(runner.model)
     try:
         start = time.perf_counter()
         verifier.verify(items)
         step_s = time.perf_counter() - start
     finally:
         del runner.forward
+        head.remove()
         stack = ops.stack_profile(False).tolist() if ops is not None else None
     for r in req_ids:  # back to the same contexts for the next round
         runner.truncate(r, lengths[r])
         verifier.pending[r] = pending[r]
-    # the lm_head and its norm alone, on as many rows as the step computed logits for
-    model = runner.model
-    rows = sum(len(drafts[r]) + 1 for r in req_ids)
-    h = torch.randn(rows, model.args.hidden_size, generator=torch.Generator().manual_seed(rows)).to(model.dtype)
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        model.lm_head(model.norm(h)).float()
-        head_s = time.perf_counter() - t0
+    head_s = head.seconds
     out = {"step": step_s, "accept": step_s - forward_s, "lm_head": head_s}
     if stack is not None:
         gemm, attention, row_ops, _calls = stack
