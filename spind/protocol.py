@@ -128,6 +128,12 @@ class Verify(_Msg, tag="verify"):
     slot: int
     items: list[VerifyItem]
     threads: Count = 0  # torch threads for this op: all cores when nothing drafts meanwhile
+    # a follow-on, sent before the verify ahead of it was answered: it runs only if the last Verify this worker
+    # answered succeeded, else it is refused (FOLLOW_REFUSED) with nothing changed
+    follows: bool = False
+
+
+FOLLOW_REFUSED = "follow-on refused: the verify before it failed"
 
 
 class PrecomputeItem(_Rec):

@@ -69,12 +69,14 @@ class ScriptedWorker:
         self.draft_ms = draft_ms or {}  # what Profile reports per draft token (default 1 ms)
         self.mirrors: dict[str, list[int]] = {}
         self.kv_len: dict[str, int] = {}  # target: committed tokens with KV
+        self.limit: dict[str, int] = {}  # the longest each sequence may grow: prompt + max_tokens (its KV reservation)
         self.drafter_reqs: dict[str, set[str]] = {d: set() for d in drafters}
         self.precompute_queue: deque = deque()
         self.precomputed: list[tuple[str, str]] = []
         self.log: list[object] = []
         self.fail_verify_of: set[str] = set()
         self.poison: set[str] = set()  # requests whose presence breaks a verify without saying whose fault it is
+        self.last_verify_ok = False  # a follow-on Verify runs only after one that succeeded (as the real worker)
 
     def ready(self, num_threads: int) -> P.Ready:
         return P.Ready(name=self.name, pid=os.getpid(), is_target=self.is_target, drafters=self.drafters,
@@ -94,6 +96,7 @@ class ScriptedWorker:
             assert msg.is_target == self.is_target
             self.mirrors[msg.req_id] = list(msg.tokens)
             self.kv_len[msg.req_id] = 0
+            self.limit[msg.req_id] = len(msg.tokens) - msg.num_output + msg.params.max_tokens
             for reqs in self.drafter_reqs.values():
                 reqs.discard(msg.req_id)
             return P.Ack(msg.seq)
@@ -110,7 +113,12 @@ class ScriptedWorker:
                                          msg.slot, 0.002))
             return P.Proposed(msg.seq, out, [P.BusyInterval("draft", 0.0, 0.002, len(out), msg.items[0].drafter)])
         if isinstance(msg, P.Verify):
-            return self._verify(msg)
+            if msg.follows and not self.last_verify_ok:
+                raise ScriptedFailure(P.FOLLOW_REFUSED)
+            self.last_verify_ok = False
+            reply = self._verify(msg)
+            self.last_verify_ok = True
+            return reply
         if isinstance(msg, P.Precompute):
             for it in msg.items:
                 self._sync(it.req_id, it.drafter, it.base_len, it.new_tokens)
@@ -151,6 +159,7 @@ class ScriptedWorker:
             tokens = self.mirrors[it.req_id]
             assert self.kv_len[it.req_id] == len(tokens) - 1, f"{it.req_id}: verify before its prefill completed"
             d = draft(it.inline_drafter, tokens, it.k) if it.inline_drafter else it.draft
+            assert len(tokens) + len(d) + 1 <= self.limit[it.req_id], f"{it.req_id}: a verify past its max_tokens"
             shadow = {n: draft(n, tokens, it.shadow_k) for n in it.shadow}  # before the tokens it commits
             right = continuation(tokens, len(d) + 1)
             n = 0

@@ -337,6 +337,58 @@ def test_a_verify_that_fails_unattributed_is_bisected_to_the_request_behind_it(t
             assert tokens_of(deltas) == continuation(r.prompt_ids, 12) and deltas[-1].finish_reason == "length"
 
 
+@pytest.mark.parametrize("transient", [False, True], ids=["its-data", "transient"])
+def test_a_verify_that_fails_under_a_follow_on_leaves_the_outputs_exact(tmp_path, transient):
+    """A verify fails mid-stream while follow-on slots run (lockstep over worker processes, every request plain or
+    inline): the follow-on sent behind it is refused by the worker with nothing changed and verified again after
+    the failed verify's retries, so the tokens commit in the order the worker made them. Its data at fault: that
+    request alone ends. A failure nobody is named for and that does not recur (the retry, bisected, succeeds):
+    every output exact (had the follow-on run ahead of the retries, its tokens would have been committed after
+    tokens computed from them)."""
+    env = Env(tmp_path, make_cfg())
+    env.pool.shares_interpreter = False  # as a ProcessPool's workers: follow-ons in lockstep slots
+    refused: list[P.Verify] = []
+    failed: list[bool] = []
+
+    async def go():
+        c = env.coordinator
+        await c.start()
+        target = env.worker("target")
+        verify, answer = target._verify, target.answer
+
+        def failing_later(msg):  # from the request's 5th output token on: its data breaks it, or one forward fails
+            if len(target.mirrors.get("bad", ())) >= len(PROMPTS[1]) + 5 and (not transient or not failed):
+                failed.append(True)
+                if transient:
+                    raise RuntimeError("a forward failed")
+                target.fail_verify_of.add("bad")
+            return verify(msg)
+
+        def recording_answer(msg):
+            reply = answer(msg)
+            if isinstance(reply, P.ErrorReply) and reply.message == P.FOLLOW_REFUSED:
+                refused.append(msg)
+            return reply
+
+        target._verify, target.answer = failing_later, recording_answer
+        try:
+            return await asyncio.gather(*(collect(c, r) for r in reqs))
+        finally:
+            await c.shutdown(drain=False)
+
+    reqs = [request("ok1", PROMPTS[0], "none", 16), request("bad", PROMPTS[1], "inl", 16),
+            request("ok2", PROMPTS[2], "inl", 16)]
+    ok1, bad, ok2 = asyncio.run(go())
+    assert failed
+    assert tokens_of(ok1) == continuation(PROMPTS[0], 16) and tokens_of(ok2) == continuation(PROMPTS[2], 16)
+    if transient:
+        assert tokens_of(bad) == continuation(PROMPTS[1], 16) and bad[-1].finish_reason == "length"
+    else:
+        assert bad[-1].finish_reason == "abort"
+    if not MODE["pipeline"]:
+        assert env.coordinator.loop.num_follow_ons > 0 and refused and all(m.follows for m in refused)
+
+
 @pytest.mark.parametrize("victim", ["target", "draft"])
 def test_a_restarted_worker_gets_the_committed_sequences_back(tmp_path, victim):
     env = Env(tmp_path, make_cfg(prefill_budget=4))
@@ -471,6 +523,54 @@ def test_the_next_verify_is_sent_before_the_last_ones_tokens_stream(tmp_path, mo
     # the n-th delta (the n-th pass's token; the last pass's is the request's end) arrives after pass n + 1 was sent
     assert all(sent >= n + 1 for n, sent in enumerate(verifies_before[:-1], start=1)), events
     assert verifies_before[-1] == 6 and events.count("verify") == 6, events
+
+
+def test_a_follow_on_slot_is_sent_while_the_one_before_runs(tmp_path, mode):
+    """With nothing to prefill, nobody waiting and nothing for a drafter worker to draft, lockstep slots (over worker
+    processes) send the next slot's verify while the one before runs (the worker takes ops in order: no round trip
+    between the two). The outputs are those of the same loop without follow-ons, token for token and finish for
+    finish: plain decoding, an inline drafter near max_tokens (no verify drafts past it: the scripted worker checks
+    each against the request's max_tokens), and a stop string the worker does not know of (the follow-on's tokens
+    are dropped). A request that ends by length costs no extra verify. The pipeline sends one pass at a time."""
+    cont = continuation([3, 5, 7], 12)
+    stop = f"t{cont[6]}"
+
+    def serve(follow_on: bool):
+        cfg = make_cfg()
+        cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, follow_on=follow_on))
+        env = Env(tmp_path / f"follow-{follow_on}", cfg)
+        env.pool.shares_interpreter = False  # as a ProcessPool's workers
+        outstanding, most = [0], [0]
+        cast = env.pool.cast
+
+        def recording_cast(name: str, msg: object):
+            fut = cast(name, msg)
+            if isinstance(msg, P.Verify):
+                outstanding[0] += 1
+                most[0] = max(most[0], outstanding[0])
+                fut.add_done_callback(lambda f: outstanding.__setitem__(0, outstanding[0] - 1))
+            return fut
+
+        env.pool.cast = recording_cast
+        reqs = [request("plain", [3, 5, 7], "none", max_tokens=9), request("inline", [2, 4], "inl", max_tokens=11),
+                EngineRequest("stop", [3, 5, 7], SamplingParams(max_tokens=12, stop=(stop,)), "none")]
+        out = run(env, reqs)
+        passes = [sum(it.req_id == r.req_id for m in env.ops("target", P.Verify) for it in m.items) for r in reqs]
+        return [(tokens_of(d), d[-1].finish_reason) for d in out], most[0], passes, env.coordinator.loop
+
+    followed, most, passes, loop = serve(True)
+    plain, most_plain, passes_plain, _ = serve(False)
+    assert followed == plain
+    assert followed[0] == (continuation([3, 5, 7], 9), "length")
+    assert followed[1] == (continuation([2, 4], 11), "length")
+    assert followed[2][1] == "stop" and len(followed[2][0]) <= 7 and followed[2][0] == cont[:len(followed[2][0])]
+    assert most_plain == 1
+    if mode:
+        assert most == 1 and isinstance(loop, Pipeline)
+        return
+    assert most == 2 and loop.num_follow_ons > 0
+    assert passes[0] == passes_plain[0] == 9  # one token a pass, none past max_tokens
+    assert passes[2] >= passes_plain[2]  # the follow-on sent before the stop string was seen
 
 
 def test_replacing_the_loop_waits_for_the_ops_the_old_one_has_in_flight(tmp_path, mode):

@@ -261,6 +261,9 @@ def _drive_accounted(engine, prompts: list[list[int]], categories: list[str], s:
     before = slot_account(engine.coordinator)
     records, wall = engine.loop.run_until_complete(
         _drive(engine.coordinator, prompts, categories, s, _drafter(spec), progress, spec.name, first))
+    # what is still in flight (a follow-on slot sent for a request that then ended) settles before this engine's loop
+    # stops until its next turn, else that slot would span the other systems' turns
+    engine.loop.run_until_complete(engine.coordinator.until_idle())
     return records, wall, slot_account(engine.coordinator) - before
 
 

@@ -372,9 +372,14 @@ class Coordinator:
         """Drive the slots with another loop body (the pipeline bench compares them on one engine): once no request
         is left and nothing the current one sent is in flight (a draft ahead may outlive its request), so the two
         never run side by side."""
+        await self.until_idle()
+        self.loop = loop
+
+    async def until_idle(self) -> None:
+        """Return once no request is left and nothing the loop sent is in flight (a draft ahead or a follow-on slot
+        may outlive its request)."""
         while self.phases.requests or self.loop.is_busy:
             await asyncio.sleep(0.005)
-        self.loop = loop
 
     async def _run(self) -> None:
         ph = self.phases

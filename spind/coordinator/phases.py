@@ -420,17 +420,22 @@ class SlotPhases:
         self.prefilled(chunks, await self.await_workers(self.prefill(chunks, threads)))
         return await self.verify_isolating(batch, arms, drafts, threads) if batch else VerifyOutcome()
 
-    async def _verify(self, batch: list[RequestState], arms: dict[str, Arm], drafts: dict[str, P.DraftRecord],
-                      threads: int = 0) -> VerifyOutcome:
-        """One verify forward on the target."""
-        items = []
+    def verify_items(self, batch: list[RequestState], arms: dict[str, Arm], drafts: dict[str, P.DraftRecord],
+                     caps: dict[str, int] | None = None) -> dict[str, P.VerifyItem]:
+        """What the target verifies for each request, from its arm, its draft and its state now: an inline drafter
+        drafts at most the request's `max_draft` (or its `caps` entry, where lower), its confidence floor and the
+        shadow drafts selection asked of this pass go with it."""
+        items = {}
         for st in batch:
             arm = arms.get(st.req_id, PLAIN_ARM)
             d = drafts.get(st.req_id)
             # a speculating request with a grammar: the tokens the grammar forces may lengthen its draft up to this
             forced = st.seq.max_draft(arm.k + MAX_FORCED) if arm.drafter and st.seq.params.grammar else 0
             if arm.drafter is not None and self.drafter_worker[arm.drafter] == TARGET_WORKER:
-                item = P.VerifyItem(st.req_id, [], inline_drafter=arm.drafter, k=st.seq.max_draft(arm.k),
+                k = st.seq.max_draft(arm.k)
+                if caps is not None and st.req_id in caps:
+                    k = min(k, caps[st.req_id])
+                item = P.VerifyItem(st.req_id, [], inline_drafter=arm.drafter, k=k,
                                     max_draft=forced, min_confidence=list(st.min_confidence))
             elif d is not None:
                 item = P.VerifyItem(st.req_id, d.tokens, d.has_probs, d.slot, max_draft=forced)
@@ -438,10 +443,22 @@ class SlotPhases:
                 item = P.VerifyItem(st.req_id, [], max_draft=forced)
             if st.shadow:
                 item.shadow, item.shadow_k = st.shadow, SHADOW_K
-            items.append(item)
-        if not items:
+            items[st.req_id] = item
+        return items
+
+    async def verify_pass(self, batch: list[RequestState], arms: dict[str, Arm], drafts: dict[str, P.DraftRecord],
+                          threads: int = 0, items: dict[str, P.VerifyItem] | None = None,
+                          slot: int | None = None, follows: bool = False) -> VerifyOutcome:
+        """One verify forward on the target: `items` as built when the pass was decided (`verify_items`; built now
+        where None), sent as slot `slot` (the current slot where None); `follows`: as a follow-on (P.Verify)."""
+        if items is None:
+            items = self.verify_items(batch, arms, drafts)
+        if not batch:
             return VerifyOutcome()
-        reply = await self.await_workers(self._call_target(P.Verify(0, self.slot_id, items, threads)))
+        msg = P.Verify(0, self.slot_id if slot is None else slot, [items[st.req_id] for st in batch], threads,
+                       follows)
+        # a follow-on's reply is awaited, and its wait counted, by the slot it becomes (it is sent a slot early)
+        reply = await (self._call_target(msg) if follows else self.await_workers(self._call_target(msg)))
         if [r.req_id for r in reply.results] != [st.req_id for st in batch]:
             raise WorkerError(TARGET_WORKER, "verify results do not match the batch")
         self.times.grammar_s += reply.grammar_s
@@ -457,11 +474,13 @@ class SlotPhases:
         return await reply
 
     async def verify_isolating(self, batch: list[RequestState], arms: dict[str, Arm],
-                               drafts: dict[str, P.DraftRecord], threads: int = 0) -> VerifyOutcome:
+                               drafts: dict[str, P.DraftRecord], threads: int = 0,
+                               items: dict[str, P.VerifyItem] | None = None, slot: int | None = None
+                               ) -> VerifyOutcome:
         """One verify forward; but a verify that fails without naming its culprits (the target changed nothing)
         is retried on each half of the batch, down to the single requests that fail; those are failed alone."""
         try:
-            return await self._verify(batch, arms, drafts, threads)
+            return await self.verify_pass(batch, arms, drafts, threads, items, slot)
         except WorkerError as e:
             if e.req_ids:
                 raise
@@ -471,7 +490,7 @@ class SlotPhases:
         out = VerifyOutcome(num_forwards=0)
         mid = len(batch) // 2
         for half in (batch[:mid], batch[mid:]):
-            part = await self.verify_isolating(half, arms, drafts, threads)
+            part = await self.verify_isolating(half, arms, drafts, threads, items, slot)
             out.batch += part.batch
             out.results += part.results
             out.verify_s += part.verify_s
@@ -480,11 +499,14 @@ class SlotPhases:
         return out
 
     # ---- update -------------------------------------------------------------------------------------------------
-    def update(self, outcome: VerifyOutcome, arms: dict[str, Arm], drafts: dict[str, P.DraftRecord]) -> None:
-        """Commit what the verify accepted (stop rules), feed the selector, stream a delta per request."""
+    def update(self, outcome: VerifyOutcome, arms: dict[str, Arm], drafts: dict[str, P.DraftRecord],
+               shadow: dict[str, list[str]] | None = None) -> None:
+        """Commit what the verify accepted (stop rules), feed the selector, stream a delta per request. shadow: the
+        drafters each request's pass shadowed, where selection has since chosen for a later pass (a follow-on);
+        None: each request's `shadow` as it is."""
         now = time.perf_counter()
         feedback = [f for st, r in zip(outcome.batch, outcome.results)
-                    if (f := self._commit(st, r, arms, drafts, outcome, now)) is not None]
+                    if (f := self._commit(st, r, arms, drafts, outcome, now, shadow)) is not None]
         self.history.add_queue(len(self.running), len(self.waiting))
         if not feedback:
             return
@@ -494,7 +516,7 @@ class SlotPhases:
             self._held_feedback.extend(feedback)
 
     def _commit(self, st: RequestState, r: P.VerifyResult, arms: dict[str, Arm], drafts: dict[str, P.DraftRecord],
-                outcome: VerifyOutcome, now: float) -> SlotFeedback | None:
+                outcome: VerifyOutcome, now: float, shadow: dict[str, list[str]] | None = None) -> SlotFeedback | None:
         seq = st.seq
         arm = arms.get(st.req_id, PLAIN_ARM)
         seq.stats.record(r.num_drafted, r.num_accepted)
@@ -503,8 +525,10 @@ class SlotPhases:
             st.per_drafter.setdefault(name, SpecStats()).record(r.num_drafted, r.num_accepted)
             self.drafter_counters[name].record(r.num_drafted, r.num_accepted)
             self.metrics.record_verify(name, r.num_drafted, r.num_accepted)
-        shadowed = arm.drafter is not None and arm.drafter in st.shadow
-        st.shadow = []
+        names = st.shadow if shadow is None else shadow.get(st.req_id, ())
+        shadowed = arm.drafter is not None and arm.drafter in names
+        if shadow is None:
+            st.shadow = []
         self.shadows.add(st.req_id, len(seq.token_ids), r.shadow, r.shadow_confidence,
                          (len(r.tokens), arm.drafter if r.num_drafted else ""))
         kept = seq.append(r.tokens)

@@ -113,6 +113,7 @@ class Worker:
             raise
         self.threads = self._threads_now = 0  # set by ready(): the worker's own torch thread count
         self.shadow_s = 0.0  # the last verify's shadow drafting (Verified.shadow_s)
+        self.last_verify_ok = False  # the last Verify answered succeeded (a follow-on runs only after one that did)
 
     def close(self) -> None:
         """Stop what this worker started outside its process's memory: a tensor-parallel target's other ranks."""
@@ -202,8 +203,12 @@ class Worker:
         if isinstance(msg, P.Propose):
             return P.Proposed(msg.seq, self.propose(msg.slot, msg.items), self._take_busy())
         if isinstance(msg, P.Verify):
+            if msg.follows and not self.last_verify_ok:  # what it follows did not happen as its sender assumed
+                return P.ErrorReply(msg.seq, P.FOLLOW_REFUSED)
+            self.last_verify_ok = False
             self._use_threads(msg.threads)
             results, verify_s = self.verify(msg.slot, msg.items)
+            self.last_verify_ok = True
             return P.Verified(msg.seq, results, verify_s, self._take_busy(), self._target().grammar_s, self.shadow_s)
         if isinstance(msg, P.Precompute):
             self.enqueue_precompute(msg.items)
