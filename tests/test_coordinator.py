@@ -357,6 +357,7 @@ def test_a_verify_that_fails_under_a_follow_on_leaves_the_outputs_exact(tmp_path
         verify, answer = target._verify, target.answer
 
         def failing_later(msg):  # from the request's 5th output token on: its data breaks it, or one forward fails
+            time.sleep(0.003)  # a forward's time: the next slot's follow-on is sent before this one is answered
             if len(target.mirrors.get("bad", ())) >= len(PROMPTS[1]) + 5 and (not transient or not failed):
                 failed.append(True)
                 if transient:

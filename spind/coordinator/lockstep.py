@@ -22,8 +22,11 @@ commit, selection, the next op's way back: each a wake-up of an idle core) was ~
 - a request that ends otherwise here (EOS, a stop string, an abort) has its follow-on's tokens dropped;
 - the worker runs it only if this slot's verify succeeded (`Verify.follows`), else refuses it with nothing changed;
   a refused or failed follow-on is verified again as a plain slot's verify would be (`_await_follow`);
-- selection learns one slot later (as with `hold_deltas`); a selection that wants a drafter worker's draft is kept
-  for the next slot, which then runs as a whole (no follow-on).
+- selection chooses for it with what the slot before this one taught it (the deltas and feedback it held are
+  released first, once this slot's verify is on its way), as it would without follow-ons; choosing on one slot
+  less (before that release) put `spin` back on n-gram lookup for 24-96% of its slots on mtbench (`bench e2e`,
+  batch 1), where it otherwise runs suffix decoding on ~95%; a selection that wants a drafter worker's draft is
+  kept for the next slot, which then runs as a whole (no follow-on).
 Only with worker processes (threads share the coordinator's GIL, as above) and `[runtime] follow_on` (default on).
 """
 
@@ -114,9 +117,10 @@ class Lockstep:
             p = follow if follow is not None else await self._start()
             pending = p.task if follow is None else asyncio.ensure_future(self._await_follow(follow))
             if not p.chunks and not ph.pool.shares_interpreter:
+                await asyncio.sleep(0)  # this slot's verify goes first (its task's first step sends it)
+                ph.flush_deltas()  # the last slot streams, and selection learns from it before it selects the next
                 self._follow = self._next(p.batch, p.items)  # sent after this slot's verify: the worker runs it next
-            if follow is not None:  # the deltas held since the last slot go now (nothing else sends and releases them)
-                ph.flush_deltas()
+            ph.flush_deltas()
             outcome = await pending
         except WorkerDied as e:
             await self._drop(self._follow)
