@@ -20,8 +20,9 @@ commit, selection, the next op's way back: each a wake-up of an idle core) was ~
 - its drafts are capped so that, whatever this slot commits, it never drafts past max_tokens or the context
   (`_caps`); a request that ends by length in this slot gets no follow-on;
 - a request that ends otherwise here (EOS, a stop string, an abort) has its follow-on's tokens dropped;
-- the worker runs it only if this slot's verify succeeded (`Verify.follows`), else refuses it with nothing changed;
-  a refused or failed follow-on is verified again as a plain slot's verify would be (`_await_follow`);
+- the worker runs it only if the verify it answered last succeeded (`Verify.follows`), else refuses it with
+  nothing changed; it is sent at once, right after this slot's verify and ahead of any retry of it, so that verify
+  is the one; a refused or failed follow-on is verified again as a plain slot's verify would be (`_await_follow`);
 - selection chooses for it with what the slot before this one taught it (the deltas and feedback it held are
   released first, once this slot's verify is on its way), as it would without follow-ons; choosing on one slot
   less (before that release) put `spin` back on n-gram lookup for 24-96% of its slots on mtbench (`bench e2e`,
@@ -210,8 +211,9 @@ class Lockstep:
         ph.send_side_work(selection)
         follow_items = ph.verify_items(batch, arms, {}, caps)
         threads = ph.target_threads(arms)
-        slot = ph.next_slot()
-        task = asyncio.ensure_future(ph.verify_pass(batch, arms, {}, threads, follow_items, slot, follows=True))
+        # sent now, not by a task's first step: a retry of this slot's verify (which needs its failed reply read
+        # first, in a later turn of the event loop) can then never reach the worker ahead of it
+        task = asyncio.ensure_future(ph.send_follow_on(batch, follow_items, threads, ph.next_slot()))
         self.num_follow_ons += 1
         return _Pass(batch, arms, follow_items, self._take_shadow(batch), regime, threads, task)
 

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from spind import protocol as P
@@ -448,17 +449,29 @@ class SlotPhases:
 
     async def verify_pass(self, batch: list[RequestState], arms: dict[str, Arm], drafts: dict[str, P.DraftRecord],
                           threads: int = 0, items: dict[str, P.VerifyItem] | None = None,
-                          slot: int | None = None, follows: bool = False) -> VerifyOutcome:
+                          slot: int | None = None) -> VerifyOutcome:
         """One verify forward on the target: `items` as built when the pass was decided (`verify_items`; built now
-        where None), sent as slot `slot` (the current slot where None); `follows`: as a follow-on (P.Verify)."""
+        where None), sent as slot `slot` (the current slot where None)."""
         if items is None:
             items = self.verify_items(batch, arms, drafts)
         if not batch:
             return VerifyOutcome()
-        msg = P.Verify(0, self.slot_id if slot is None else slot, [items[st.req_id] for st in batch], threads,
-                       follows)
-        # a follow-on's reply is awaited, and its wait counted, by the slot it becomes (it is sent a slot early)
-        reply = await (self._call_target(msg) if follows else self.await_workers(self._call_target(msg)))
+        msg = P.Verify(0, self.slot_id if slot is None else slot, [items[st.req_id] for st in batch], threads)
+        return self._verified(batch, await self.await_workers(self._call_target(msg)))
+
+    def send_follow_on(self, batch: list[RequestState], items: dict[str, P.VerifyItem], threads: int,
+                       slot: int) -> Awaitable[VerifyOutcome]:
+        """A follow-on's verify (`Verify.follows`), sent before this returns, so that it reaches the target's worker
+        ahead of anything sent after (a retry of the verify it follows, above all); the awaitable gives its outcome.
+        Its wait is counted by the slot that awaits it."""
+        msg = P.Verify(0, slot, [items[st.req_id] for st in batch], threads, follows=True)
+        reply = self.pool.start_call(TARGET_WORKER, msg, self.call_timeout_s)
+
+        async def outcome() -> VerifyOutcome:
+            return self._verified(batch, await reply)
+        return outcome()
+
+    def _verified(self, batch: list[RequestState], reply: P.Verified) -> VerifyOutcome:
         if [r.req_id for r in reply.results] != [st.req_id for st in batch]:
             raise WorkerError(TARGET_WORKER, "verify results do not match the batch")
         self.times.grammar_s += reply.grammar_s
