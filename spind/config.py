@@ -75,7 +75,7 @@ class RuntimeConfig:
     pipeline: bool = True  # drafters draft while the target verifies (micro-batches); false: lockstep slots
     micro_batches: int = 0  # per SSM; 0 = the paper's heuristic over the profiled target
     draft_ahead: bool = True  # idle drafters draft past the drafts under verification (greedy requests)
-    follow_on: bool = True  # the pipeline sends a batch's next verify while its last one runs, where nothing differs
+    follow_on: bool = True  # lockstep slots send the next verify while the last runs, where it would verify the same
 
 
 @dataclass(frozen=True)
