@@ -121,7 +121,6 @@ class Lockstep:
                 await asyncio.sleep(0)  # this slot's verify goes first (its task's first step sends it)
                 ph.flush_deltas()  # the last slot streams, and selection learns from it before it selects the next
                 self._follow = self._next(p.batch, p.items)  # sent after this slot's verify: the worker runs it next
-            ph.flush_deltas()
             outcome = await pending
         except WorkerDied as e:
             await self._drop(self._follow)
