@@ -399,7 +399,9 @@ def test_a_restarted_worker_gets_the_committed_sequences_back(tmp_path, victim):
         await c.start()
         try:
             tasks = [asyncio.create_task(collect(c, r)) for r in reqs]
-            while sum(st.seq.num_output_tokens for st in c.phases.running) < 6:
+            def outputs():
+                return [st.seq.num_output_tokens for st in c.phases.running]
+            while len(outputs()) < len(reqs) or min(outputs()) == 0 or sum(outputs()) < 6:  # each has output to keep
                 await asyncio.sleep(0.001)
             env.pool.dead.add(victim)
             out = await asyncio.gather(*tasks)
