@@ -76,6 +76,9 @@ class RuntimeConfig:
     micro_batches: int = 0  # per SSM; 0 = the paper's heuristic over the profiled target
     draft_ahead: bool = True  # idle drafters draft past the drafts under verification (greedy requests)
     follow_on: bool = True  # lockstep slots send the next verify while the last runs, where it would verify the same
+    # a slot's prefill chunks ride in its verify's forward (one pass over the weights, not two) where nothing drafts on
+    # a drafter worker meanwhile; false: a prefill op, then the verify
+    fuse_prefill: bool = True
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,10 @@ class Verify(_Msg, tag="verify"):
     # a follow-on, sent before the verify ahead of it was answered: it runs only if the last Verify this worker
     # answered succeeded, else it is refused (FOLLOW_REFUSED) with nothing changed
     follows: bool = False
+    # prefill chunks written in the same forward, before the rows verified (as a Prefill op would; Verified.reused
+    # answers for them): a request among the items completes its prompt here and verifies its first token after it.
+    # A verify that fails leaves them unwritten too.
+    prefill: list[PrefillItem] = []
 
 
 FOLLOW_REFUSED = "follow-on refused: the verify before it failed"
@@ -255,6 +259,7 @@ class Verified(_Msg, tag="verified"):
     busy: list[BusyInterval] = []
     grammar_s: Seconds = 0.0  # of which: structured output's grammar work (draft cuts, masks, advancing matchers)
     shadow_s: Seconds = 0.0  # drafting the shadow drafts the items asked for (VerifyItem.shadow), before the forward
+    reused: list[Count] = []  # per Verify.prefill item, the tokens of it the prefix cache held (as Prefilled.reused)
 
 
 class Profiled(_Msg, tag="profiled"):

@@ -101,9 +101,7 @@ class ScriptedWorker:
                 reqs.discard(msg.req_id)
             return P.Ack(msg.seq)
         if isinstance(msg, P.Prefill):
-            for it in msg.items:
-                assert 0 < it.num_tokens and self.kv_len[it.req_id] + it.num_tokens < len(self.mirrors[it.req_id])
-                self.kv_len[it.req_id] += it.num_tokens
+            self._prefill(msg.items)
             return P.Prefilled(msg.seq, [0] * len(msg.items), [P.BusyInterval("prefill", 0.0, 0.001, len(msg.items))])
         if isinstance(msg, P.Propose):
             out = []
@@ -148,12 +146,18 @@ class ScriptedWorker:
         m.extend(new_tokens)
         self.drafter_reqs[drafter].add(req_id)
 
+    def _prefill(self, items: list[P.PrefillItem]) -> None:
+        for it in items:
+            assert 0 < it.num_tokens and self.kv_len[it.req_id] + it.num_tokens < len(self.mirrors[it.req_id])
+            self.kv_len[it.req_id] += it.num_tokens
+
     def _verify(self, msg: P.Verify) -> P.Verified:
         bad = [it.req_id for it in msg.items if it.req_id in self.fail_verify_of]
         if bad:
             raise ScriptedFailure("scripted failure", *bad)
         if any(it.req_id in self.poison for it in msg.items):
             raise RuntimeError("a forward failed")  # nobody named: the coordinator has to find out
+        self._prefill(msg.prefill)  # the chunks riding in this verify's forward (as the real worker: only if it runs)
         results = []
         for it in msg.items:
             tokens = self.mirrors[it.req_id]
@@ -171,7 +175,7 @@ class ScriptedWorker:
             results.append(P.VerifyResult(it.req_id, len(d), n, new, 0.001 if it.inline_drafter else 0.0,
                                           shadow=shadow))
         return P.Verified(msg.seq, results, 0.003, [P.BusyInterval("verify", 0.0, 0.003, len(results))],
-                          shadow_s=SHADOW_S)
+                          shadow_s=SHADOW_S, reused=[0] * len(msg.prefill))
 
     @property
     def has_idle_work(self) -> bool:

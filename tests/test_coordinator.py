@@ -106,6 +106,14 @@ class Env:
     def ops(self, name: str, kind: type) -> list:
         return [m for m in self.worker(name).log if isinstance(m, kind)]
 
+    def prefills(self, name: str) -> list:
+        """The ops that wrote prefill chunks on the worker, in order: Prefill ops and verifies they rode in."""
+        return [m for m in self.worker(name).log if isinstance(m, P.Prefill) or isinstance(m, P.Verify) and m.prefill]
+
+
+def chunks_of(op: P.Prefill | P.Verify) -> list[P.PrefillItem]:
+    return op.items if isinstance(op, P.Prefill) else op.prefill
+
 
 async def collect(c: Coordinator, req: EngineRequest) -> list[Delta]:
     async with aclosing(c.generate(req)) as stream:
@@ -262,11 +270,11 @@ def test_chunked_prefill_keeps_the_budget_and_lets_short_requests_through(tmp_pa
     long_prompt = list(range(1, 41))
     out = run(env, [request("long", long_prompt, "none", 4), request("short", [7, 8, 9], "none", 4)])
     assert [tokens_of(d) for d in out] == [continuation(long_prompt, 4), continuation([7, 8, 9], 4)]
-    prefills = env.ops("target", P.Prefill)
-    assert all(sum(it.num_tokens for it in m.items) <= 8 for m in prefills)
-    assert sum(it.num_tokens for m in prefills for it in m.items if it.req_id == "long") == 39  # all but the last
+    prefills = env.prefills("target")
+    assert all(sum(it.num_tokens for it in chunks_of(m)) <= 8 for m in prefills)
+    assert sum(it.num_tokens for m in prefills for it in chunks_of(m) if it.req_id == "long") == 39  # all but the last
     log = env.worker("target").log
-    last_long_prefill = max(log.index(m) for m in prefills if any(it.req_id == "long" for it in m.items))
+    last_long_prefill = max(log.index(m) for m in prefills if any(it.req_id == "long" for it in chunks_of(m)))
     first_short_verify = min(log.index(m) for m in env.ops("target", P.Verify)
                              if any(it.req_id == "short" for it in m.items))
     assert first_short_verify < last_long_prefill  # the short request did not wait for the long prefill
@@ -418,7 +426,7 @@ def test_a_restarted_worker_gets_the_committed_sequences_back(tmp_path, victim):
     assert readded and all(len(tokens) > len(r.prompt_ids) for r, tokens in
                            ((r, readded[r.req_id]) for r in reqs if r.req_id in readded))
     if victim == "target":
-        assert set(readded) == {"a", "b", "c"} and env.ops(victim, P.Prefill)  # re-prefilled in chunks
+        assert set(readded) == {"a", "b", "c"} and env.prefills(victim)  # re-prefilled in chunks
 
 
 def test_eos_and_unknown_drafters(tmp_path):
@@ -606,7 +614,7 @@ def test_replacing_the_loop_waits_for_the_ops_the_old_one_has_in_flight(tmp_path
         first, second = asyncio.run(go())
     assert tokens_of(first) == continuation(PROMPTS[0], 4)
     assert tokens_of(second) == continuation(PROMPTS[1], 4) and second[-1].finish_reason == "length"
-    prefills = [i.num_tokens for m in env.ops("target", P.Prefill) for i in m.items if i.req_id == "b"]
+    prefills = [i.num_tokens for m in env.prefills("target") for i in chunks_of(m) if i.req_id == "b"]
     assert prefills == [len(PROMPTS[1]) - 1]  # one loop prefilled it, once
 
 

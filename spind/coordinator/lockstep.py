@@ -142,8 +142,10 @@ class Lockstep:
         slot_s = time.perf_counter() - start
         ph.record_slot(slot_s, slot_s - ph.wait_s)
         # the regime trial weighs the slot's seconds less its prefill's (the same whatever the regime), unless drafter
-        # workers drafted meanwhile (the regime's own time then: the slot is not counted)
-        measured = slot_s - p.prefill_s if not (p.chunks and p.drafts) and outcome.num_forwards == 1 else 0.0
+        # workers drafted meanwhile (the regime's own time then) or the prefill rode in the verify's forward (no time
+        # of its own): the slot is not counted
+        measured = (slot_s - p.prefill_s if not (p.chunks and (p.drafts or outcome.prefilled))
+                    and outcome.num_forwards == 1 else 0.0)
         ph.record_regime(p.regime, len(outcome.batch), ph.committed_tokens - tokens, measured)
 
     async def _start(self) -> _Pass:
@@ -164,11 +166,15 @@ class Lockstep:
         arms = selection.arms
         slot = ph.next_slot()
         threads = ph.target_threads(arms)
+        # the chunks ride in the verify's forward, unless a drafter worker drafts meanwhile (a prefill op overlaps it)
+        fuse = ph.fuses(chunks, batch) and not ph.drafts_elsewhere(ready, arms)
         t0 = time.perf_counter()
-        drafts = await ph.prefill_and_speculate(chunks, ready, arms, threads)
-        prefill_s = time.perf_counter() - t0 if chunks else 0.0
+        drafts = await ph.prefill_and_speculate([] if fuse else chunks, ready, arms, threads)
+        prefill_s = time.perf_counter() - t0 if chunks and not fuse else 0.0
         items = ph.verify_items(batch, arms, drafts)
-        task = asyncio.ensure_future(ph.verify_isolating(batch, arms, drafts, threads, items, slot))
+        verify = (ph.prefill_and_verify(chunks, batch, arms, drafts, threads, items, slot) if fuse else
+                  ph.verify_isolating(batch, arms, drafts, threads, items, slot))
+        task = asyncio.ensure_future(verify)
         return _Pass(batch, arms, items, self._take_shadow(batch), regime, threads, task, chunks, drafts, prefill_s)
 
     @staticmethod
@@ -187,7 +193,7 @@ class Lockstep:
             return outcome
         live = [(st, r) for st, r in zip(outcome.batch, outcome.results) if st.status == "running"]
         return VerifyOutcome([st for st, _ in live], [r for _, r in live], outcome.verify_s, outcome.num_forwards,
-                             outcome.shadow_s)
+                             outcome.shadow_s, outcome.prefilled)
 
     def _next(self, batch: list[RequestState], items: dict[str, P.VerifyItem]) -> _Pass | None:
         """Select the next slot and send its verify now, if it would verify just `batch` with nothing to prefill,

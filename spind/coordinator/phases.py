@@ -64,12 +64,13 @@ class VerifyOutcome:
     verify_s: float = 0.0
     num_forwards: int = 1  # more when a failing verify was split to find its culprits
     shadow_s: float = 0.0  # the target's worker drafting shadow drafts for it (Verified.shadow_s)
+    prefilled: bool = False  # its forward also wrote prefill chunks (`SlotPhases.prefill_and_verify`)
 
     @property
     def num_tokens(self) -> int:
-        """Tokens the verify forward carried (each request's drafts and one more); 0 if it was split (no one
-        forward's shape to learn its cost from)."""
-        return sum(r.num_drafted + 1 for r in self.results) if self.num_forwards == 1 else 0
+        """Tokens the verify forward carried (each request's drafts and one more); 0 if it was split or also
+        prefilled (no one forward of verify rows alone to learn its cost from)."""
+        return sum(r.num_drafted + 1 for r in self.results) if self.num_forwards == 1 and not self.prefilled else 0
 
 
 class SlotPhases:
@@ -322,7 +323,7 @@ class SlotPhases:
         items = [P.PrefillItem(st.req_id, n) for st, n in chunks]
         return self.pool.cast(TARGET_WORKER, P.Prefill(0, items, threads))
 
-    def prefilled(self, chunks: Chunks, reply: P.Prefilled | None) -> None:
+    def prefilled(self, chunks: Chunks, reply: P.Prefilled | P.Verified | None) -> None:
         """The target wrote these chunks' KV (`reply` says how much of it its prefix cache held). A request whose
         prefill this completes gives its KV to the completions of its prompt waiting for it (n > 1), before any
         verify can add to it."""
@@ -415,11 +416,47 @@ class SlotPhases:
         drafting = any(self.drafter_worker.get(a.drafter, TARGET_WORKER) != TARGET_WORKER for a in arms.values())
         return 0 if drafting else self.all_threads
 
-    async def prefill_then_verify(self, chunks: Chunks, batch: list[RequestState], arms: dict[str, Arm],
-                                  drafts: dict[str, P.DraftRecord], threads: int = 0) -> VerifyOutcome:
-        """The pipeline's target pass: the chunks' prefill, then the batch's verify."""
+    def fuses(self, chunks: Chunks, batch: list[RequestState]) -> bool:
+        """Whether this slot's prefill chunks ride in its verify's forward (`prefill_and_verify`): there are both,
+        and no chunk's request has completions of its prompt waiting for its KV (they copy it before any verify
+        adds to it)."""
+        return self.cfg.runtime.fuse_prefill and bool(chunks) and bool(batch) and not any(st.forks for st, _ in chunks)
+
+    def drafts_elsewhere(self, ready: list[RequestState], arms: dict[str, Arm]) -> bool:
+        """Whether a drafter worker drafts for any of `ready` under `arms` this slot (a prefill op on the target
+        would overlap that drafting)."""
+        return any(self.needs_draft(st, arms.get(st.req_id, PLAIN_ARM)) for st in ready)
+
+    async def prefill_and_verify(self, chunks: Chunks, batch: list[RequestState], arms: dict[str, Arm],
+                                 drafts: dict[str, P.DraftRecord], threads: int = 0,
+                                 items: dict[str, P.VerifyItem] | None = None, slot: int | None = None
+                                 ) -> VerifyOutcome:
+        """The chunks' prefill, then the batch's verify. Where `fuses`, as one op (`Verify.prefill`): one forward
+        computes both, reading the weights once (on a CPU they are most of a forward's time: a slot admitting
+        prompts paid two passes). A fused op that fails changed nothing on the target; the slot then runs the two
+        ops as without fusing (the prefill, then the verify that fails its culprits alone)."""
+        fused = self.fuses(chunks, batch)
+        if fused:
+            if items is None:
+                items = self.verify_items(batch, arms, drafts)
+            prefill = [P.PrefillItem(st.req_id, n) for st, n in chunks]
+            msg = P.Verify(0, self.slot_id if slot is None else slot, [items[st.req_id] for st in batch], threads,
+                           prefill=prefill)
+            try:
+                reply = await self.await_workers(self._call_target(msg))
+            except WorkerError as e:
+                log.info("a verify with prefill chunks failed (%s); prefilling, then verifying apart", e)
+            else:
+                outcome = self._verified(batch, reply)
+                self.prefilled(chunks, reply)
+                outcome.prefilled = True
+                return outcome
         self.prefilled(chunks, await self.await_workers(self.prefill(chunks, threads)))
-        return await self.verify_isolating(batch, arms, drafts, threads) if batch else VerifyOutcome()
+        if not batch:
+            return VerifyOutcome()
+        outcome = await self.verify_isolating(batch, arms, drafts, threads, items, slot)
+        outcome.num_forwards += fused  # the failed one too: no one forward's time to learn from
+        return outcome
 
     def verify_items(self, batch: list[RequestState], arms: dict[str, Arm], drafts: dict[str, P.DraftRecord],
                      caps: dict[str, int] | None = None) -> dict[str, P.VerifyItem]:

@@ -214,7 +214,7 @@ class Pipeline:
         ph.next_slot()
         self._pass = _VerifyPass(chunks, batch, arms, drafts)
         threads = ph.target_threads(self._arms())
-        self.target_task = asyncio.create_task(ph.prefill_then_verify(chunks, batch, arms, drafts, threads),
+        self.target_task = asyncio.create_task(ph.prefill_and_verify(chunks, batch, arms, drafts, threads),
                                                name="verify")
 
     # ---- completions ----------------------------------------------------------------------------
@@ -252,7 +252,7 @@ class Pipeline:
             return
         live = [(st, r) for st, r in zip(outcome.batch, outcome.results) if st.status == "running"]
         ph.update(VerifyOutcome([st for st, _ in live], [r for _, r in live], outcome.verify_s, outcome.num_forwards,
-                                outcome.shadow_s), vp.arms, vp.drafts)
+                                outcome.shadow_s, outcome.prefilled), vp.arms, vp.drafts)
         now = time.perf_counter()
         ph.record_slot(now - self._last_pass_end, self._overhead_s)
         self._last_pass_end, self._overhead_s = now, 0.0

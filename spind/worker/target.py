@@ -139,46 +139,101 @@ class TargetVerifier:
     def prefill(self, chunks: list[tuple[str, int]]) -> list[int]:
         """Write KV for the next `n` pending tokens of each (req_id, n); at least one token stays pending. Returns
         per chunk how many of its tokens the prefix cache held already (skipped, not computed)."""
-        items, reused = [], []
-        for req_id, n in chunks:
-            pending = self.pending[req_id]
-            if not 0 < n < len(pending):
-                raise ValueError(f"{req_id}: prefill of {n} tokens with {len(pending)} pending")
-            if req_id in self.sequences and req_id not in self.reused:  # its first chunk: what is cached by now
-                self.reused[req_id] = self.runner.reuse_prefix(req_id, self.sequences[req_id])
-            r = min(self.reused.get(req_id, 0), n)
-            reused.append(r)
-            if r < n:  # the cached tokens come first: the KV ends where the computed ones begin
-                items.append(ForwardItem(req_id, pending[r:n], 0))
+        reused = [self._chunk(req_id, n) for req_id, n in chunks]
+        items = [ForwardItem(req_id, self.pending[req_id][r:n], 0) for (req_id, n), r in zip(chunks, reused) if r < n]
         if self.features is None:
             self.runner.forward(items)
         else:
             for it, rows in zip(items, self.runner.forward_features(items, self.features.layers)[1]):
                 self.features.append(it.req_id, rows)
         for (req_id, n), r in zip(chunks, reused):
+            upto = self._published_upto(req_id, n)
             del self.pending[req_id][:n]
-            if req_id in self.sequences:
-                self.reused[req_id] -= r
-                sequence = self.sequences[req_id]
-                self.runner.publish(req_id, sequence[:len(sequence) - len(self.pending[req_id])])
+            self._chunk_written(req_id, r, upto)
         return reused
+
+    def _chunk(self, req_id: str, n: int) -> int:
+        """A chunk of `n` of the request's pending tokens, checked; at its first chunk the request takes the prefix
+        cache's KV of its sequence. Returns the chunk's leading tokens that KV holds (not computed)."""
+        pending = self.pending[req_id]
+        if not 0 < n < len(pending):
+            raise ValueError(f"{req_id}: prefill of {n} tokens with {len(pending)} pending")
+        if req_id in self.sequences and req_id not in self.reused:  # its first chunk: what is cached by now
+            self.reused[req_id] = self.runner.reuse_prefix(req_id, self.sequences[req_id])
+        return min(self.reused.get(req_id, 0), n)
+
+    def _published_upto(self, req_id: str, n: int) -> int:
+        """The request's committed tokens whose KV is final once a chunk of `n` of its pending tokens is written."""
+        sequence = self.sequences.get(req_id)
+        return 0 if sequence is None else len(sequence) - len(self.pending[req_id]) + n
+
+    def _chunk_written(self, req_id: str, reused: int, upto: int) -> None:
+        """A chunk's KV is in: its cached tokens are used up, the full blocks it completed published for others."""
+        if req_id in self.sequences:
+            self.reused[req_id] -= reused
+            self.runner.publish(req_id, self.sequences[req_id][:upto])
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached prefixes (requests keep the KV they hold)."""
         self.runner.reset_prefix_cache()
 
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+        return self.prefill_and_verify([], items)[1]
+
+    def prefill_and_verify(self, chunks: list[tuple[str, int]], items: list[VerifyItem]
+                           ) -> tuple[list[int], list[VerifyOutput]]:
+        """`prefill(chunks)`, then `verify(items)`, as one forward: the weights are read once for both (a slot that
+        admits prompts costs one pass over them, not two). A request in both completes its prompt and verifies
+        its first token in one run of rows (its chunk must leave exactly one pending token). The rows of every
+        request are what the two ops would compute (the CPU kernels are batch-invariant). Returns per chunk the
+        tokens the prefix cache held, and the verify's outputs. If the verify fails, the chunks are not written
+        either: nothing changed."""
+        verified = {it.req_id for it in items}
+        for req_id, n in chunks:
+            if req_id in verified and n != len(self.pending[req_id]) - 1:
+                raise ValueError(f"{req_id}: a chunk of {n} of its {len(self.pending[req_id])} pending tokens does "
+                                 "not complete its prompt before its verify")
         proposed = {it.req_id: len(it.draft) for it in items}
         t0 = time.perf_counter()
         cut_q, allowed = self._apply_grammars(items)
         self.grammar_s = time.perf_counter() - t0  # this verify's grammar work (cuts, masks, commits): its cost
-        before = {it.req_id: self.runner.length(it.req_id) for it in items}
+        before = {r: self.runner.length(r) for r in [*verified, *(r for r, _ in chunks)]}
+        looked_up = [r for r, _ in chunks if r in self.sequences and r not in self.reused]  # reuse_prefix in this op
         rng = {it.req_id: self.generators[it.req_id].get_state() for it in items}
-        fitems = [ForwardItem(it.req_id, self.pending[it.req_id] + it.draft, len(it.draft) + 1) for it in items]
-        if self.features is None:
-            logits, features = self.runner.forward(fitems), None
-        else:
-            logits, features = self.runner.forward_features(fitems, self.features.layers)
+        try:
+            reused = [self._chunk(req_id, n) for req_id, n in chunks]
+            upto = {req_id: self._published_upto(req_id, n) for req_id, n in chunks}
+            skip = {req_id: r for (req_id, _), r in zip(chunks, reused) if req_id in verified}  # cached, not fed
+            pre = [ForwardItem(req_id, self.pending[req_id][r:n], 0)
+                   for (req_id, n), r in zip(chunks, reused) if req_id not in verified and r < n]
+            fitems = pre + [ForwardItem(it.req_id, self.pending[it.req_id][skip.get(it.req_id, 0):] + it.draft,
+                                        len(it.draft) + 1) for it in items]
+            if self.features is None:
+                logits, features, pre_features = self.runner.forward(fitems)[len(pre):], None, []
+            else:
+                logits, features = self.runner.forward_features(fitems, self.features.layers)
+                logits, pre_features, features = logits[len(pre):], features[:len(pre)], features[len(pre):]
+            outs = self._accept_all(items, logits, features, cut_q, allowed, proposed, skip, before, rng)
+        except BaseException:  # the chunks' KV (and any prefix KV looked up for them) back to before
+            for req_id, _ in chunks:
+                self.runner.truncate(req_id, before[req_id])
+            for req_id in looked_up:
+                self.reused.pop(req_id, None)
+            raise
+        for it, rows in zip(pre, pre_features):
+            self.features.append(it.req_id, rows)
+        for (req_id, n), r in zip(chunks, reused):
+            if req_id not in verified:  # a completing request's pending tokens went with its verify
+                del self.pending[req_id][:n]
+            self._chunk_written(req_id, r, upto[req_id])
+        return reused, outs
+
+    def _accept_all(self, items: list[VerifyItem], logits: list[torch.Tensor], features: list[torch.Tensor] | None,
+                    cut_q: dict[str, torch.Tensor], allowed: dict[str, torch.Tensor], proposed: dict[str, int],
+                    skip: dict[str, int], before: dict[str, int], rng: dict[str, torch.Tensor]
+                    ) -> list[VerifyOutput]:
+        """Acceptance of every verified request from its logits rows, its KV cut to what it accepted; or, if one
+        request's data fails it, every request back to `before` and `RequestFailed` naming the culprits."""
         # what acceptance reads: the logits masked to what each request's grammar allows (logprobs read them raw)
         masked = [rows if it.req_id not in allowed else
                   rows.masked_fill(~allowed[it.req_id].to(rows.device), float("-inf"))
@@ -202,14 +257,16 @@ class TargetVerifier:
         if failed:  # nothing happened: every request's KV back to where it was, pending untouched
             for req_id, length in before.items():
                 self.runner.truncate(req_id, length)
-                self.generators[req_id].set_state(rng[req_id])
+            for req_id, state in rng.items():
+                self.generators[req_id].set_state(state)
             raise RequestFailed([r for r, _ in failed], "; ".join(w for _, w in failed))
         outs, t0 = [], time.perf_counter()
         for i, (it, rows, (num_accepted, tokens)) in enumerate(zip(items, logits, results)):
             rejected = len(it.draft) - num_accepted
             self.runner.truncate(it.req_id, self.runner.length(it.req_id) - rejected)
             if features is not None:  # the rows of what it committed: its pending tokens and accepted drafts
-                self.features.append(it.req_id, features[i][:len(self.pending[it.req_id]) + num_accepted])
+                fed = len(self.pending[it.req_id]) - skip.get(it.req_id, 0)
+                self.features.append(it.req_id, features[i][:fed + num_accepted])
             self.pending[it.req_id] = tokens[-1:]
             if it.req_id in self.sequences:
                 self.sequences[it.req_id] += tokens

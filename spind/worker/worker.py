@@ -207,9 +207,10 @@ class Worker:
                 return P.ErrorReply(msg.seq, P.FOLLOW_REFUSED)
             self.last_verify_ok = False
             self._use_threads(msg.threads)
-            results, verify_s = self.verify(msg.slot, msg.items)
+            results, verify_s, reused = self.verify(msg.slot, msg.items, msg.prefill)
             self.last_verify_ok = True
-            return P.Verified(msg.seq, results, verify_s, self._take_busy(), self._target().grammar_s, self.shadow_s)
+            return P.Verified(msg.seq, results, verify_s, self._take_busy(), self._target().grammar_s, self.shadow_s,
+                              reused)
         if isinstance(msg, P.Precompute):
             self.enqueue_precompute(msg.items)
             return self._ack(msg.seq)
@@ -345,9 +346,12 @@ class Worker:
                                        draft_s=elapsed, switch_s=d.switch_s)
         return out
 
-    def verify(self, slot: int, items: list[P.VerifyItem]) -> tuple[list[P.VerifyResult], float]:
+    def verify(self, slot: int, items: list[P.VerifyItem], prefill: list[P.PrefillItem] = ()
+               ) -> tuple[list[P.VerifyResult], float, list[int]]:
+        """The items verified (and the chunks of `prefill` written in the same forward): their results, the verify's
+        seconds, and per chunk the tokens the prefix cache held."""
         target = self._target()
-        for it in items:
+        for it in [*items, *prefill]:
             if not target.has_request(it.req_id):
                 raise ValueError(f"{it.req_id}: unknown request on the target")
         drafts = {it.req_id: (it.draft, None) for it in items}
@@ -380,20 +384,38 @@ class Worker:
         vitems = [VerifyItem(it.req_id, drafts[it.req_id][0],
                              None if drafts[it.req_id][1] is None else drafts[it.req_id][1].to(device), it.max_draft)
                   for it in items]
+        chunks = [(it.req_id, it.num_tokens) for it in prefill]
         try:
-            outs = self._timed("verify", len(items), lambda: target.verify(vitems))
+            reused, outs = self._timed("verify", len(items), lambda: target.prefill_and_verify(chunks, vitems))
         except RequestFailed:  # nothing changed: the other requests' drafts come again, their probabilities with them
             if wanted:
                 self.probs_in.put_back({key: probs[key[1]] for key in wanted})
             raise
         verify_s = self._last_busy_s()
+        if chunks:
+            verify_s = self._split_prefill(chunks, reused, vitems)
         for o in outs:
             self.mirrors[o.req_id].tokens.extend(o.tokens)
-        return [P.VerifyResult(o.req_id, o.num_drafted, o.num_accepted, o.tokens, draft_s.get(o.req_id, 0.0),
-                               None if o.logprobs is None else [P.TokenLogprobs(*t) for t in o.logprobs],
-                               shadows.get(o.req_id, {}), switch_s.get(o.req_id, 0.0),
-                               shadow_confidence.get(o.req_id, {}))
-                for o in outs], verify_s
+        results = [P.VerifyResult(o.req_id, o.num_drafted, o.num_accepted, o.tokens, draft_s.get(o.req_id, 0.0),
+                                  None if o.logprobs is None else [P.TokenLogprobs(*t) for t in o.logprobs],
+                                  shadows.get(o.req_id, {}), switch_s.get(o.req_id, 0.0),
+                                  shadow_confidence.get(o.req_id, {}))
+                   for o in outs]
+        return results, verify_s, reused
+
+    def _split_prefill(self, chunks: list[tuple[str, int]], reused: list[int], items: list[VerifyItem]) -> float:
+        """A verify forward that also wrote prefill chunks: its busy interval split into a prefill part and a verify
+        part by their shares of the rows computed (an estimate: the two ran as one forward), so occupancy and
+        `prefill` time read as they would for two ops. Returns the verify part's seconds."""
+        verified = {it.req_id for it in items}
+        pre_rows = sum(n - r for (req_id, n), r in zip(chunks, reused))
+        verify_rows = sum(len(it.draft) + 1 for it in items)
+        whole = self.busy.pop()
+        cut = whole.start + (whole.end - whole.start) * pre_rows / max(1, pre_rows + verify_rows)
+        n_pre = sum(1 for req_id, _ in chunks if req_id not in verified) or len(chunks)
+        self.busy.append(P.BusyInterval("prefill", whole.start, cut, n_pre))
+        self.busy.append(P.BusyInterval("verify", cut, whole.end, whole.num_reqs))
+        return whole.end - cut
 
     def _shadow_drafts(self, items: list[P.VerifyItem]) -> tuple[dict[str, dict[str, list[int]]],
                                                                  dict[str, dict[str, list[float]]]]:
