@@ -47,14 +47,15 @@ def mode(request):
 
 def make_cfg(max_batch: int = 8, kv_blocks: int = 256, block_size: int = 4, prefill_budget: int = 64,
              drafter_caps: dict[str, int] | None = None, draft_worker_cap: int = 0,
-             cache_dir: str = CACHE_DIR, micro_batches: int = 0, policy: str = "fixed:good") -> SpindConfig:
+             cache_dir: str = CACHE_DIR, micro_batches: int = 0, policy: str = "fixed:good",
+             fuse_prefill: bool = False) -> SpindConfig:
     drafters = tuple(DrafterConfig(d.name, d.kind, d.variant, worker=d.worker,
                                    max_batch_size=(drafter_caps or {}).get(d.name, 0)) for d in DRAFTERS)
     return validate(SpindConfig(
         model=ModelConfig(max_model_len=256, cache_dir=cache_dir),
         runtime=RuntimeConfig(kv_block_size=block_size, kv_num_blocks=kv_blocks, max_batch_size=max_batch,
                               max_prefill_tokens=prefill_budget, pipeline=MODE["pipeline"], profile="measure",
-                              micro_batches=micro_batches),
+                              micro_batches=micro_batches, fuse_prefill=fuse_prefill),
         speculation=SpeculationConfig(k=4), selection=SelectionConfig(policy=policy), drafters=drafters,
         workers=(WorkerConfig("draft", max_batch_size=draft_worker_cap),)))
 
@@ -265,12 +266,15 @@ def test_a_new_request_gets_its_likely_drafters_kv_precomputed(tmp_path):
     assert first_propose.items[0].base_len == len(PROMPTS[2])  # then only what was committed since
 
 
-def test_chunked_prefill_keeps_the_budget_and_lets_short_requests_through(tmp_path):
-    env = Env(tmp_path, make_cfg(prefill_budget=8))
+@pytest.mark.parametrize("fuse", [False, True], ids=["prefill-ops", "fused"])
+def test_chunked_prefill_keeps_the_budget_and_lets_short_requests_through(tmp_path, fuse):
+    env = Env(tmp_path, make_cfg(prefill_budget=8, fuse_prefill=fuse))
     long_prompt = list(range(1, 41))
     out = run(env, [request("long", long_prompt, "none", 4), request("short", [7, 8, 9], "none", 4)])
     assert [tokens_of(d) for d in out] == [continuation(long_prompt, 4), continuation([7, 8, 9], 4)]
     prefills = env.prefills("target")
+    # fused: the long prompt's chunks ride in the verifies of the short request's slots (a Prefill op where none runs)
+    assert any(isinstance(m, P.Verify) for m in prefills) == fuse
     assert all(sum(it.num_tokens for it in chunks_of(m)) <= 8 for m in prefills)
     assert sum(it.num_tokens for m in prefills for it in chunks_of(m) if it.req_id == "long") == 39  # all but the last
     log = env.worker("target").log
@@ -304,8 +308,11 @@ def test_an_aborted_request_is_freed_everywhere(tmp_path):
         assert "x" not in env.worker(name).mirrors
 
 
-def test_a_request_whose_data_fails_a_verify_fails_alone(tmp_path):
-    env = Env(tmp_path, make_cfg())
+@pytest.mark.parametrize("fuse", [False, True], ids=["prefill-ops", "fused"])
+def test_a_request_whose_data_fails_a_verify_fails_alone(tmp_path, fuse):
+    """Fused: the first slot's verify carries every prompt's chunk and fails; the slot prefills them with a Prefill op
+    and verifies again, failing the culprit alone."""
+    env = Env(tmp_path, make_cfg(fuse_prefill=fuse))
 
     async def go():
         c = env.coordinator
@@ -321,6 +328,11 @@ def test_a_request_whose_data_fails_a_verify_fails_alone(tmp_path):
     assert bad[-1].finish_reason == "abort" and "scripted failure" in bad[-1].usage.finish_detail
     assert tokens_of(ok1) == continuation(PROMPTS[0], 12) and tokens_of(ok2) == continuation(PROMPTS[2], 12)
     assert 'spind_request_failures_total 1.0' in env.coordinator.render_metrics()
+    log = env.worker("target").log
+    fused = [i for i, m in enumerate(log) if isinstance(m, P.Verify) and m.prefill]
+    assert bool(fused) == fuse
+    if fuse:  # the failed fused verify, then the chunks as a Prefill op
+        assert isinstance(log[fused[0] + 1], P.Prefill) and log[fused[0] + 1].items == log[fused[0]].prefill
 
 
 def test_a_verify_that_fails_unattributed_is_bisected_to_the_request_behind_it(tmp_path):

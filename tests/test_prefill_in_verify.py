@@ -140,3 +140,37 @@ def test_a_chunk_that_does_not_complete_a_verified_prompt_is_refused(target: Tar
         assert target.runner.length(c) == 0 and target.pending[c] == prompt_ids[2]
     finally:
         target.free_request(c)
+
+
+def test_a_worker_answers_a_verify_with_prefill_chunks_as_the_two_ops(cfg, prompt_ids: list[list[int]]) -> None:
+    """Through the worker's protocol: the same results and reuse as a Prefill op then a Verify op, and its busy time
+    split into a prefill part and a verify part (the verify's seconds are the latter)."""
+    from spind import protocol as P
+    from spind.worker.worker import Worker
+
+    w = Worker("target", cfg)
+    greedy = P.SamplingParams(temperature=0.0, max_tokens=16)
+    replies = {}
+    for tag, fused in (("apart", False), ("fused", True)):
+        d, b = f"{tag}-d", f"{tag}-b"
+        w.answer(P.AddRequest(1, d, prompt_ids[0], greedy, True))
+        w.answer(P.AddRequest(2, b, prompt_ids[2], greedy, True))
+        chunks = [P.PrefillItem(d, len(prompt_ids[0]) - 1), P.PrefillItem(b, len(prompt_ids[2]) - 1)]
+        items = [P.VerifyItem(d, [], inline_drafter="ngram", k=3), P.VerifyItem(b, [])]
+        if fused:
+            reply = w.answer(P.Verify(3, 1, items, prefill=chunks))
+        else:
+            pre = w.answer(P.Prefill(3, chunks))
+            assert isinstance(pre, P.Prefilled), pre
+            reply = w.answer(P.Verify(4, 1, items))
+            reply.reused = pre.reused
+        assert isinstance(reply, P.Verified), reply
+        replies[tag] = reply
+        w.answer(P.FreeRequests(5, [d, b]))
+        w.answer(P.ForgetFinished(6))
+    apart, fused = replies["apart"], replies["fused"]
+    assert [(r.num_accepted, r.tokens) for r in fused.results] == [(r.num_accepted, r.tokens) for r in apart.results]
+    assert fused.reused == apart.reused
+    (pre, ver), = [fused.busy[i:i + 2] for i in range(len(fused.busy) - 1) if fused.busy[i].kind == "prefill"]
+    assert ver.kind == "verify" and pre.end == ver.start and pre.start < pre.end < ver.end
+    assert fused.verify_s == pytest.approx(ver.end - ver.start)

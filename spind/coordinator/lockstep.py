@@ -141,10 +141,10 @@ class Lockstep:
         ph.update(self._live(outcome), p.arms, p.drafts, p.shadow)
         slot_s = time.perf_counter() - start
         ph.record_slot(slot_s, slot_s - ph.wait_s)
-        # the regime trial weighs the slot's seconds less its prefill's (the same whatever the regime), unless drafter
-        # workers drafted meanwhile (the regime's own time then) or the prefill rode in the verify's forward (no time
-        # of its own): the slot is not counted
-        measured = (slot_s - p.prefill_s if not (p.chunks and (p.drafts or outcome.prefilled))
+        # the regime trial weighs the slot's seconds less its prefill's (the same whatever the regime: a prefill op's,
+        # or the chunks' share of the verify's forward they rode in), unless drafter workers drafted meanwhile (the
+        # regime's own time then: the slot is not counted)
+        measured = (slot_s - p.prefill_s - outcome.prefill_s if not (p.chunks and p.drafts)
                     and outcome.num_forwards == 1 else 0.0)
         ph.record_regime(p.regime, len(outcome.batch), ph.committed_tokens - tokens, measured)
 
@@ -193,7 +193,7 @@ class Lockstep:
             return outcome
         live = [(st, r) for st, r in zip(outcome.batch, outcome.results) if st.status == "running"]
         return VerifyOutcome([st for st, _ in live], [r for _, r in live], outcome.verify_s, outcome.num_forwards,
-                             outcome.shadow_s, outcome.prefilled)
+                             outcome.shadow_s, outcome.prefilled, outcome.prefill_s)
 
     def _next(self, batch: list[RequestState], items: dict[str, P.VerifyItem]) -> _Pass | None:
         """Select the next slot and send its verify now, if it would verify just `batch` with nothing to prefill,

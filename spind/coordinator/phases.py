@@ -65,6 +65,7 @@ class VerifyOutcome:
     num_forwards: int = 1  # more when a failing verify was split to find its culprits
     shadow_s: float = 0.0  # the target's worker drafting shadow drafts for it (Verified.shadow_s)
     prefilled: bool = False  # its forward also wrote prefill chunks (`SlotPhases.prefill_and_verify`)
+    prefill_s: float = 0.0  # of that forward, the chunks' share as the worker split it (rows), not the verify's
 
     @property
     def num_tokens(self) -> int:
@@ -450,6 +451,7 @@ class SlotPhases:
                 outcome = self._verified(batch, reply)
                 self.prefilled(chunks, reply)
                 outcome.prefilled = True
+                outcome.prefill_s = sum(b.end - b.start for b in reply.busy if b.kind == "prefill")
                 return outcome
         self.prefilled(chunks, await self.await_workers(self.prefill(chunks, threads)))
         if not batch:

@@ -252,7 +252,7 @@ class Pipeline:
             return
         live = [(st, r) for st, r in zip(outcome.batch, outcome.results) if st.status == "running"]
         ph.update(VerifyOutcome([st for st, _ in live], [r for _, r in live], outcome.verify_s, outcome.num_forwards,
-                                outcome.shadow_s, outcome.prefilled), vp.arms, vp.drafts)
+                                outcome.shadow_s, outcome.prefilled, outcome.prefill_s), vp.arms, vp.drafts)
         now = time.perf_counter()
         ph.record_slot(now - self._last_pass_end, self._overhead_s)
         self._last_pass_end, self._overhead_s = now, 0.0
