@@ -25,6 +25,7 @@ from spind import protocol as P
 VOCAB = 50
 EOS = 0
 SHADOW_S = 0.0005  # every verify reports this much shadow drafting (Verified.shadow_s)
+FUSED_S = 0.004  # a verify with prefill chunks: one forward this long (3 ms without them)
 
 
 def truth(tokens: list[int]) -> int:
@@ -174,8 +175,14 @@ class ScriptedWorker:
             self.kv_len[it.req_id] = len(tokens) - 1
             results.append(P.VerifyResult(it.req_id, len(d), n, new, 0.001 if it.inline_drafter else 0.0,
                                           shadow=shadow))
-        return P.Verified(msg.seq, results, 0.003, [P.BusyInterval("verify", 0.0, 0.003, len(results))],
-                          shadow_s=SHADOW_S, reused=[0] * len(msg.prefill))
+        busy = [P.BusyInterval("verify", 0.0, 0.003, len(results))]
+        if msg.prefill:  # one forward of FUSED_S, split by rows as the real worker splits it
+            rows = sum(r.num_drafted + 1 for r in results)
+            cut = FUSED_S * sum(it.num_tokens for it in msg.prefill) / (sum(it.num_tokens for it in msg.prefill) + rows)
+            busy = [P.BusyInterval("prefill", 0.0, cut, len(msg.prefill)),
+                    P.BusyInterval("verify", cut, FUSED_S, len(results))]
+        return P.Verified(msg.seq, results, busy[-1].end - busy[-1].start, busy, shadow_s=SHADOW_S,
+                          reused=[0] * len(msg.prefill))
 
     @property
     def has_idle_work(self) -> bool:

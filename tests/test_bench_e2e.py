@@ -188,6 +188,7 @@ def test_systems_taking_turns_keep_every_request_once_and_in_order(tmp_path):
         steps = sum(r["num_steps"] for r in recs)  # batch 1: one request a slot, each step its own slot
         assert steps <= slots["num_slots"] <= steps + len(recs), (slots, steps)
         assert 0 < slots["coordinator_ms"] < slots["slot_ms"] and 0 < slots["target_busy_ms"] <= slots["slot_ms"]
+        assert slots["side_busy_ms"] == 0  # no worker but the target's
     for row in results["rows"]:  # paired per round: the same slice of requests, minutes apart at most
         assert len(row["round_speedups_vs_none"]) == 2 and row["speedup_vs_none_round_median"] > 0
         if row["system"] == "none":

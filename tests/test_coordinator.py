@@ -13,7 +13,7 @@ from unittest import mock
 
 import pytest
 
-from scripted_worker import EOS, SHADOW_S, ScriptedWorker, continuation, write_tokenizer
+from scripted_worker import EOS, FUSED_S, SHADOW_S, ScriptedWorker, continuation, write_tokenizer
 from spind import protocol as P
 from spind.config import (DrafterConfig, ModelConfig, RuntimeConfig, SelectionConfig, SpeculationConfig, SpindConfig,
                           WorkerConfig, validate)
@@ -282,6 +282,31 @@ def test_chunked_prefill_keeps_the_budget_and_lets_short_requests_through(tmp_pa
     first_short_verify = min(log.index(m) for m in env.ops("target", P.Verify)
                              if any(it.req_id == "short" for it in m.items))
     assert first_short_verify < last_long_prefill  # the short request did not wait for the long prefill
+
+class PredictingSelector(RecordingSelector):
+    """Predicts a verify forward's seconds as a cost model would (`verify_seconds`)."""
+
+    def verify_seconds(self, batch_size: int, tokens: int) -> float:
+        return 0.002 + 0.0001 * tokens
+
+
+@pytest.mark.parametrize("predicts", [False, True], ids=["rows", "cost-model"])
+def test_a_verify_that_carried_prefill_chunks_is_charged_what_it_costs_alone(tmp_path, predicts):
+    """The feedback of a fused forward's requests reads the verify's seconds as the selector's cost model predicts
+    them alone (capped at the whole forward); without a prediction, the worker's split by rows."""
+    sel = PredictingSelector() if predicts else RecordingSelector()
+    env = Env(tmp_path, make_cfg(prefill_budget=8, fuse_prefill=True), sel)
+    out = run(env, [request("long", list(range(1, 41)), "inl", 4), request("short", [7, 8, 9], "inl", 6)])
+    assert tokens_of(out[1]) == continuation([7, 8, 9], 6)
+    fused = [m for m in env.ops("target", P.Verify) if m.prefill and m.items]
+    assert fused
+    seconds = {round(f.verify_s, 9) for slot in sel.feedback for f in slot}
+    plain = {0.003}  # every verify without chunks
+    assert seconds - plain
+    if predicts:  # one request verified beside the chunks: its draft (up to k = 4) and a token more
+        assert seconds - plain <= {round(sel.verify_seconds(1, t), 9) for t in range(1, 6)}
+    else:  # the verify's 1-5 rows' share of the forward beside 1-8 chunk rows
+        assert seconds - plain <= {round(FUSED_S * t / (c + t), 9) for t in range(1, 6) for c in range(1, 9)}
 
 
 def test_an_aborted_request_is_freed_everywhere(tmp_path):

@@ -75,20 +75,24 @@ class SlotAccount:
     """A spind system's slots by its engine's own accounting: the verify passes it ran, their wall seconds, the
     coordinator's share of them (not awaiting a worker: scheduling, selection, commits, streaming) and the target
     worker's busy seconds (prefill, verify, drafting beside it, idle work). It tells a selector's own cost from its
-    choices: two systems with the same tokens per second of target time differ only by what runs around it."""
+    choices: two systems with the same tokens per second of target time differ only by what runs around it. The
+    other workers' busy seconds (drafting, KV precompute) say what ran beside the target, on the same cores."""
 
     num_slots: int = 0
     slot_s: float = 0.0
     coordinator_s: float = 0.0
     target_s: float = 0.0
+    side_s: float = 0.0
 
     def __add__(self, other: SlotAccount) -> SlotAccount:
         return SlotAccount(self.num_slots + other.num_slots, self.slot_s + other.slot_s,
-                           self.coordinator_s + other.coordinator_s, self.target_s + other.target_s)
+                           self.coordinator_s + other.coordinator_s, self.target_s + other.target_s,
+                           self.side_s + other.side_s)
 
     def __sub__(self, other: SlotAccount) -> SlotAccount:
         return SlotAccount(self.num_slots - other.num_slots, self.slot_s - other.slot_s,
-                           self.coordinator_s - other.coordinator_s, self.target_s - other.target_s)
+                           self.coordinator_s - other.coordinator_s, self.target_s - other.target_s,
+                           self.side_s - other.side_s)
 
     def per_slot(self) -> dict:
         """JSON-ready: the slots and their mean milliseconds (None with no slot)."""
@@ -98,5 +102,5 @@ class SlotAccount:
             return seconds / n * 1e3 if n else None
 
         return {"num_slots": n, "slot_ms": ms(self.slot_s), "coordinator_ms": ms(self.coordinator_s),
-                "target_busy_ms": ms(self.target_s)}
+                "target_busy_ms": ms(self.target_s), "side_busy_ms": ms(self.side_s)}
 

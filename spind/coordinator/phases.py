@@ -65,7 +65,7 @@ class VerifyOutcome:
     num_forwards: int = 1  # more when a failing verify was split to find its culprits
     shadow_s: float = 0.0  # the target's worker drafting shadow drafts for it (Verified.shadow_s)
     prefilled: bool = False  # its forward also wrote prefill chunks (`SlotPhases.prefill_and_verify`)
-    prefill_s: float = 0.0  # of that forward, the chunks' share as the worker split it (rows), not the verify's
+    prefill_s: float = 0.0  # of that forward, the chunks' part (`SlotPhases._split_fused`), not the verify's
 
     @property
     def num_tokens(self) -> int:
@@ -450,8 +450,7 @@ class SlotPhases:
             else:
                 outcome = self._verified(batch, reply)
                 self.prefilled(chunks, reply)
-                outcome.prefilled = True
-                outcome.prefill_s = sum(b.end - b.start for b in reply.busy if b.kind == "prefill")
+                self._split_fused(outcome, sum(b.end - b.start for b in reply.busy if b.kind == "prefill"))
                 return outcome
         self.prefilled(chunks, await self.await_workers(self.prefill(chunks, threads)))
         if not batch:
@@ -459,6 +458,21 @@ class SlotPhases:
         outcome = await self.verify_isolating(batch, arms, drafts, threads, items, slot)
         outcome.num_forwards += fused  # the failed one too: no one forward's time to learn from
         return outcome
+
+    def _split_fused(self, outcome: VerifyOutcome, prefill_s: float) -> None:
+        """A fused forward's seconds split between its verify and its chunks. The worker splits them by rows, but a
+        forward's cost is not proportional to its rows (a 16-row verify is ~10% of the rows beside a 150-token chunk
+        and ~40% of the seconds, streaming the weights): what the selector's rewards and the regime trial read as the
+        verify's seconds is then what the cost model predicts the verify alone costs (`verify_seconds`, where the
+        selector has one), at most the whole forward; the rest is the chunks'."""
+        outcome.prefilled = True
+        whole = outcome.verify_s + prefill_s
+        predict = getattr(self.selector, "verify_seconds", None)
+        alone = None if predict is None else predict(len(outcome.batch),
+                                                     sum(r.num_drafted + 1 for r in outcome.results))
+        if alone is not None:
+            outcome.verify_s = min(whole, alone)
+        outcome.prefill_s = whole - outcome.verify_s
 
     def verify_items(self, batch: list[RequestState], arms: dict[str, Arm], drafts: dict[str, P.DraftRecord],
                      caps: dict[str, int] | None = None) -> dict[str, P.VerifyItem]:

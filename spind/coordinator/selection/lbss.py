@@ -446,6 +446,11 @@ class LBSSSelector:
         """A plain forward's seconds at this batch size, as the cost model predicts it (None: nothing known yet)."""
         return self.cost.predict_cheaply(batch_size, batch_size)
 
+    def verify_seconds(self, batch_size: int, tokens: int) -> float | None:
+        """A verify forward's seconds for this many requests and tokens, as the cost model predicts it (None: nothing
+        known yet): what a verify that shared its forward with prefill chunks would have cost alone."""
+        return self.cost.predict_cheaply(batch_size, tokens)
+
     def overhead_s(self, batch_size: int) -> float:
         """What a fully selected slot of this batch size spends selecting: the median of its latest (seconds; 0 until
         measured)."""
