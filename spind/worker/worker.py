@@ -21,6 +21,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from spind import protocol as P
@@ -346,7 +347,7 @@ class Worker:
                                        draft_s=elapsed, switch_s=d.switch_s)
         return out
 
-    def verify(self, slot: int, items: list[P.VerifyItem], prefill: list[P.PrefillItem] = ()
+    def verify(self, slot: int, items: list[P.VerifyItem], prefill: Sequence[P.PrefillItem] = ()
                ) -> tuple[list[P.VerifyResult], float, list[int]]:
         """The items verified (and the chunks of `prefill` written in the same forward): their results, the verify's
         seconds, and per chunk the tokens the prefix cache held."""
@@ -408,7 +409,7 @@ class Worker:
         part by their shares of the rows computed (an estimate: the two ran as one forward), so occupancy and
         `prefill` time read as they would for two ops. Returns the verify part's seconds."""
         verified = {it.req_id for it in items}
-        pre_rows = sum(n - r for (req_id, n), r in zip(chunks, reused))
+        pre_rows = sum(n for _, n in chunks) - sum(reused)
         verify_rows = sum(len(it.draft) + 1 for it in items)
         whole = self.busy.pop()
         cut = whole.start + (whole.end - whole.start) * pre_rows / max(1, pre_rows + verify_rows)
