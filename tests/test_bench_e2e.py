@@ -189,6 +189,7 @@ def test_systems_taking_turns_keep_every_request_once_and_in_order(tmp_path):
         assert steps <= slots["num_slots"] <= steps + len(recs), (slots, steps)
         assert 0 < slots["coordinator_ms"] < slots["slot_ms"] and 0 < slots["target_busy_ms"] <= slots["slot_ms"]
         assert slots["side_busy_ms"] == 0  # no worker but the target's
+        assert slots["process_cpu_ms"] > 0 and slots["workers_cpu_ms"] == 0  # workers in this process: its CPU time
     for row in results["rows"]:  # paired per round: the same slice of requests, minutes apart at most
         assert len(row["round_speedups_vs_none"]) == 2 and row["speedup_vs_none_round_median"] > 0
         if row["system"] == "none":
@@ -213,6 +214,8 @@ def test_systems_over_worker_processes_as_the_daemon_runs_them(tmp_path):
     for row in rows.values():
         slots = row["slots"]
         assert slots["num_slots"] > 0 and 0 < slots["target_busy_ms"] <= slots["slot_ms"]
+    # the forwards ran in the worker processes: their CPU time (in 10 ms ticks) is counted, over all the slots
+    assert sum(r["slots"]["workers_cpu_ms"] * r["slots"]["num_slots"] for r in rows.values()) > 0
     assert set(child_pids(os.getpid())) <= before  # every worker stopped and reaped
 
 

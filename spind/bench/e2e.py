@@ -243,8 +243,9 @@ def slot_account(coordinator) -> SlotAccount:
     ph = coordinator.phases
     busy = {w: sum(kinds.values()) for w, kinds in ph.history.busy_s.items()}
     target = busy.pop(TARGET_WORKER, 0.0)
+    workers_cpu = sum(ph.pool.cpu_seconds(name) or 0.0 for name in ph.pool.names)
     return SlotAccount(ph.times.num_slots, ph.times.total_slot_s, ph.times.total_overhead_s, target,
-                       sum(busy.values()))
+                       sum(busy.values()), time.process_time(), workers_cpu)
 
 
 SELECTION_KEYS = ("dominated", "idle", "ledger", "overhead_ms", "nothing_pays", "settled_slots", "settled_on",
@@ -485,13 +486,13 @@ def render_table(results: dict) -> str:
         title += f", target split over {len(results['target_ranks'])} ranks ({', '.join(results['target_ranks'])})"
     header = ["system", "goodput tok/s", "x none", "x none, round median", "tok/s/req p50", "accept", "acc len", "lat p50 s", "lat p99 s",
               "TTFT p50 s", "TTFT p99 s", "slot ms", "coordinator ms/slot", "target busy ms/slot", "side busy ms/slot",
-              "lossless", "drafter shares"]
+              "process CPU ms/slot", "workers CPU ms/slot", "lossless", "drafter shares"]
     rows = [[r["system"], fmt(r["goodput"], 1), fmt(r["speedup_vs_none"]), fmt(r.get("speedup_vs_none_round_median")),
              fmt(r["request_tokens_per_s_p50"], 1),
              fmt(r["acceptance_rate"]), fmt(r["mean_accepted_length"]), fmt(r["latency_p50_s"]),
              fmt(r["latency_p99_s"]), fmt(r["ttft_p50_s"]), fmt(r["ttft_p99_s"]),
              *(fmt((r.get("slots") or {}).get(key)) for key in ("slot_ms", "coordinator_ms", "target_busy_ms",
-                                                               "side_busy_ms")),
+                                                               "side_busy_ms", "process_cpu_ms", "workers_cpu_ms")),
              "-" if r["lossless"] is None else "yes" if r["lossless"] else "NO",
              " ".join(f"{n}:{v:.0%}" for n, v in r["drafter_shares"].items())] for r in results["rows"]]
     tables = [format_table(title, header, rows)]

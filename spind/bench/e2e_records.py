@@ -4,7 +4,7 @@ the settings, a system's spec, a request's record, and the refusal of a system t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 from spind.policy import Policy
 
@@ -76,23 +76,23 @@ class SlotAccount:
     coordinator's share of them (not awaiting a worker: scheduling, selection, commits, streaming) and the target
     worker's busy seconds (prefill, verify, drafting beside it, idle work). It tells a selector's own cost from its
     choices: two systems with the same tokens per second of target time differ only by what runs around it. The
-    other workers' busy seconds (drafting, KV precompute) say what ran beside the target, on the same cores."""
+    other workers' busy seconds (drafting, KV precompute) say what ran beside the target, on the same cores. CPU
+    seconds, of this process (the coordinator, and in-process workers) and of the worker processes: the work each
+    did, which other tenants of a shared host inflate far less than they do wall time."""
 
     num_slots: int = 0
     slot_s: float = 0.0
     coordinator_s: float = 0.0
     target_s: float = 0.0
     side_s: float = 0.0
+    process_cpu_s: float = 0.0
+    workers_cpu_s: float = 0.0
 
     def __add__(self, other: SlotAccount) -> SlotAccount:
-        return SlotAccount(self.num_slots + other.num_slots, self.slot_s + other.slot_s,
-                           self.coordinator_s + other.coordinator_s, self.target_s + other.target_s,
-                           self.side_s + other.side_s)
+        return SlotAccount(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
     def __sub__(self, other: SlotAccount) -> SlotAccount:
-        return SlotAccount(self.num_slots - other.num_slots, self.slot_s - other.slot_s,
-                           self.coordinator_s - other.coordinator_s, self.target_s - other.target_s,
-                           self.side_s - other.side_s)
+        return SlotAccount(*(a - b for a, b in zip(astuple(self), astuple(other))))
 
     def per_slot(self) -> dict:
         """JSON-ready: the slots and their mean milliseconds (None with no slot)."""
@@ -102,5 +102,6 @@ class SlotAccount:
             return seconds / n * 1e3 if n else None
 
         return {"num_slots": n, "slot_ms": ms(self.slot_s), "coordinator_ms": ms(self.coordinator_s),
-                "target_busy_ms": ms(self.target_s), "side_busy_ms": ms(self.side_s)}
+                "target_busy_ms": ms(self.target_s), "side_busy_ms": ms(self.side_s),
+                "process_cpu_ms": ms(self.process_cpu_s), "workers_cpu_ms": ms(self.workers_cpu_s)}
 
