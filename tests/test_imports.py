@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.machinery
 import json
 import os
 import subprocess
@@ -251,3 +252,27 @@ def test_the_cli_parser_and_light_commands_import_no_torch():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_the_checkout_root_does_not_hide_pypis_kernels_package(tmp_path):
+    """Run from the checkout (the repository root on sys.path, as `python -m pytest` puts it), the top-level
+    kernels/ folder is importable as `kernels`, the import name of PyPI's hub kernels that transformers >= 5.25
+    imports with every model: where that package is installed, `import kernels` gets it; where it is not, the folder
+    (an empty package, as before). spind's own kernels stay `spind.kernels` either way."""
+    fake = tmp_path / "site" / "kernels"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    probe = "import kernels, spind.kernels; print(kernels.__file__); print(spind.kernels.__file__)"
+
+    def imported(pythonpath: Path) -> list[Path]:
+        env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+        out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
+                             check=True).stdout
+        return [Path(line).resolve() for line in out.split()]
+
+    ours = ROOT / "kernels" / "__init__.py"
+    assert imported(tmp_path / "site") == [fake / "__init__.py", ours]
+    installed = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if Path(p or os.curdir).resolve() != ROOT])  # PyPI's, in this environment
+    got, own = imported(tmp_path / "nothing")
+    assert own == ours and (got != ours if installed is not None else got == ours)
