@@ -283,6 +283,7 @@ def test_chunked_prefill_keeps_the_budget_and_lets_short_requests_through(tmp_pa
                              if any(it.req_id == "short" for it in m.items))
     assert first_short_verify < last_long_prefill  # the short request did not wait for the long prefill
 
+
 class PredictingSelector(RecordingSelector):
     """Predicts a verify forward's seconds as a cost model would (`verify_seconds`)."""
 

@@ -138,7 +138,7 @@ class Lockstep:
         ph.flush_deltas()  # what a slot without a verify (prefill only) did not release
         if not ph.pool.shares_interpreter:
             ph.hold_deltas()
-        ph.update(self._live(outcome), p.arms, p.drafts, p.shadow)
+        ph.update(outcome.live(), p.arms, p.drafts, p.shadow)
         slot_s = time.perf_counter() - start
         ph.record_slot(slot_s, slot_s - ph.wait_s)
         # the regime trial weighs the slot's seconds less its prefill's (the same whatever the regime: a prefill op's,
@@ -185,15 +185,6 @@ class Lockstep:
         for st in batch:
             shadow[st.req_id], st.shadow = st.shadow, []
         return shadow
-
-    @staticmethod
-    def _live(outcome: VerifyOutcome) -> VerifyOutcome:
-        """The outcome without the requests that ended meanwhile (a follow-on's, after the slot before ended them)."""
-        if all(st.status == "running" for st in outcome.batch):
-            return outcome
-        live = [(st, r) for st, r in zip(outcome.batch, outcome.results) if st.status == "running"]
-        return VerifyOutcome([st for st, _ in live], [r for _, r in live], outcome.verify_s, outcome.num_forwards,
-                             outcome.shadow_s, outcome.prefilled, outcome.prefill_s)
 
     def _next(self, batch: list[RequestState], items: dict[str, P.VerifyItem]) -> _Pass | None:
         """Select the next slot and send its verify now, if it would verify just `batch` with nothing to prefill,

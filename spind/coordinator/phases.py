@@ -20,7 +20,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from spind import protocol as P
 from spind.config import TARGET_WORKER, SpindConfig, configured_kv_blocks
@@ -66,6 +66,14 @@ class VerifyOutcome:
     shadow_s: float = 0.0  # the target's worker drafting shadow drafts for it (Verified.shadow_s)
     prefilled: bool = False  # its forward also wrote prefill chunks (`SlotPhases.prefill_and_verify`)
     prefill_s: float = 0.0  # of that forward, the chunks' part (`SlotPhases._split_fused`), not the verify's
+
+    def live(self) -> VerifyOutcome:
+        """This outcome without the requests that ended meanwhile (a follow-on's, after the slot before ended them; a
+        pipelined pass's, aborted while it ran)."""
+        if all(st.status == "running" for st in self.batch):
+            return self
+        live = [(st, r) for st, r in zip(self.batch, self.results) if st.status == "running"]
+        return replace(self, batch=[st for st, _ in live], results=[r for _, r in live])
 
     @property
     def num_tokens(self) -> int:

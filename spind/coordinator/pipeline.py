@@ -250,13 +250,12 @@ class Pipeline:
                 st.stage = (Stage.DRAFTED if st.draft is not None else
                             Stage.SELECTED if st.cycle_arm is not None else Stage.READY)
             return
-        live = [(st, r) for st, r in zip(outcome.batch, outcome.results) if st.status == "running"]
-        ph.update(VerifyOutcome([st for st, _ in live], [r for _, r in live], outcome.verify_s, outcome.num_forwards,
-                                outcome.shadow_s, outcome.prefilled, outcome.prefill_s), vp.arms, vp.drafts)
+        live = outcome.live()  # taken before the update, which finishes some of them
+        ph.update(live, vp.arms, vp.drafts)
         now = time.perf_counter()
         ph.record_slot(now - self._last_pass_end, self._overhead_s)
         self._last_pass_end, self._overhead_s = now, 0.0
-        for st, r in live:
+        for st, r in zip(live.batch, live.results):
             arm, ahead = st.cycle_arm, st.ahead
             st.reset_cycle()
             if ahead is None or st.status != "running":

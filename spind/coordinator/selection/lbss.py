@@ -444,7 +444,7 @@ class LBSSSelector:
 
     def plain_seconds(self, batch_size: int) -> float | None:
         """A plain forward's seconds at this batch size, as the cost model predicts it (None: nothing known yet)."""
-        return self.cost.predict_cheaply(batch_size, batch_size)
+        return self.verify_seconds(batch_size, batch_size)
 
     def verify_seconds(self, batch_size: int, tokens: int) -> float | None:
         """A verify forward's seconds for this many requests and tokens, as the cost model predicts it (None: nothing
