@@ -4,14 +4,16 @@ exact, the decisions do not depend on the clock, and the bench records, caches a
 from __future__ import annotations
 
 import json
+from itertools import islice
 
+import numpy as np
 import pytest
 from prompts import write_prompt_file
 
 from spind.config import SelectionConfig
 from spind.coordinator.profile import SystemProfile
 from spind.bench.replay import ReplaySettings
-from spind.sim.replay import Recorded, ReplayCosts, replay
+from spind.sim.replay import HostNoise, Recorded, ReplayCosts, replay
 
 PROFILE = SystemProfile(4, {}, {1: 8.0, 2: 10.0, 4: 16.0}, decode_batch_ms={1: 4.0, 2: 5.0, 4: 7.0})
 CALLS = {"ngram": (5e-6, 0.0), "suffix": (15e-6, 30e-6)}
@@ -77,11 +79,50 @@ def test_the_decisions_do_not_depend_on_the_clock():
         replay(rec, "fixed:int8", 1, costs, drafters=("int8",))
 
 
+def test_the_regime_trial_runs_its_plain_windows_unselected():
+    """spin runs the lockstep's regime trial from batch 2 (`selection/regime.py`): its PLAIN windows' requests decode
+    plainly, unselected, and every request still commits its recording."""
+    rec = recording()
+    costs = ReplayCosts.from_profile(PROFILE, CALLS)
+    on = replay(rec, "spin", 2, costs, SelectionConfig(seed=3))
+    assert on.tokens == sum(len(r.output) for r in rec)
+    trial = on.selection["regime"]
+    assert on.plain_regime_slots == trial["slots"]["plain"] > 0 and trial["slots"]["select"] > 0
+    assert sum(trial["slots"].values()) <= on.slots  # a slot of one request (the tail) runs no window
+    undrafted = on.request_slots - sum(on.drafted_slots.values())
+    assert undrafted >= on.plain_regime_slots  # each plain window's slot drafted for nobody
+    off = replay(rec, "spin", 2, costs, SelectionConfig(seed=3, regime_trial=False))
+    assert off.plain_regime_slots == 0 and "regime" not in off.selection
+    assert replay(rec, "spin", 1, costs, SelectionConfig(seed=3)).plain_regime_slots == 0  # below its MIN_BATCH
+
+
+def test_host_noise_is_drawn_by_its_seed_and_scales_each_slots_seconds():
+    assert list(islice(HostNoise().factors(), 5)) == [1.0] * 5
+    draw = list(islice(HostNoise(0.1, 0.2, 20.0, seed=1).factors(), 4000))
+    assert draw == list(islice(HostNoise(0.1, 0.2, 20.0, seed=1).factors(), 4000))
+    assert draw != list(islice(HostNoise(0.1, 0.2, 20.0, seed=2).factors(), 4000))
+    logs = np.log(draw)
+    assert abs(logs.mean()) < 0.1 and 0.15 < logs.std() < 0.3  # sqrt(0.1^2 + 0.2^2) = 0.22 in all
+    drift = np.log(list(islice(HostNoise(0.0, 0.2, 20.0, seed=1).factors(), 4000)))
+    assert np.corrcoef(drift[:-1], drift[1:])[0, 1] > 0.85  # exp(-1/20) = 0.95: slow
+    rec = recording()
+    costs = ReplayCosts.from_profile(PROFILE, CALLS)
+    quiet = replay(rec, "none", 1, costs)
+    noisy = replay(rec, "none", 1, costs, noise=HostNoise(0.1, 0.1, seed=1))
+    assert (noisy.tokens, noisy.slots) == (quiet.tokens, quiet.slots)
+    assert abs(noisy.seconds / quiet.seconds - 1.0) > 1e-3
+    a, b = (replay(rec, "spin", 2, costs, SelectionConfig(seed=3), noise=HostNoise(0.1, 0.1, seed=1))
+            for _ in range(2))
+    assert (a.slots, a.request_slots, a.drafted_slots, a.plain_regime_slots) == \
+        (b.slots, b.request_slots, b.drafted_slots, b.plain_regime_slots)
+
+
 def test_settings_refuse_what_replay_cannot_run():
     ok = dict(workloads=("gsm8k",), batch_sizes=(1,), systems=("none", "spin", "fixed:suffix@8"))
     ReplaySettings(**ok).check()
     for bad, match in ((dict(systems=("spin",)), "needs none"), (dict(systems=("none", "fixed:int8")), "free"),
-                       (dict(workloads=("nope",)), "unknown workload"), (dict(batch_sizes=(0,)), ">= 1")):
+                       (dict(workloads=("nope",)), "unknown workload"), (dict(batch_sizes=(0,)), ">= 1"),
+                       (dict(noise=(0.1, -0.1)), "--noise"), (dict(select_ms=-1.0), "--select-ms")):
         with pytest.raises(ValueError, match=match):
             ReplaySettings(**{**ok, **bad}).check()
 
@@ -105,7 +146,15 @@ def test_the_bench_records_once_and_replays_side_by_side(tmp_path, capsys):
     recorded = list((tmp_path / "rec").glob("*.json"))
     assert len(recorded) == 1 and len(json.loads(recorded[0].read_text())["requests"]) == 3
     assert "spind bench replay" in capsys.readouterr().out
+    spin2 = next(r for r in results["rows"] if r["system"] == "spin" and r["batch_size"] == 2)
+    assert spin2["regime"] is not None and 0.0 <= spin2["plain_regime_share"] <= 1.0
     before = recorded[0].stat().st_mtime_ns
     assert main(args) == 0  # the second run reads the recording
     assert recorded[0].stat().st_mtime_ns == before
     assert json.loads((tmp_path / "out.json").read_text())["rows"][0]["tokens"] == results["rows"][0]["tokens"]
+    assert main([*args, "--noise", "0.1,0.2", "--select-ms", "0.5"]) == 0  # a modelled host's noise on the same slots
+    noisy = json.loads((tmp_path / "out.json").read_text())
+    assert noisy["settings"]["noise"] == [0.1, 0.2] and "host noise" in capsys.readouterr().out
+    assert [r["tokens"] for r in noisy["rows"]] == [r["tokens"] for r in results["rows"]]
+    with pytest.raises(SystemExit, match="--noise"):
+        main([*args, "--noise", "0.1,x"])

@@ -189,6 +189,11 @@ def add_parsers(sub: argparse._SubParsersAction,
                     help="a start-up profile JSON to take the verify costs from (default: this machine's)")
     rp.add_argument("--recordings", type=Path, default=None,
                     help="where recorded outputs are cached (default: the cache folder's replay/)")
+    rp.add_argument("--noise", default="0", metavar="SLOT_SD[,DRIFT_SD]",
+                    help="a shared host's hand in each slot's seconds, drawn by --seed (sim.replay.HostNoise): a "
+                         "log-normal jitter slot by slot and a slow drift (default 0: none, the replay is exact)")
+    rp.add_argument("--select-ms", type=float, default=None,
+                    help="what a fully selected slot's selecting costs the daemon, ms (default: replay's model)")
     rp.add_argument("--out", type=Path, default=Path("bench-results/replay.json"))
     rp.set_defaults(func=cmd_bench_replay)
 
@@ -452,11 +457,23 @@ def cmd_bench_replay(args: argparse.Namespace) -> int:
     settings = ReplaySettings(workloads=_names(args.workloads), batch_sizes=_ints("--batch-size", args.batch_size),
                               systems=_names(args.systems), num_requests=args.num_requests,
                               max_tokens=args.max_tokens, seed=args.seed, datasets_dir=args.datasets_dir,
-                              profile=args.profile, recordings_dir=args.recordings)
+                              profile=args.profile, recordings_dir=args.recordings,
+                              noise=_noise(args.noise), select_ms=args.select_ms)
     results = run_replay_bench(cfg, settings)
     print(render_table(results))
     print(f"wrote {write_json(args.out, results)}", file=sys.stderr)
     return 0
+
+
+def _noise(text: str) -> tuple[float, float]:
+    """--noise SLOT_SD[,DRIFT_SD] as (slot_sd, drift_sd)."""
+    try:
+        parts = [float(x) for x in text.split(",")]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 2 or min(parts) < 0:
+        raise SystemExit(f"spind: --noise takes SLOT_SD[,DRIFT_SD], numbers >= 0, not {text!r}")
+    return parts[0], parts[1] if len(parts) > 1 else 0.0
 
 
 def cmd_bench_select(args: argparse.Namespace) -> int:

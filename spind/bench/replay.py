@@ -1,8 +1,10 @@
 """`spind bench replay`: the systems' selection replayed over recorded greedy outputs (`spind.sim.replay`), side by
 side per workload and batch size: tokens per second by the cost model, ratios to plain decoding and to the best
-fixed system, the share of request-slots decoded plainly, the drafters' shares, and what selection ended with (the
-free drafters it left out, whether it idled). Deterministic: a selector change is judged on the same slots, without
-the machine's noise, where `spind bench e2e` cannot resolve a few per cent.
+fixed system, the share of request-slots decoded plainly, the share of slots `spin`'s regime trial ran plainly, the
+drafters' shares, and what selection ended with (the free drafters it left out, whether it idled). Deterministic: a
+selector change is judged on the same slots, without the machine's noise, where `spind bench e2e` cannot resolve a few
+per cent; `--noise` adds a modelled host's (`sim.replay.HostNoise`, drawn by --seed) to judge what decisions made
+from measured seconds, the regime trial's, lose to it.
 
 The outputs are recorded once with the real target (plain decoding, greedy: what every lossless system commits),
 and cached under the cache folder by model, prompts and max_tokens; the verify costs come from the machine's start-up
@@ -13,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from spind.bench.datasets import DEFAULT_DATASETS_DIR, encode_prompt, sample_workload
@@ -21,7 +23,7 @@ from spind.bench.report import Progress, fmt, format_table
 from spind.config import SpindConfig
 from spind.coordinator.profile import SystemProfile
 from spind.policy import Policy
-from spind.sim.replay import FREE_DRAFTERS, Recorded, ReplayCosts, measure_call_costs, replay
+from spind.sim.replay import FREE_DRAFTERS, HostNoise, Recorded, ReplayCosts, measure_call_costs, replay
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,14 @@ class ReplaySettings:
     datasets_dir: Path = DEFAULT_DATASETS_DIR
     profile: Path | None = None  # a profile JSON; None: the machine's, for the config's target
     recordings_dir: Path | None = None  # where recorded outputs are cached; None: the cache folder's replay/
+    noise: tuple[float, float] = (0.0, 0.0)  # the host's (slot_sd, drift_sd), drawn by seed (`HostNoise`)
+    select_ms: float | None = None  # a fully selected slot's selecting, ms; None: ReplayCosts' model
 
     def check(self) -> None:
         if min(self.num_requests, self.max_tokens, *self.batch_sizes) < 1:
             raise ValueError("--num-requests, --max-tokens and --batch-size must be >= 1")
+        if min(self.noise) < 0 or (self.select_ms is not None and self.select_ms < 0):
+            raise ValueError("--noise and --select-ms must be >= 0")
         for name in self.systems:
             if name == "spin":
                 continue
@@ -123,10 +129,13 @@ def run_replay_bench(cfg: SpindConfig, s: ReplaySettings) -> dict:
         recordings[workload] = str(path)
         calls[workload] = measure_call_costs(recorded)
         costs = ReplayCosts.from_profile(profile, calls[workload])
+        if s.select_ms is not None:
+            costs = replace(costs, select_s=s.select_ms * 1e-3)
+        noise = HostNoise(*s.noise, seed=s.seed)
         for b in s.batch_sizes:
             results = {}
             for name in s.systems:
-                results[name] = replay(recorded, name, b, costs, cfg.selection, k=cfg.speculation.k)
+                results[name] = replay(recorded, name, b, costs, cfg.selection, k=cfg.speculation.k, noise=noise)
                 progress.step(f"{workload} batch {b} {name}: {results[name].tokens_per_s:.1f} tok/s")
             none = results["none"].tokens_per_s
             fixed = [r.tokens_per_s for n, r in results.items() if n.startswith("fixed:")]
@@ -138,6 +147,8 @@ def run_replay_bench(cfg: SpindConfig, s: ReplaySettings) -> dict:
                              "plain_share": r.plain_share, "slots": r.slots, "tokens": r.tokens,
                              "drafted_slots": r.drafted_slots, "select_ms_per_slot": r.select_s / r.slots * 1e3,
                              "shadow_ms_per_slot": r.shadow_s / r.slots * 1e3,
+                             "plain_regime_share": r.plain_regime_slots / r.slots,
+                             "regime": sel.get("regime"),
                              "dominated": sel.get("dominated"), "idle": sel.get("idle"), "ledger": sel.get("ledger")})
     paths = {k: None if v is None else str(v) for k, v in asdict(s).items() if isinstance(v, Path) or v is None}
     return {"settings": {**asdict(s), **paths},
@@ -145,17 +156,21 @@ def run_replay_bench(cfg: SpindConfig, s: ReplaySettings) -> dict:
 
 
 def render_table(results: dict) -> str:
-    header = ["workload", "batch", "system", "tok/s", "x none", "x best", "plain slots", "drafter shares",
-              "select ms/slot", "left out", "idle"]
+    header = ["workload", "batch", "system", "tok/s", "x none", "x best", "plain slots", "trial plain",
+              "drafter shares", "select ms/slot", "left out", "idle"]
     out = []
     for r in results["rows"]:
         drafted = sum(r["drafted_slots"].values())
         shares = " ".join(f"{d}:{n / max(1, drafted):.0%}" for d, n in sorted(r["drafted_slots"].items())) or "-"
         out.append([r["workload"], str(r["batch_size"]), r["system"], fmt(r["tokens_per_s"], 1), fmt(r["vs_none"], 3),
-                    fmt(r["vs_best"], 3), f"{r['plain_share']:.0%}", shares, fmt(r["select_ms_per_slot"], 3),
+                    fmt(r["vs_best"], 3), f"{r['plain_share']:.0%}",
+                    "-" if r["regime"] is None else f"{r['plain_regime_share']:.0%}", shares,
+                    fmt(r["select_ms_per_slot"], 3),
                     ",".join(r["dominated"]) if r["dominated"] else "-", "-" if r["idle"] is None else str(r["idle"])])
     s = results["settings"]
     title = (f"spind bench replay: selection replayed over plain decoding's recorded outputs, {s['num_requests']} "
              f"requests x {s['max_tokens']} tokens, seconds from the start-up profile (x best: to the best of none "
-             f"and the fixed systems)")
+             f"and the fixed systems; trial plain: the slots spin's regime trial ran plainly)")
+    if any(s["noise"]):
+        title += f"; host noise (slot sd, drift sd) {tuple(s['noise'])}, drawn by seed {s['seed']}"
     return format_table(title, header, out)

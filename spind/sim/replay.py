@@ -12,7 +12,9 @@ more), and each drafter call as a fixed part and a part per token
 the drafter took in since its last call (suffix decoding inserts them into the request's trie), measured on this
 machine before the replay (`measure_call_costs`); a fully selected slot's selecting, as a fixed cost (`select_s`: the
 daemon's coordinator, measured there). The selector learns only modelled seconds, so two replays of one recording
-decide alike, slot for slot.
+decide alike, slot for slot. `spin` runs the lockstep's regime trial (`selection/regime.py`) as the daemon does, its
+windows measured by the modelled seconds; `HostNoise` scales each slot's seconds as a shared host does, so that
+what the selector and the trial learn from measured time can be judged against a known truth.
 
 What it leaves out: model drafters (their drafts need the models; selection leaves them out on CPUs where they cannot
 pay, `SystemProfile.dominated_drafters`), the pipeline's overlap of drafting and verification, and the coordinator's
@@ -22,14 +24,19 @@ the systems side by side.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from spind.config import SelectionConfig
 from spind.coordinator.profile import SystemProfile
 from spind.coordinator.selection.baselines import build_selector
-from spind.coordinator.selection.protocol import AUTO, Arm, Capacity, RequestInfo, SlotFeedback
+from spind.coordinator.selection.lbss import NUM_BUCKETS, bucket_of
+from spind.coordinator.selection.protocol import AUTO, PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
+from spind.coordinator.selection.regime import MIN_BATCH, PLAIN, RegimeTrial
 from spind.coordinator.selection.shadow import SHADOW_K, ShadowDrafts, is_shadow_turn
 from spind.drafters.base import Draft, DraftInput, Drafter, cut_at
 from spind.drafters.ngram import NgramDrafter
@@ -99,6 +106,28 @@ def _along(curve: tuple[tuple[int, float], ...], extra: int) -> float:
     return 0.0
 
 
+@dataclass(frozen=True)
+class HostNoise:
+    """A shared host's hand in each slot's seconds: every second of slot i (the forward, the drafting, the selecting)
+    takes exp(drift_i + jitter_i) times its modelled length, jitter ~ N(0, slot_sd) slot by slot, drift a slow
+    random walk pulled back to 0 (AR(1): stationary spread drift_sd, correlation over ~drift_slots slots: another
+    tenant's load coming and going). The selector and the regime trial then learn from noisy seconds, as in the
+    daemon: what the noise costs a decision made from measured time is measured without the host's own. The factors
+    depend on the slot's index and the seed alone, so every system of a replay meets the same host."""
+    slot_sd: float = 0.0
+    drift_sd: float = 0.0
+    drift_slots: float = 50.0
+    seed: int = 0
+
+    def factors(self) -> Iterator[float]:
+        rng = np.random.default_rng(self.seed)
+        rho = math.exp(-1.0 / max(1.0, self.drift_slots))
+        drift = rng.normal(0.0, self.drift_sd)
+        while True:
+            yield math.exp(drift + rng.normal(0.0, self.slot_sd))
+            drift = rho * drift + rng.normal(0.0, self.drift_sd * math.sqrt(1.0 - rho * rho))
+
+
 @dataclass
 class ReplayResult:
     system: str
@@ -111,6 +140,7 @@ class ReplayResult:
     select_s: float = 0.0  # the selector's calls before the verify, timed (and charged)
     shadow_s: float = 0.0  # modelled shadow drafting
     selection: dict | None = None  # the selector's describe() at the end (learning selectors)
+    plain_regime_slots: int = 0  # slots the regime trial ran plainly (`selection/regime.py`)
 
     @property
     def tokens_per_s(self) -> float:
@@ -144,15 +174,19 @@ class _Calls:
 
 def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: ReplayCosts,
            selection: SelectionConfig | None = None, drafters: Sequence[str] = FREE_DRAFTERS,
-           k: int = 4) -> ReplayResult:
+           k: int = 4, noise: HostNoise | None = None) -> ReplayResult:
     """Closed loop of `batch_size` streams over the recording, in order. system: none | fixed:NAME[@K] | spin (LBSS
-    over `drafters`). Every request commits exactly its recorded output."""
+    over `drafters`, with the lockstep's regime trial where `selection.regime_trial`: a slot the trial runs plainly
+    is not selected, shadowed or learned from, as `SlotPhases.select(plain=True)`). Every request commits exactly
+    its recorded output. noise: the host's hand in each slot's seconds (None: none)."""
     cfg = selection or SelectionConfig()
     policy = Policy.parse("lbss" if system == "spin" else system)
     selector = build_selector(policy, cfg, list(drafters), k,
                               costs={d: costs.call_s(d, 1) for d in drafters},
                               verify_points=costs.points, kv_drafters=())  # free drafters: no KV
     learns = policy.name == "lbss"
+    trial = RegimeTrial(NUM_BUCKETS, selector.plain_seconds, seed=cfg.seed) if learns and cfg.regime_trial else None
+    host = (noise or HostNoise()).factors()
     pool = {d: make_drafter(d) for d in drafters}
     calls = _Calls(costs)
     shadows = ShadowDrafts()
@@ -172,17 +206,23 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
         infos = [RequestInfo(req_id=r, requested=AUTO, requested_k=None, current=current.get(r),
                              num_prompt_tokens=len(running[r][0].prompt), num_output_tokens=running[r][1][0])
                  for r in ids]
+        regime = trial.regime(bucket_of(len(ids)), len(ids)) if trial is not None and len(ids) >= MIN_BATCH else None
+        selected = regime != PLAIN
         t0 = time.perf_counter()
-        arms = selector.select(infos, Capacity(dict.fromkeys(drafters, 16)))
+        if selected:
+            arms = selector.select(infos, Capacity(dict.fromkeys(drafters, 16)))
+            turn_count += 1
+        else:
+            arms = [PLAIN_ARM] * len(ids)
+            out.plain_regime_slots += 1
         floors = {r: selector.confidence_floor(r) if a.drafter else () for r, a in zip(ids, arms)}
-        turn_count += 1
-        wanted = {r: learns and is_shadow_turn(turn_count, i, len(ids)) and selector.wants_shadow(r)
+        wanted = {r: learns and selected and is_shadow_turn(turn_count, i, len(ids)) and selector.wants_shadow(r)
                   for i, r in enumerate(ids)}
         timed = time.perf_counter() - t0
         # a fully selected slot costs what the daemon's coordinator takes, and one settled on a drafter its part of
         # that (modelled: the selector learns it, and its decisions must not follow this process's clock); a slot
-        # selected on the plain fast path, what it took here
-        select_s = (timed if not learns or selector.nothing_pays else
+        # selected on the plain fast path, or not selected, what it took here
+        select_s = (timed if not learns or not selected or selector.nothing_pays else
                     costs.settled_s if selector.settled_on is not None else costs.select_s)
         tokens_in_forward, draft_s, shadow_s, results = 0, {}, 0.0, {}
         for r, arm in zip(ids, arms):
@@ -210,11 +250,19 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
                 shadows.add(r, len(seq), proposed, rated, (min(accepted + 1, left), arm.drafter if tokens else ""))
             results[r] = (len(tokens), accepted, min(accepted + 1, left))
             tokens_in_forward += len(tokens) + 1
-        verify_s = costs.verify_s(len(ids), tokens_in_forward)
-        out.seconds += verify_s + sum(draft_s.values()) + shadow_s + costs.base_s + select_s
+        f = next(host)
+        verify_s, shadow_s, select_s = f * costs.verify_s(len(ids), tokens_in_forward), f * shadow_s, f * select_s
+        draft_s = {r: f * s for r, s in draft_s.items()}
+        slot_s = verify_s + sum(draft_s.values()) + shadow_s + f * costs.base_s + select_s
+        out.seconds += slot_s
         out.select_s += select_s
         out.shadow_s += shadow_s
         out.slots += 1
+        if trial is not None:  # modelled seconds only (a clocked selection's are left out: microseconds, and the
+            #                    trial's decisions must not follow this process's clock either)
+            clocked = select_s if not selected or selector.nothing_pays else 0.0
+            trial.record(bucket_of(len(ids)), regime, sum(c for _, _, c in results.values()), len(ids),
+                         slot_s - clocked)
         feedback = []
         for r, arm in zip(ids, arms):
             rec, state = running[r]
@@ -224,6 +272,8 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
             out.request_slots += 1
             if drafted:
                 out.drafted_slots[arm.drafter] = out.drafted_slots.get(arm.drafter, 0) + 1
+            if not selected:
+                continue
             decided = shadows.resolve(r, rec.prompt + rec.output[:state[0]], state[0] >= len(rec.output))
             feedback.append(SlotFeedback(
                 req_id=r, arm=arm, num_drafted=drafted, num_accepted=accepted, num_committed=committed,
@@ -233,7 +283,8 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
                 shadow_confidence=tuple((d.drafter, d.confidence, d.accepted) for d in decided if d.confidence),
                 select_s=(select_s + shadow_s) / len(ids)))
             current[r] = arm
-        selector.observe(feedback)  # not charged: the daemon runs it while the target computes
+        if feedback:
+            selector.observe(feedback)  # not charged: the daemon runs it while the target computes
         for r in ids:
             rec, (pos,) = running[r]
             if pos >= len(rec.output):
@@ -249,6 +300,8 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
                 d.background_work(1 << 20)
     if learns:
         out.selection = selector.describe()
+        if trial is not None:
+            out.selection["regime"] = trial.describe()
     return out
 
 
