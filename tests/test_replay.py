@@ -4,6 +4,7 @@ exact, the decisions do not depend on the clock, and the bench records, caches a
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from itertools import islice
 
 import numpy as np
@@ -96,6 +97,24 @@ def test_the_regime_trial_runs_its_plain_windows_unselected():
     assert replay(rec, "spin", 1, costs, SelectionConfig(seed=3)).plain_regime_slots == 0  # below its MIN_BATCH
 
 
+def test_the_trial_finds_what_selecting_costs_unseen():
+    """A cost of selecting no feedback shows the selector (`ReplayCosts.hidden_s`: its Python slowing the target's
+    forward) is what the regime trial measures: large enough, the trial runs most slots plainly, and beats selection
+    without it; without such a cost it runs its pairs and selects."""
+    rec = recording() * 3
+    costs = ReplayCosts.from_profile(PROFILE, CALLS)
+    hidden = replace(costs, hidden_s=0.02)
+    none, seen = replay(rec, "none", 2, hidden), replay(rec, "none", 2, costs)
+    assert none.seconds - none.select_s == pytest.approx(seen.seconds - seen.select_s)  # none selects nothing
+    trial = replay(rec, "spin", 2, hidden, SelectionConfig(seed=3))
+    blind = replay(rec, "spin", 2, hidden, SelectionConfig(seed=3, regime_trial=False))
+    assert trial.plain_regime_slots > 0.6 * trial.slots
+    assert trial.selection["regime"]["buckets"]["1"]["regime"] == "plain"
+    assert blind.tokens_per_s < trial.tokens_per_s
+    free = replay(rec, "spin", 2, costs, SelectionConfig(seed=3))
+    assert free.plain_regime_slots < 0.4 * free.slots and free.tokens_per_s > none.tokens_per_s
+
+
 def test_host_noise_is_drawn_by_its_seed_and_scales_each_slots_seconds():
     assert list(islice(HostNoise().factors(), 5)) == [1.0] * 5
     draw = list(islice(HostNoise(0.1, 0.2, 20.0, seed=1).factors(), 4000))
@@ -122,7 +141,8 @@ def test_settings_refuse_what_replay_cannot_run():
     ReplaySettings(**ok).check()
     for bad, match in ((dict(systems=("spin",)), "needs none"), (dict(systems=("none", "fixed:int8")), "free"),
                        (dict(workloads=("nope",)), "unknown workload"), (dict(batch_sizes=(0,)), ">= 1"),
-                       (dict(noise=(0.1, -0.1)), "--noise"), (dict(select_ms=-1.0), "--select-ms")):
+                       (dict(noise=(0.1, -0.1)), "--noise"), (dict(select_ms=-1.0), "--select-ms"),
+                       (dict(hidden_ms=-1.0), "--hidden-ms")):
         with pytest.raises(ValueError, match=match):
             ReplaySettings(**{**ok, **bad}).check()
 
@@ -152,9 +172,10 @@ def test_the_bench_records_once_and_replays_side_by_side(tmp_path, capsys):
     assert main(args) == 0  # the second run reads the recording
     assert recorded[0].stat().st_mtime_ns == before
     assert json.loads((tmp_path / "out.json").read_text())["rows"][0]["tokens"] == results["rows"][0]["tokens"]
-    assert main([*args, "--noise", "0.1,0.2", "--select-ms", "0.5"]) == 0  # a modelled host's noise on the same slots
+    assert main([*args, "--noise", "0.1,0.2", "--select-ms", "0.5", "--hidden-ms", "1"]) == 0  # a modelled host
     noisy = json.loads((tmp_path / "out.json").read_text())
-    assert noisy["settings"]["noise"] == [0.1, 0.2] and "host noise" in capsys.readouterr().out
+    assert noisy["settings"]["noise"] == [0.1, 0.2] and noisy["settings"]["hidden_ms"] == 1.0
+    assert "host noise" in capsys.readouterr().out
     assert [r["tokens"] for r in noisy["rows"]] == [r["tokens"] for r in results["rows"]]
     with pytest.raises(SystemExit, match="--noise"):
         main([*args, "--noise", "0.1,x"])

@@ -194,6 +194,9 @@ def add_parsers(sub: argparse._SubParsersAction,
                          "log-normal jitter slot by slot and a slow drift (default 0: none, the replay is exact)")
     rp.add_argument("--select-ms", type=float, default=None,
                     help="what a fully selected slot's selecting costs the daemon, ms (default: replay's model)")
+    rp.add_argument("--hidden-ms", type=float, default=0.0,
+                    help="what a selected slot costs that no feedback shows the selector, ms (its Python slowing the "
+                         "target's forward on shared cores): only the regime trial sees it")
     rp.add_argument("--out", type=Path, default=Path("bench-results/replay.json"))
     rp.set_defaults(func=cmd_bench_replay)
 
@@ -458,7 +461,7 @@ def cmd_bench_replay(args: argparse.Namespace) -> int:
                               systems=_names(args.systems), num_requests=args.num_requests,
                               max_tokens=args.max_tokens, seed=args.seed, datasets_dir=args.datasets_dir,
                               profile=args.profile, recordings_dir=args.recordings,
-                              noise=_noise(args.noise), select_ms=args.select_ms)
+                              noise=_noise(args.noise), select_ms=args.select_ms, hidden_ms=args.hidden_ms)
     results = run_replay_bench(cfg, settings)
     print(render_table(results))
     print(f"wrote {write_json(args.out, results)}", file=sys.stderr)

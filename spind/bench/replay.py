@@ -39,12 +39,13 @@ class ReplaySettings:
     recordings_dir: Path | None = None  # where recorded outputs are cached; None: the cache folder's replay/
     noise: tuple[float, float] = (0.0, 0.0)  # the host's (slot_sd, drift_sd), drawn by seed (`HostNoise`)
     select_ms: float | None = None  # a fully selected slot's selecting, ms; None: ReplayCosts' model
+    hidden_ms: float = 0.0  # what a selected slot costs unseen by the selector, ms (`ReplayCosts.hidden_s`)
 
     def check(self) -> None:
         if min(self.num_requests, self.max_tokens, *self.batch_sizes) < 1:
             raise ValueError("--num-requests, --max-tokens and --batch-size must be >= 1")
-        if min(self.noise) < 0 or (self.select_ms is not None and self.select_ms < 0):
-            raise ValueError("--noise and --select-ms must be >= 0")
+        if min(self.noise) < 0 or (self.select_ms is not None and self.select_ms < 0) or self.hidden_ms < 0:
+            raise ValueError("--noise, --select-ms and --hidden-ms must be >= 0")
         for name in self.systems:
             if name == "spin":
                 continue
@@ -129,6 +130,7 @@ def run_replay_bench(cfg: SpindConfig, s: ReplaySettings) -> dict:
         recordings[workload] = str(path)
         calls[workload] = measure_call_costs(recorded)
         costs = ReplayCosts.from_profile(profile, calls[workload])
+        costs = replace(costs, hidden_s=s.hidden_ms * 1e-3)
         if s.select_ms is not None:
             costs = replace(costs, select_s=s.select_ms * 1e-3)
         noise = HostNoise(*s.noise, seed=s.seed)
@@ -173,4 +175,6 @@ def render_table(results: dict) -> str:
              f"and the fixed systems; trial plain: the slots spin's regime trial ran plainly)")
     if any(s["noise"]):
         title += f"; host noise (slot sd, drift sd) {tuple(s['noise'])}, drawn by seed {s['seed']}"
+    if s["hidden_ms"]:
+        title += f"; {s['hidden_ms']} ms a selected slot unseen by the selector"
     return format_table(title, header, out)

@@ -67,6 +67,9 @@ class ReplayCosts:
     #   through `bench e2e` (mtbench, batch 1) a settled `spin` coordinator took 0.06 ms a slot more than
     #   fixed:suffix's, a fully selecting one 0.13 ms: select_s scaled by that
 
+    hidden_s: float = 0.0  # what a selected slot costs that no feedback shows the selector: on a CPU whose cores the
+    #                        target uses, the coordinator's selecting slows its forward (what the regime trial is for)
+
     @classmethod
     def from_profile(cls, profile: SystemProfile, calls: dict[str, tuple[float, float]],
                      base_s: float = 0.15e-3, select_s: float = 0.25e-3, settled_s: float = 0.12e-3) -> ReplayCosts:
@@ -253,7 +256,8 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
         f = next(host)
         verify_s, shadow_s, select_s = f * costs.verify_s(len(ids), tokens_in_forward), f * shadow_s, f * select_s
         draft_s = {r: f * s for r, s in draft_s.items()}
-        slot_s = verify_s + sum(draft_s.values()) + shadow_s + f * costs.base_s + select_s
+        hidden_s = f * costs.hidden_s if learns and selected and not selector.nothing_pays else 0.0
+        slot_s = verify_s + sum(draft_s.values()) + shadow_s + f * costs.base_s + select_s + hidden_s
         out.seconds += slot_s
         out.select_s += select_s
         out.shadow_s += shadow_s
