@@ -55,6 +55,18 @@ def test_a_batch_with_one_request_drafting_is_a_point_of_its_curve():
     assert costs.verify_s(1, 3) == pytest.approx(0.006)  # batch 1's one request is every request
 
 
+def test_a_forward_that_carries_more_tokens_never_costs_less():
+    """A profile timed on a busy host can read a forward faster than one with fewer tokens: the replay's costs are
+    the closest curve that never falls (pooled where it does), each forward's timings averaged first."""
+    profile = SystemProfile(4, {}, {1: 8.0, 4: 16.0}, decode_batch_ms={1: 4.0, 4: 7.0},
+                            lone_verify_ms={4: [8.0, 6.0, 10.0, 11.0]})
+    costs = ReplayCosts.from_profile(profile, CALLS, base_s=0.0)
+    assert [x for x, _ in costs.curves[4]] == [0, 1, 2, 3, 4, 16]
+    assert [round(y * 1e3, 6) for _, y in costs.curves[4]] == [7.0, 7.0, 7.0, 10.0, 11.0, 16.0]  # 7, 8, 6: 7 each
+    assert costs.verify_s(4, 6) == pytest.approx(0.007)
+    assert all(a[1] <= b[1] for c in costs.curves.values() for a, b in zip(c, c[1:]))
+
+
 def test_plain_decoding_is_one_token_a_forward_and_every_system_commits_the_recording():
     rec = recording()
     total = sum(len(r.output) for r in rec)
