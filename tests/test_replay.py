@@ -149,7 +149,7 @@ def test_host_noise_is_drawn_by_its_seed_and_scales_each_slots_seconds():
 
 
 def test_settings_refuse_what_replay_cannot_run():
-    ok = dict(workloads=("gsm8k",), batch_sizes=(1,), systems=("none", "spin", "fixed:suffix@8"))
+    ok = dict(workloads=("gsm8k", "mix"), batch_sizes=(1,), systems=("none", "spin", "fixed:suffix@8"))
     ReplaySettings(**ok).check()
     for bad, match in ((dict(systems=("spin",)), "needs none"), (dict(systems=("none", "fixed:int8")), "free"),
                        (dict(workloads=("nope",)), "unknown workload"), (dict(batch_sizes=(0,)), ">= 1"),

@@ -175,8 +175,8 @@ def add_parsers(sub: argparse._SubParsersAction,
     rp = bench_sub.add_parser("replay", help="selection replayed over recorded greedy outputs, side by side: "
                               "deterministic, for judging a selector change below the machine's noise")
     add_config_args(rp)
-    rp.add_argument("--workloads", default="alpaca,cp,mtbench,humaneval,gsm8k,passage",
-                    help="comma-separated workloads of the shared datasets (see bench e2e)")
+    rp.add_argument("--workloads", default="alpaca,cp,mtbench,humaneval,gsm8k,passage,mix",
+                    help="comma-separated workloads of the shared datasets, or mix (see bench e2e)")
     rp.add_argument("--datasets-dir", type=Path, default=DEFAULT_DATASETS_DIR,
                     help="the shared datasets folder (default: shared/datasets next to the repo checkout)")
     rp.add_argument("--batch-size", default="1,4,16", help="comma-separated closed-loop batch sizes")

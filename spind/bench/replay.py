@@ -56,8 +56,8 @@ class ReplaySettings:
         from spind.bench.datasets import WORKLOADS
 
         for name in self.workloads:
-            if name not in WORKLOADS and not ("/" in name or name.endswith((".json", ".jsonl"))):
-                raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}, or a prompt file")
+            if name not in WORKLOADS and name != "mix" and not ("/" in name or name.endswith((".json", ".jsonl"))):
+                raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}, mix, or a prompt file")
         if not self.workloads:
             raise ValueError("need at least one workload")
         if "none" not in self.systems:
