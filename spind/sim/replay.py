@@ -224,9 +224,9 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
         regime = trial.regime(bucket_of(len(ids)), len(ids)) if trial is not None and len(ids) >= MIN_BATCH else None
         selected = regime != PLAIN
         t0 = time.perf_counter()
+        turn_count += 1  # as `SlotPhases.select`'s shadow turn, which a plain window's select counts too
         if selected:
             arms = selector.select(infos, Capacity(dict.fromkeys(drafters, 16)))
-            turn_count += 1
         else:
             arms = [PLAIN_ARM] * len(ids)
             out.plain_regime_slots += 1
