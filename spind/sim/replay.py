@@ -237,8 +237,8 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
         # a fully selected slot costs what the daemon's coordinator takes, and one settled on a drafter its part of
         # that (modelled: the selector learns it, and its decisions must not follow this process's clock); a slot
         # selected on the plain fast path, or not selected, what it took here
-        select_s = (timed if not learns or not selected or selector.nothing_pays else
-                    costs.settled_s if selector.settled_on is not None else costs.select_s)
+        modelled = learns and selected and not selector.nothing_pays  # selected in full or settled: not clocked
+        select_s = ((costs.settled_s if selector.settled_on is not None else costs.select_s) if modelled else timed)
         tokens_in_forward, draft_s, shadow_s, results = 0, {}, 0.0, {}
         for r, arm in zip(ids, arms):
             rec, (pos,) = running[r]
@@ -268,7 +268,7 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
         f = next(host)
         verify_s, shadow_s, select_s = f * costs.verify_s(len(ids), tokens_in_forward), f * shadow_s, f * select_s
         draft_s = {r: f * s for r, s in draft_s.items()}
-        hidden_s = f * costs.hidden_s if learns and selected and not selector.nothing_pays else 0.0
+        hidden_s = f * costs.hidden_s if modelled else 0.0
         slot_s = verify_s + sum(draft_s.values()) + shadow_s + f * costs.base_s + select_s + hidden_s
         out.seconds += slot_s
         out.select_s += select_s
@@ -276,9 +276,8 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
         out.slots += 1
         if trial is not None:  # modelled seconds only (a clocked selection's are left out: microseconds, and the
             #                    trial's decisions must not follow this process's clock either)
-            clocked = select_s if not selected or selector.nothing_pays else 0.0
             trial.record(bucket_of(len(ids)), regime, sum(c for _, _, c in results.values()), len(ids),
-                         slot_s - clocked)
+                         slot_s if modelled else slot_s - select_s)
         feedback = []
         for r, arm in zip(ids, arms):
             rec, state = running[r]
