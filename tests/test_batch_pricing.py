@@ -442,9 +442,10 @@ def test_a_price_margin_drafts_only_tokens_worth_more_than_their_seconds():
 
 
 def test_shadow_drafts_back_off_while_they_find_nothing_that_pays():
-    """A request's shadow drafts cost lookups on the target's worker every turn; while its latest ones had no token
-    above the floor (its slots decode plainly), it is shadowed at every 2nd, then 4th, then 8th turn, and at every
-    turn again once one has a token that pays."""
+    """A request's shadow drafts cost lookups on the target's worker every turn; past batch 1 (here 2: a companion
+    request that is never shadowed), while its latest ones had no token above the floor (its slots decode plainly), it
+    is shadowed at every 2nd, then 4th, then 8th turn, and at every turn again once one has a token that pays. At
+    batch 1 every turn (`LBSSSelector.wants_shadow`)."""
     sel = LBSSSelector(SelectionConfig(seed=0, alpha=0), ["suffix"], 4, verify_points=profile_points(),
                        draft_s_per_token={"suffix": 1e-5})
     cap = Capacity({"suffix": 16})
@@ -452,12 +453,14 @@ def test_shadow_drafts_back_off_while_they_find_nothing_that_pays():
 
     def turn(t: int, confidence: tuple[float, ...], accepted: int) -> bool:
         """A slot whose select gives the request its shadow turn: whether it was shadowed."""
-        arm = sel.select([info("r", t)], cap)[0]
+        arm, other = sel.select([info("r", t), info("c", t)], cap)
         shadowed = sel.wants_shadow("r")
         sel.observe([SlotFeedback(req_id="r", arm=arm, num_drafted=0, num_accepted=0, num_committed=1, draft_s=0.0,
-                                  verify_s=cpu_verify(1, 1), batch_size=1, batch_tokens=1,
+                                  verify_s=cpu_verify(2, 2), batch_size=2, batch_tokens=2,
                                   shadow=(("suffix", 2, accepted),) if shadowed else (),
-                                  shadow_confidence=(("suffix", confidence, accepted),) if shadowed else ())])
+                                  shadow_confidence=(("suffix", confidence, accepted),) if shadowed else ()),
+                     SlotFeedback(req_id="c", arm=other, num_drafted=0, num_accepted=0, num_committed=1, draft_s=0.0,
+                                  verify_s=cpu_verify(2, 2), batch_size=2, batch_tokens=2)])
         return shadowed
 
     assert all(turn(t, sure, 1 if t % 10 else 0) for t in range(60))  # calibrating: sure tokens pay, unsure not

@@ -186,9 +186,9 @@ def settling_selector(monkeypatch) -> tuple[LBSSSelector, Capacity]:
 def test_with_one_calibrated_drafter_left_selection_settles_on_it_without_the_matching(monkeypatch):
     """Once the ledger leaves suffix decoding alone (n-gram dominated) and its confidence is calibrated, the stages'
     exploration and matching could only choose among its k's and plain decoding, which its confidence floor already
-    decides slot by slot: every request runs it at the default k with its floor, no matching is drawn up, and only
-    every SETTLED_SHADOW-th shadow turn is granted. A request that names its drafter, a model drafter in the arm set,
-    or n-gram catching up on the text unsettles it."""
+    decides slot by slot: every request runs it at the default k with its floor, no matching is drawn up, and past
+    batch 1 only every SETTLED_SHADOW-th shadow turn is granted. A request that names its drafter, a model drafter in
+    the arm set, or n-gram catching up on the text unsettles it."""
     sel, cap = settling_selector(monkeypatch)
     t = 0
     while sel.settled_on is None:
@@ -203,13 +203,22 @@ def test_with_one_calibrated_drafter_left_selection_settles_on_it_without_the_ma
     monkeypatch.setattr(sel, "_exploit", no_matching)
     monkeypatch.setattr(sel, "_explore", no_matching)
     granted = []
-    for _ in range(4 * lbss.SETTLED_SHADOW):  # the ledger is per batch size: batch 1's settled it
+    for _ in range(4 * lbss.SETTLED_SHADOW):
         arms = sel.select([info("r", t)], cap)
         assert arms == [Arm("suffix", 4)] and 0 < sel.confidence_floor("r")[0] <= 0.95
         granted.append(sel.wants_shadow("r"))
         sel.observe([shadow_feedback("r", arms[0], 1, {"suffix": 4, "ngram": 1})])
         t += 1
-    assert sum(granted) == 4  # every SETTLED_SHADOW-th turn
+    assert all(granted)  # batch 1: every turn (its shadow drafts follow each drafter's own slots: `ShadowDrafts`)
+    granted = []
+    for _ in range(4 * lbss.SETTLED_SHADOW):  # past batch 1: every SETTLED_SHADOW-th turn
+        arms = sel.select([info("r", t), info("s", t)], cap)
+        assert arms == [Arm("suffix", 4)] * 2
+        granted.append(sel.wants_shadow("r"))
+        sel.observe([shadow_feedback(r, a, 2, {"suffix": 4, "ngram": 1}) for r, a in zip("rs", arms)])
+        t += 1
+    assert sum(granted) == 4
+    sel.remove("s")
     state = msgspec.json.decode(msgspec.json.encode(sel.describe()))
     assert state["settled_on"] == "suffix" and state["settled_on_slots"] >= 4 * lbss.SETTLED_SHADOW
     named = RequestInfo(req_id="n", requested="ngram", requested_k=2, current=None, num_prompt_tokens=40,

@@ -38,11 +38,11 @@ def test_incremental_index_equals_the_direct_search_at_every_length():
                 assert index.lookup(k) == direct_lookup(tokens[:i + 1], k, 3, 1)
 
 
-def test_shadow_turns_come_to_one_request_a_slot_and_to_each_at_most_every_2nd_slot():
+def test_shadow_turns_come_to_one_request_a_slot_in_turn():
     for batch in (1, 2, 3, 4, 16):
         turns = [[is_shadow_turn(count, i, batch) for i in range(batch)] for count in range(1, 49)]
-        period = max(2, batch)
-        for i in range(batch):  # each request in turn, every period-th slot
+        period = batch
+        for i in range(batch):  # each request in turn, every period-th slot (at batch 1 every slot)
             mine = [count for count, row in enumerate(turns) if row[i]]
             assert len(mine) == 48 // period and all(b - a == period for a, b in zip(mine, mine[1:]))
         assert all(sum(row) <= 1 for row in turns)  # one request's shadow drafts a slot at most
@@ -58,7 +58,8 @@ def test_shadow_drafts_are_decided_by_the_committed_tokens():
     assert sorted(shadows.resolve("r", prompt + [4, 5, 7])) == [Decided("ng", 4, 2),
                                                                 Decided("sfx", 2, 2, (0.9, 0.6))]  # a mismatch; all
     shadows.add("r", len(prompt) + 3, {"ng": []})  # nothing to propose: decided at once, as an empty proposal
-    assert shadows.resolve("r", prompt + [4, 5, 7]) == [Decided("ng", 0, 0)]
+    assert shadows.resolve("r", prompt + [4, 5, 7]) == [Decided("ng", 0, 0, (), (0, "ng"))]  # paced: where its last
+    #                                                                                        draft was decided
     shadows.add("r", len(prompt) + 3, {})  # the request ran n-gram itself: no shadow
     assert shadows.resolve("r", prompt + [4, 5, 7, 8]) == []
     shadows.add("r", len(prompt) + 4, {"ng": [1, 2, 3]}, {"ng": [0.5, 0.4, 0.3]})
@@ -68,6 +69,31 @@ def test_shadow_drafts_are_decided_by_the_committed_tokens():
     assert shadows.resolve("r", prompt) == []
     shadows.add("r", len(prompt), {"ng": [4]}, slot=(3, "sfx"))  # drafted at a slot that ran suffix, 3 tokens
     assert shadows.resolve("r", prompt + [4]) == [Decided("ng", 1, 1, (), (3, "sfx"))]
+
+
+def test_a_drafter_drafts_again_once_its_last_draft_is_decided_and_then_stands_at_its_own_slot():
+    """Pacing: a drafter is due for a request while none of its shadow drafts is undecided, and a draft drafted at
+    the tokens its drafter's last one was decided at stands at its drafter's own slot (the ledger weighs it as one);
+    drafted anywhere else it stands at the slot it was drafted at."""
+    shadows = ShadowDrafts()
+    prompt = [1, 2, 3, 4, 5, 9, 1, 2, 3]
+    assert shadows.due("r", ["ng", "sfx"]) == ["ng", "sfx"]
+    shadows.add("r", 9, {"ng": [4, 5, 9, 1], "sfx": [4, 7]}, slot=(1, ""))  # a plain slot: 1 token
+    assert shadows.due("r", ["ng", "sfx"]) == []
+    assert shadows.resolve("r", prompt + [4]) == []  # both undecided
+    assert shadows.resolve("r", prompt + [4, 5]) == [Decided("sfx", 2, 1, (), (1, ""))]  # its first token, then not
+    assert shadows.due("r", ["ng", "sfx"]) == ["sfx"]  # n-gram's still undecided: not drafted again
+    shadows.add("r", 11, {"sfx": [9]}, slot=(2, "ng"))  # at the tokens suffix's last draft was decided at: paced
+    shadows.add("r", 11, {"ng": [9]}, slot=(2, "ng"))  # (the worker would not have drafted it: n-gram was not due)
+    decided = shadows.resolve("r", prompt + [4, 5, 9, 1])
+    assert sorted(decided) == [Decided("ng", 1, 1, (), (2, "ng")), Decided("ng", 4, 4, (), (1, "")),
+                               Decided("sfx", 1, 1, (), (2, "sfx"))]
+    shadows.add("r", 14, {"ng": [2], "sfx": [2]}, slot=(1, ""))  # one token past where both were decided: fresh
+    assert sorted(shadows.resolve("r", prompt + [4, 5, 9, 1, 7, 2])) == [Decided("ng", 1, 1, (), (1, "")),
+                                                                       Decided("sfx", 1, 1, (), (1, ""))]
+    shadows.remove("r")
+    shadows.add("r", 15, {"ng": [3]}, slot=(1, ""))  # a removed request starts over: nothing paced
+    assert shadows.resolve("r", prompt + [4, 5, 9, 1, 7, 2, 3]) == [Decided("ng", 1, 1, (), (1, ""))]
 
 
 def test_lbss_learns_a_requests_ngram_acceptance_from_shadows_alone():

@@ -293,10 +293,12 @@ class SlotPhases:
             capacity = Capacity({d: max(0, b - taken.get(d, 0)) for d, b in capacity.per_drafter.items()})
         arms = self.selector.select(infos, capacity) if infos else []
         out = Selection()
-        # shadow drafts for SHADOWED_PER_SLOT of the requests, in turn (`is_shadow_turn`: at batch 1 every 2nd slot,
-        # at batch B each request every B-th), so their cost (~0.1 ms a request: the lookups, resolving them, learning
+        # shadow drafts for SHADOWED_PER_SLOT of the requests, in turn (`is_shadow_turn`: at batch 1 every slot, at
+        # batch B each request every B-th), so their cost (~0.1 ms a request: the lookups, resolving them, learning
         # from them) stays one request's a slot, not the batch's (at batch 4 on alpaca, where nearly every slot decodes
-        # plainly, it cost `spin` ~5% of `none`'s speed); the calibration they feed is the drafters', not the request's
+        # plainly, it cost `spin` ~5% of `none`'s speed); the calibration they feed is the drafters', not the request's.
+        # Each turn, the free drafters whose last shadow draft of the request is decided (`ShadowDrafts.due`), its own
+        # drafter's too (all SHADOW_K positions, past a cut draft)
         self._shadow_turn += 1
         for i, (st, arm) in enumerate(zip(ready, arms)):  # a worker's own limit, over all the drafters it hosts
             if arm.drafter is not None:
@@ -308,7 +310,7 @@ class SlotPhases:
             st.min_confidence = self.selector.confidence_floor(st.req_id) if arm.drafter is not None else ()
             if st.seq.params.is_greedy and st.req.drafter == AUTO and is_shadow_turn(self._shadow_turn, i, len(ready)) \
                     and self.selector.wants_shadow(st.req_id):
-                st.shadow = list(self.shadowed)  # its own drafter's too: all SHADOW_K positions, past a cut draft
+                st.shadow = self.shadows.due(st.req_id, self.shadowed)
             hint = self.selector.precompute_hint(st.req_id)
             if hint is not None and hint in self.model_drafters and hint not in st.precomputed:
                 out.precompute.append((st, hint))

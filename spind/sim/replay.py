@@ -239,7 +239,7 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
         # selected on the plain fast path, or not selected, what it took here
         modelled = learns and selected and not selector.nothing_pays  # selected in full or settled: not clocked
         select_s = ((costs.settled_s if selector.settled_on is not None else costs.select_s) if modelled else timed)
-        tokens_in_forward, draft_s, shadow_s, results = 0, {}, 0.0, {}
+        tokens_in_forward, draft_s, shadow_s, results, shadowed = 0, {}, 0.0, {}, {}
         for r, arm in zip(ids, arms):
             rec, (pos,) = running[r]
             seq = rec.prompt + rec.output[:pos]
@@ -251,8 +251,8 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
                 draft_s[r] = calls(arm.drafter, r, len(seq))
             if wanted[r]:
                 proposed, rated = {}, {}
-                for name, d in pool.items():
-                    shadow = d.propose([DraftInput(r, seq, SHADOW_K)])[0]
+                for name in shadows.due(r, list(pool)):  # as `SlotPhases.select`
+                    shadow = pool[name].propose([DraftInput(r, seq, SHADOW_K)])[0]
                     proposed[name] = list(shadow.tokens)
                     if shadow.confidence is not None:
                         rated[name] = list(shadow.confidence)
@@ -263,6 +263,7 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
                 accepted += 1
             if wanted[r]:
                 shadows.add(r, len(seq), proposed, rated, (min(accepted + 1, left), arm.drafter if tokens else ""))
+                shadowed[r] = arm.drafter in proposed
             results[r] = (len(tokens), accepted, min(accepted + 1, left))
             tokens_in_forward += len(tokens) + 1
         f = next(host)
@@ -293,7 +294,7 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
             feedback.append(SlotFeedback(
                 req_id=r, arm=arm, num_drafted=drafted, num_accepted=accepted, num_committed=committed,
                 draft_s=draft_s.get(r, 0.0), verify_s=verify_s, batch_size=len(ids), batch_tokens=tokens_in_forward,
-                shadow=tuple(d[:3] for d in decided), shadowed=arm.drafter is not None and wanted[r],
+                shadow=tuple(d[:3] for d in decided), shadowed=shadowed.get(r, False),
                 shadow_slot=tuple(d.slot for d in decided),
                 shadow_confidence=tuple((d.drafter, d.confidence, d.accepted) for d in decided if d.confidence),
                 select_s=(select_s + shadow_s) / len(ids)))

@@ -267,16 +267,21 @@ class LBSSSelector:
 
     def wants_shadow(self, req_id: str) -> bool:
         """Shadow drafts teach acceptance and calibration, and tell a request that decodes plainly when its drafter
-        would pay again (`_cut`); none where no draft could pay anyway (the lookups are saved). A request whose
-        latest QUIET_DRAFTS or more shadow drafts had no token above its drafters' floors is shadowed at every 2nd,
-        then 4th, then SHADOW_BACKOFF_MAX-th of its turns, and at every turn again once one has: on a CPU at batch
-        4 and more, where nearly every slot decodes plainly, they took ~2% of the target worker's time, and the
-        selection's overhead is what `auto` loses to plain decoding there."""
+        would pay again (`_cut`); none where no draft could pay anyway (the lookups are saved). At batch 1 every turn
+        (every slot) where drafts may pay: there a drafter's shadow drafts follow its own slots (`ShadowDrafts`:
+        paced), which a turn skipped breaks; the thinning below, applied there, left the ledger on the drafter that
+        ran first (replayed: gsm8k 0.94x `fixed:suffix` settled on n-gram lookup, 0.98x with every turn). Past batch
+        1, a request whose latest QUIET_DRAFTS or more shadow drafts had no token above its drafters' floors is
+        shadowed at every 2nd, then 4th, then SHADOW_BACKOFF_MAX-th of its turns, and at every turn again once one
+        has: on a CPU at batch 4 and more, where nearly every slot decodes plainly, they took ~2% of the target
+        worker's time, and the selection's overhead is what `auto` loses to plain decoding there."""
         if self.nothing_pays:
             if not self.idle:
                 return False
             self._idle_shadows += 1  # idle: what the drafts would be worth must still be learned, at a small cost
             return self._idle_shadows % IDLE_SHADOW == 0
+        if self._batch_size == 1:
+            return True
         if self.settled_on is not None:  # the ledger and the calibration are everyone's: a few shadow drafts keep them
             self._settled_shadows += 1
             return self._settled_shadows % SETTLED_SHADOW == 0
@@ -555,10 +560,11 @@ class LBSSSelector:
         """Each decided shadow draft into the ledger, with its tokens' ratings (valued at a price reading:
         `_pricing_at`), weighed by the drafter's own slots it stands for: the ledger values a drafter per slot *it*
         would run, but its shadow drafts come at the slots of whatever the request ran. A draft drafted at a slot
-        that ran the same drafter is one of its own slots (weight 1). Elsewhere, a draft accepted to the default k
-        is a copy run, which goes on past it: the drafter's own slot would take 1 + k tokens of it where the slot
-        the draft was drafted at committed `advance`, so it stands for advance / (1 + k) own slots; any other draft
-        stands for one (its own slots there advance about as the slots run do). Counted one a draft, a copy run
+        that ran the same drafter, or paced (`ShadowDrafts`: where its drafter's own slot would start), is one of its
+        own slots (weight 1). Elsewhere, a draft accepted to the default k is a copy run, which goes on past it: the
+        drafter's own slot would take 1 + k tokens of it where the slot the draft was drafted at committed `advance`,
+        so it stands for advance / (1 + k) own slots; any other draft stands for one (its own slots there advance
+        about as the slots run do). Counted one a draft, a copy run
         shows at each of the slots another drafter spends on it: replayed on the outputs of `fixed:suffix` runs
         (alpaca, mtbench, gsm8k, humaneval; default model, k = 4), n-gram lookup's shadow drafts at suffix
         decoding's slots rated it 38% (alpaca), 24%, 29% and 26% above what its own slots accept, ahead of suffix
@@ -566,7 +572,8 @@ class LBSSSelector:
         so, +14%, +6%, +8% and +8%, below suffix decoding's worth everywhere once draft tokens are priced. Suffix
         decoding's drafts at n-gram lookup's slots read its own slots 18% to 2% low weighed so (-33% to -12% with
         every draft weighed as a copy run, advance / (1 + accepted): suffix decoding's acceptance does not come in
-        runs); with this, either drafter settled on, the other one's ledger ranks them as their own slots do."""
+        runs). Weighed so, the drafter that runs was still read ahead of the other by ~10% (the shadow drafts of
+        every 2nd slot of batch 1: `ShadowDrafts` gives the figures); paced, neither is."""
         rated: dict[str, list[tuple[float, ...]]] = {}  # in fb.shadow's order, per drafter
         for name, confidence, _ in fb.shadow_confidence:
             rated.setdefault(name, []).append(confidence)
