@@ -268,13 +268,13 @@ class LBSSSelector:
     def wants_shadow(self, req_id: str) -> bool:
         """Shadow drafts teach acceptance and calibration, and tell a request that decodes plainly when its drafter
         would pay again (`_cut`); none where no draft could pay anyway (the lookups are saved). At batch 1 every turn
-        (every slot) where drafts may pay: there a drafter's shadow drafts follow its own slots (`ShadowDrafts`:
-        paced), which a turn skipped breaks; the thinning below, applied there, left the ledger on the drafter that
-        ran first (replayed: gsm8k 0.94x `fixed:suffix` settled on n-gram lookup, 0.98x with every turn). Past batch
-        1, a request whose latest QUIET_DRAFTS or more shadow drafts had no token above its drafters' floors is
-        shadowed at every 2nd, then 4th, then SHADOW_BACKOFF_MAX-th of its turns, and at every turn again once one
-        has: on a CPU at batch 4 and more, where nearly every slot decodes plainly, they took ~2% of the target
-        worker's time, and the selection's overhead is what `auto` loses to plain decoding there."""
+        (every slot) where drafts may pay: there a drafter's shadow drafts follow its own slots (`ShadowDrafts`: paced),
+        which a turn skipped breaks; the thinning below, applied there, left the ledger on the drafter that ran first
+        (replayed, one draw of gsm8k at a CPU's cheap draft tokens: 0.94x `fixed:suffix` settled on n-gram lookup, 0.98x
+        with every turn). Past batch 1, a request whose latest QUIET_DRAFTS or more shadow drafts had no token above its
+        drafters' floors is shadowed at every 2nd, then 4th, then SHADOW_BACKOFF_MAX-th of its turns, and at every turn
+        again once one has: on a CPU at batch 4 and more, where nearly every slot decodes plainly, they took ~2% of the
+        target worker's time, and the selection's overhead is what `auto` loses to plain decoding there."""
         if self.nothing_pays:
             if not self.idle:
                 return False
@@ -572,8 +572,8 @@ class LBSSSelector:
         so, +14%, +6%, +8% and +8%, below suffix decoding's worth everywhere once draft tokens are priced. Suffix
         decoding's drafts at n-gram lookup's slots read its own slots 18% to 2% low weighed so (-33% to -12% with
         every draft weighed as a copy run, advance / (1 + accepted): suffix decoding's acceptance does not come in
-        runs). Weighed so, the drafter that runs was still read ahead of the other by ~10% (the shadow drafts of
-        every 2nd slot of batch 1: `ShadowDrafts` gives the figures); paced, neither is."""
+        runs). Weighed so, the drafter that ran was still read 1-15% ahead of the other against its reading while the
+        other ran (shadow drafts at every 2nd slot of batch 1); paced, by less (`ShadowDrafts` gives the figures)."""
         rated: dict[str, list[tuple[float, ...]]] = {}  # in fb.shadow's order, per drafter
         for name, confidence, _ in fb.shadow_confidence:
             rated.setdefault(name, []).append(confidence)
