@@ -545,7 +545,7 @@ class LBSSSelector:
             if not st.is_bypass:
                 st.counts.add_acceptance((), j, drafted, accepted)
                 st.positions.add(j, drafted, accepted)
-        quiet = bool(fb.shadow_confidence)
+        quiet = bool(fb.shadow_confidence) and fb.batch_size > 1  # only the back-off past batch 1 reads it
         for name, confidence, accepted in fb.shadow_confidence:
             j = self.arm_set.drafter_index.get(name)
             if j is not None:
