@@ -58,8 +58,7 @@ def test_shadow_drafts_are_decided_by_the_committed_tokens():
     assert sorted(shadows.resolve("r", prompt + [4, 5, 7])) == [Decided("ng", 4, 2),
                                                                 Decided("sfx", 2, 2, (0.9, 0.6))]  # a mismatch; all
     shadows.add("r", len(prompt) + 3, {"ng": []})  # nothing to propose: decided at once, as an empty proposal
-    assert shadows.resolve("r", prompt + [4, 5, 7]) == [Decided("ng", 0, 0, (), (0, "ng"))]  # paced: where its last
-    #                                                                                        draft was decided
+    assert shadows.resolve("r", prompt + [4, 5, 7]) == [Decided("ng", 0, 0)]
     shadows.add("r", len(prompt) + 3, {})  # the request ran n-gram itself: no shadow
     assert shadows.resolve("r", prompt + [4, 5, 7, 8]) == []
     shadows.add("r", len(prompt) + 4, {"ng": [1, 2, 3]}, {"ng": [0.5, 0.4, 0.3]})
@@ -72,26 +71,29 @@ def test_shadow_drafts_are_decided_by_the_committed_tokens():
 
 
 def test_a_drafter_drafts_again_once_its_last_draft_is_decided_and_then_stands_at_its_own_slot():
-    """Pacing: a drafter is due for a request while none of its shadow drafts is undecided, and a draft drafted at
-    the tokens its drafter's last one was decided at stands at its drafter's own slot (the ledger weighs it as one);
-    drafted anywhere else it stands at the slot it was drafted at."""
+    """Pacing at batch 1: a drafter is due for a request while none of its shadow drafts is undecided, and a draft
+    drafted at the tokens its drafter's last one was decided at stands at its drafter's own slot (the ledger weighs it
+    as one); drafted anywhere else, or past batch 1, it stands at the slot it was drafted at."""
     shadows = ShadowDrafts()
     prompt = [1, 2, 3, 4, 5, 9, 1, 2, 3]
+    one = {"every_slot": True}
     assert shadows.due("r", ["ng", "sfx"]) == ["ng", "sfx"]
-    shadows.add("r", 9, {"ng": [4, 5, 9, 1], "sfx": [4, 7]}, slot=(1, ""))  # a plain slot: 1 token
+    shadows.add("r", 9, {"ng": [4, 5, 9, 1], "sfx": [4, 7]}, slot=(1, ""), **one)  # a plain slot: 1 token
     assert shadows.due("r", ["ng", "sfx"]) == []
     assert shadows.resolve("r", prompt + [4]) == []  # both undecided
     assert shadows.resolve("r", prompt + [4, 5]) == [Decided("sfx", 2, 1, (), (1, ""))]  # its first token, then not
     assert shadows.due("r", ["ng", "sfx"]) == ["sfx"]  # n-gram's still undecided: not drafted again
-    shadows.add("r", 11, {"sfx": [9]}, slot=(2, "ng"))  # at the tokens suffix's last draft was decided at: paced,
-    decided = shadows.resolve("r", prompt + [4, 5, 9, 1])  # at a slot that ran n-gram
+    shadows.add("r", 11, {"sfx": [9]}, slot=(2, "ng"), **one)  # where suffix's last draft was decided: paced, at a
+    decided = shadows.resolve("r", prompt + [4, 5, 9, 1])     # slot that ran n-gram
     assert sorted(decided) == [Decided("ng", 4, 4, (), (1, "")), Decided("sfx", 1, 1, (), (2, "sfx"))]
-    shadows.add("r", 14, {"ng": [2], "sfx": [2]}, slot=(1, ""))  # one token past where both were decided: fresh
+    shadows.add("r", 14, {"ng": [2], "sfx": [2]}, slot=(1, ""), **one)  # a token past where both were decided: fresh
     assert sorted(shadows.resolve("r", prompt + [4, 5, 9, 1, 7, 2])) == [Decided("ng", 1, 1, (), (1, "")),
                                                                        Decided("sfx", 1, 1, (), (1, ""))]
-    shadows.remove("r")
-    shadows.add("r", 15, {"ng": [3]}, slot=(1, ""))  # a removed request starts over: nothing paced
+    shadows.add("r", 15, {"ng": [3]}, slot=(1, ""))  # where n-gram's last was decided, but past batch 1: not paced
     assert shadows.resolve("r", prompt + [4, 5, 9, 1, 7, 2, 3]) == [Decided("ng", 1, 1, (), (1, ""))]
+    shadows.remove("r")
+    shadows.add("r", 16, {"ng": [4]}, slot=(1, ""), **one)  # a removed request starts over: nothing paced
+    assert shadows.resolve("r", prompt + [4, 5, 9, 1, 7, 2, 3, 4]) == [Decided("ng", 1, 1, (), (1, ""))]
 
 
 def test_lbss_learns_a_requests_ngram_acceptance_from_shadows_alone():

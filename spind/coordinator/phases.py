@@ -297,8 +297,8 @@ class SlotPhases:
         # batch B each request every B-th), so their cost (~0.1 ms a request: the lookups, resolving them, learning
         # from them) stays one request's a slot, not the batch's (at batch 4 on alpaca, where nearly every slot decodes
         # plainly, it cost `spin` ~5% of `none`'s speed); the calibration they feed is the drafters', not the request's.
-        # Each turn, the free drafters whose last shadow draft of the request is decided (`ShadowDrafts.due`), its own
-        # drafter's too (all SHADOW_K positions, past a cut draft)
+        # Each turn every free drafter, its own drafter's too (all SHADOW_K positions, past a cut draft); at batch 1
+        # those whose last shadow draft of the request is decided (`ShadowDrafts.due`: paced)
         self._shadow_turn += 1
         for i, (st, arm) in enumerate(zip(ready, arms)):  # a worker's own limit, over all the drafters it hosts
             if arm.drafter is not None:
@@ -310,7 +310,7 @@ class SlotPhases:
             st.min_confidence = self.selector.confidence_floor(st.req_id) if arm.drafter is not None else ()
             if st.seq.params.is_greedy and st.req.drafter == AUTO and is_shadow_turn(self._shadow_turn, i, len(ready)) \
                     and self.selector.wants_shadow(st.req_id):
-                st.shadow = self.shadows.due(st.req_id, self.shadowed)
+                st.shadow = self.shadows.due(st.req_id, self.shadowed) if len(ready) == 1 else list(self.shadowed)
             hint = self.selector.precompute_hint(st.req_id)
             if hint is not None and hint in self.model_drafters and hint not in st.precomputed:
                 out.precompute.append((st, hint))
@@ -606,7 +606,7 @@ class SlotPhases:
         if shadow is None:
             st.shadow = []
         self.shadows.add(st.req_id, len(seq.token_ids), r.shadow, r.shadow_confidence,
-                         (len(r.tokens), arm.drafter if r.num_drafted else ""))
+                         (len(r.tokens), arm.drafter if r.num_drafted else ""), every_slot=len(outcome.batch) == 1)
         kept = seq.append(r.tokens)
         self.committed_tokens += len(kept)
         if seq.params.grammar is not None:

@@ -251,7 +251,7 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
                 draft_s[r] = calls(arm.drafter, r, len(seq))
             if wanted[r]:
                 proposed, rated = {}, {}
-                for name in shadows.due(r, list(pool)):  # as `SlotPhases.select`
+                for name in shadows.due(r, list(pool)) if len(ids) == 1 else list(pool):  # as `SlotPhases.select`
                     shadow = pool[name].propose([DraftInput(r, seq, SHADOW_K)])[0]
                     proposed[name] = list(shadow.tokens)
                     if shadow.confidence is not None:
@@ -262,7 +262,8 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
             while accepted < len(tokens) and tokens[accepted] == rec.output[pos + accepted]:
                 accepted += 1
             if wanted[r]:
-                shadows.add(r, len(seq), proposed, rated, (min(accepted + 1, left), arm.drafter if tokens else ""))
+                shadows.add(r, len(seq), proposed, rated, (min(accepted + 1, left), arm.drafter if tokens else ""),
+                            every_slot=len(ids) == 1)
                 shadowed[r] = arm.drafter in proposed
             results[r] = (len(tokens), accepted, min(accepted + 1, left))
             tokens_in_forward += len(tokens) + 1

@@ -56,7 +56,8 @@ class Decided(NamedTuple):
 class ShadowDrafts:
     """Each request's undecided shadow drafts, decided as its tokens commit.
 
-    Pacing. Where a drafter's shadow draft is drafted at the first slot after its last one was decided, it starts
+    Pacing (batch 1, where every slot is a request's shadow turn). Where a drafter's shadow draft is drafted at the
+    first slot after its last one was decided, it starts
     where that one's own slot would have ended (its accepted tokens and the bonus token: the mismatch that decided
     it is the bonus), give or take what the slot that ran overshot: the drafter's shadow drafts then follow its own
     slots through the text, and each stands for one of them (`add` marks it so, `LBSSSelector._ledger` weighs it as
@@ -75,19 +76,24 @@ class ShadowDrafts:
         self._decided_at: dict[str, dict[str, int]] = {}  # req_id -> drafter -> tokens when its last draft decided
 
     def due(self, req_id: str, drafters: Sequence[str]) -> list[str]:
-        """Those of `drafters` with no undecided shadow draft of the request: the ones that draft one this turn."""
+        """Those of `drafters` with no undecided shadow draft of the request: the ones that draft one this turn at
+        batch 1 (past it, every free drafter drafts at each turn)."""
         busy = {p.drafter for p in self._pending.get(req_id, ())}
         return [d for d in drafters if d not in busy]
 
     def add(self, req_id: str, position: int, drafts: dict[str, list[int]],
-            confidence: dict[str, list[float]] | None = None, slot: tuple[int, str] = (0, "")) -> None:
+            confidence: dict[str, list[float]] | None = None, slot: tuple[int, str] = (0, ""),
+            every_slot: bool = False) -> None:
         """Shadow drafts a worker returned for the request, drafted after its first `position` tokens, with their
         confidences where the drafter has them; slot: what that slot did (the tokens it committed, the drafter it
-        ran, "" for none; (0, "") where not known). A draft drafted at the tokens its drafter's last one was decided
-        at is paced: its slot is its drafter's own."""
+        ran, "" for none; (0, "") where not known); every_slot: the request may be shadowed at every slot (batch 1).
+        There, a draft drafted at the tokens its drafter's last one was decided at is paced: its slot is its
+        drafter's own. Past batch 1 nothing is: a request's turn comes every B-th slot, and a plain request's draft
+        of SHADOW_K tokens that all match is decided exactly B = SHADOW_K slots later, where its next turn drafts
+        again, one copy run after another, none of them where the drafter's own slot would start."""
         if drafts:
             conf = confidence or {}
-            decided = self._decided_at.get(req_id, {})
+            decided = self._decided_at.get(req_id, {}) if every_slot else {}
             self._pending.setdefault(req_id, []).extend(
                 _Pending(n, position, list(d), tuple(conf.get(n, ())),
                          (slot[0], n) if decided.get(n) == position else slot)
