@@ -57,19 +57,19 @@ class ShadowDrafts:
     """Each request's undecided shadow drafts, decided as its tokens commit.
 
     Pacing (batch 1, where every slot is a request's shadow turn). Where a drafter's shadow draft is drafted at the
-    first slot after its last one was decided, it starts
-    where that one's own slot would have ended (its accepted tokens and the bonus token: the mismatch that decided
-    it is the bonus), give or take what the slot that ran overshot: the drafter's shadow drafts then follow its own
-    slots through the text, and each stands for one of them (`add` marks it so, `LBSSSelector._ledger` weighs it as
-    one). Drafted anywhere else (another drafter's slot, after a pause) a draft sees the text at that drafter's
-    pace. Replayed at batch 1 (the default model's greedy outputs, 32 requests of mtbench, humaneval, gsm8k, alpaca,
-    cp, passage; k = 4, a CPU's verify at 1.06-1.25x a decode step for 1-4 draft tokens), with a shadow draft of
-    both drafters every 2nd slot the ledger read suffix decoding 1-15% lower against n-gram lookup while n-gram
-    lookup ran than while it ran itself, and selection (over the six and their mix, three draws of the prompts each)
-    kept whichever drafter it had settled on first (0.90-0.98x `fixed:suffix`, mean 0.961); paced and at every slot
-    (`is_shadow_turn`), it read suffix decoding ahead wherever its own slots are (by 1-4% less while n-gram lookup
-    ran on four of the six, 9-10% on alpaca and passage) and kept it (0.958-0.981x, mean 0.976: the rest is what
-    selecting costs). Unpaced at every slot: mean 0.971, worst 0.949."""
+    first slot after its last one was decided, it starts where that one's own slot would have ended (its accepted
+    tokens and the bonus token: the mismatch that decided it is the bonus), give or take what the slot that ran
+    overshot: the drafter's shadow drafts then follow its own slots through the text, and each stands for one of
+    them (`add` marks it so, `LBSSSelector._ledger` weighs it as one). Drafted anywhere else (another drafter's
+    slot, after a pause) a draft sees the text at that drafter's pace. Replayed at batch 1 (the default model's
+    greedy outputs, 32 requests of mtbench, humaneval, gsm8k, alpaca, cp, passage; k = 4, a CPU's verify at
+    1.06-1.25x a decode step for 1-4 draft tokens), with a shadow draft of both drafters every 2nd slot the ledger
+    read suffix decoding 1-15% lower against n-gram lookup while n-gram lookup ran than while it ran itself, and
+    selection (over the six and their mix, three draws of the prompts each) kept whichever drafter it had settled on
+    first (0.90-0.98x `fixed:suffix`, mean 0.961); paced and at every slot (`is_shadow_turn`), it read suffix
+    decoding ahead wherever its own slots are (by 1-4% less while n-gram lookup ran on four of the six, 9-10% on
+    alpaca and passage) and kept it (0.958-0.981x, mean 0.976: the rest is what selecting costs). Unpaced at every
+    slot: mean 0.971, worst 0.949."""
 
     def __init__(self) -> None:
         self._pending: dict[str, list[_Pending]] = {}
