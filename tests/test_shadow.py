@@ -77,12 +77,13 @@ def test_a_drafter_drafts_again_once_its_last_draft_is_decided_and_then_stands_a
     shadows = ShadowDrafts()
     prompt = [1, 2, 3, 4, 5, 9, 1, 2, 3]
     one = {"every_slot": True}
-    assert shadows.due("r", ["ng", "sfx"]) == ["ng", "sfx"]
+    assert shadows.due("r", ["ng", "sfx"], **one) == ["ng", "sfx"]
     shadows.add("r", 9, {"ng": [4, 5, 9, 1], "sfx": [4, 7]}, slot=(1, ""), **one)  # a plain slot: 1 token
-    assert shadows.due("r", ["ng", "sfx"]) == []
+    assert shadows.due("r", ["ng", "sfx"], **one) == []
+    assert shadows.due("r", ["ng", "sfx"]) == ["ng", "sfx"]  # past batch 1 every turn drafts both
     assert shadows.resolve("r", prompt + [4]) == []  # both undecided
     assert shadows.resolve("r", prompt + [4, 5]) == [Decided("sfx", 2, 1, (), (1, ""))]  # its first token, then not
-    assert shadows.due("r", ["ng", "sfx"]) == ["sfx"]  # n-gram's still undecided: not drafted again
+    assert shadows.due("r", ["ng", "sfx"], **one) == ["sfx"]  # n-gram's still undecided: not drafted again
     shadows.add("r", 11, {"sfx": [9]}, slot=(2, "ng"), **one)  # where suffix's last draft was decided: paced, at a
     decided = shadows.resolve("r", prompt + [4, 5, 9, 1])     # slot that ran n-gram
     assert sorted(decided) == [Decided("ng", 4, 4, (), (1, "")), Decided("sfx", 1, 1, (), (2, "sfx"))]

@@ -310,7 +310,7 @@ class SlotPhases:
             st.min_confidence = self.selector.confidence_floor(st.req_id) if arm.drafter is not None else ()
             if st.seq.params.is_greedy and st.req.drafter == AUTO and is_shadow_turn(self._shadow_turn, i, len(ready)) \
                     and self.selector.wants_shadow(st.req_id):
-                st.shadow = self.shadows.due(st.req_id, self.shadowed) if len(ready) == 1 else list(self.shadowed)
+                st.shadow = self.shadows.due(st.req_id, self.shadowed, every_slot=len(ready) == 1)
             hint = self.selector.precompute_hint(st.req_id)
             if hint is not None and hint in self.model_drafters and hint not in st.precomputed:
                 out.precompute.append((st, hint))

@@ -251,7 +251,7 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
                 draft_s[r] = calls(arm.drafter, r, len(seq))
             if wanted[r]:
                 proposed, rated = {}, {}
-                for name in shadows.due(r, list(pool)) if len(ids) == 1 else list(pool):  # as `SlotPhases.select`
+                for name in shadows.due(r, list(pool), every_slot=len(ids) == 1):  # as `SlotPhases.select`
                     shadow = pool[name].propose([DraftInput(r, seq, SHADOW_K)])[0]
                     proposed[name] = list(shadow.tokens)
                     if shadow.confidence is not None:

@@ -27,9 +27,10 @@ def is_shadow_turn(count: int, i: int, batch_size: int) -> bool:
     """Whether the i-th of a slot's batch_size requests takes its turn for shadow drafts at the count-th select:
     SHADOWED_PER_SLOT of them a slot, in turn (at batch 1 every slot, at batch B each request every B-th), so their
     cost (~70 us a request: the worker's lookups, resolving them, learning from them; ~1% of a default-model slot
-    at batch 1 on a 2-core CPU) stays one request's a slot. Within a turn only the drafters whose last shadow draft
-    of the request is decided draft again (`ShadowDrafts.due`): at batch 1, where every slot is the request's turn,
-    each drafter's shadow drafts then follow its own slots through the text (`ShadowDrafts.add`)."""
+    at batch 1 on a 2-core CPU) stays one request's a slot. At batch 1, where every slot is the request's turn, only
+    the drafters whose last shadow draft of the request is decided draft again (`ShadowDrafts.due`), so each drafter's
+    shadow drafts follow its own slots through the text (`ShadowDrafts.add`); past it every free drafter drafts at
+    each turn."""
     return (count + i) % max(1, -(-batch_size // SHADOWED_PER_SLOT)) == 0
 
 
@@ -75,9 +76,11 @@ class ShadowDrafts:
         self._pending: dict[str, list[_Pending]] = {}
         self._decided_at: dict[str, dict[str, int]] = {}  # req_id -> drafter -> tokens when its last draft decided
 
-    def due(self, req_id: str, drafters: Sequence[str]) -> list[str]:
-        """Those of `drafters` with no undecided shadow draft of the request: the ones that draft one this turn at
-        batch 1 (past it, every free drafter drafts at each turn)."""
+    def due(self, req_id: str, drafters: Sequence[str], every_slot: bool = False) -> list[str]:
+        """The drafters that draft a shadow draft of the request at its turn: where it may be shadowed at every slot
+        (batch 1), those of `drafters` with no undecided shadow draft of it (paced); past batch 1 all of them."""
+        if not every_slot:
+            return list(drafters)
         busy = {p.drafter for p in self._pending.get(req_id, ())}
         return [d for d in drafters if d not in busy]
 
