@@ -170,7 +170,8 @@ class ForgetFinished(_Msg, tag="forget_finished"):
 class Profile(_Msg, tag="profile"):
     """Measure what this worker's models cost: each hosted drafter per draft token, the target's verify
     forward at each batch size (k + 1 tokens for `drafting` of the requests, all of them where 0, one for the
-    others; over `context` tokens of KV)."""
+    others; over `context` tokens of KV), on `threads` torch threads (0: the worker's own; the drafters always on
+    its own)."""
 
     seq: int
     k: Count
@@ -178,6 +179,7 @@ class Profile(_Msg, tag="profile"):
     context: Count
     reps: Count
     drafting: Count = 0
+    threads: Count = 0
 
 
 class Ping(_Msg, tag="ping"):

@@ -657,3 +657,4 @@ def test_a_verify_outcome_reports_its_forwards_tokens_unless_it_was_split():
                P.VerifyResult(req_id="b", tokens=[3], num_drafted=0, num_accepted=0)]
     assert VerifyOutcome([], results, 0.01).num_tokens == 6
     assert VerifyOutcome([], results, 0.01, num_forwards=2).num_tokens == 0
+    assert VerifyOutcome([], results, 0.01, on_share=True).num_tokens == 0  # on fewer threads than it is priced at

@@ -224,6 +224,49 @@ def test_selector_feedback_and_remove(tmp_path):
     assert all(f.num_accepted == 0 for f in by_req["b"]) and all(f.arm.drafter is None for f in by_req["n"])
 
 
+def test_a_verify_on_the_targets_share_of_the_cores_teaches_the_cost_model_nothing(tmp_path):
+    """With adaptive threads the target verifies on every core while nothing drafts beside it, and on its own share
+    while a drafter worker drafts: the verify-cost model (and the profile) price the former, so the feedback of a
+    slot verified on the share carries no forward to learn from (batch_tokens 0), while one drafted on the target's
+    own worker does."""
+    cfg = make_cfg()
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, threads=1))
+    sel = RecordingSelector()
+    env = Env(tmp_path, cfg, sel)
+    if env.coordinator.phases.all_threads < 2:
+        pytest.skip("one usable core: the target's share is every core")
+
+    async def go():
+        c = env.coordinator
+        await c.start()
+        try:
+            shares = c.phases.on_share(0), c.phases.on_share(c.phases.all_threads)
+            await collect(c, request("g", PROMPTS[0], "good"))
+            await collect(c, request("i", PROMPTS[1], "inl"))
+            return shares
+        finally:
+            await c.shutdown(drain=False)
+    assert asyncio.run(go()) == (True, False)
+    by_req: dict[str, list] = {}
+    for f in (f for slot in sel.feedback for f in slot):
+        by_req.setdefault(f.req_id, []).append(f)
+    assert by_req["g"] and all(f.batch_tokens == 0 for f in by_req["g"])  # drafted on the draft worker
+    assert by_req["i"] and all(f.batch_tokens == f.num_drafted + 1 for f in by_req["i"])  # inline, every core
+    fixed = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, adaptive_threads=False))
+    assert not started(Env(tmp_path / "fixed", fixed), lambda ph: ph.on_share(0))  # one thread count: no share
+
+
+def started(env: Env, read):
+    """read(phases) while the engine runs (the workers have greeted)."""
+    async def go():
+        await env.coordinator.start()
+        try:
+            return read(env.coordinator.phases)
+        finally:
+            await env.coordinator.shutdown(drain=False)
+    return asyncio.run(go())
+
+
 def test_lbss_leaves_out_drafters_that_cost_more_than_a_target_step(tmp_path):
     # the scripted target's 1-token step costs 2.5 ms; at the smallest k (2) a drafter cannot pay from 3.75 ms a
     # draft token on ("bad"); "half" at 3.5 ms still can, when most drafts are accepted

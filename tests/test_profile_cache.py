@@ -5,11 +5,13 @@ from speculating on every start after it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from types import SimpleNamespace
 
 from spind import protocol as P
 from spind.config import ModelConfig, RuntimeConfig, SpindConfig, validate
+from spind.coordinator.placement import worker_names
 from spind.coordinator.profile import SystemProfile, load_or_measure
 
 # measured on a 2-core VM while a draft head trained beside it, then cached: verify 21x a decode step
@@ -31,18 +33,19 @@ class Pool:
     """A target worker whose Profile replies come from `profiles`, one per measurement."""
 
     def __init__(self, profiles: list[SystemProfile]) -> None:
-        self.profiles, self.calls = list(profiles), 0
+        self.profiles, self.calls, self.msgs = list(profiles), 0, []
 
     names = ["target"]
 
     def info(self, name):
-        return SimpleNamespace(max_model_len=256)
+        return SimpleNamespace(max_model_len=256, device="cpu")
 
     def describe(self):
         return [{"name": "target", "device": "cpu", "threads": 1}]
 
     async def call(self, name, msg, timeout_s):
         self.calls += 1
+        self.msgs.append(msg)
         p = self.profiles[0]
         if msg.k == 0:  # the decode pass closes a measurement
             self.profiles.pop(0)
@@ -76,7 +79,7 @@ def test_loaded_twice_serves_the_measurement_uncached_and_a_bad_cache_is_replace
     path = next((tmp_path / "profiles").glob("*.json"))
     path.write_text(json.dumps(LOADED.to_json()))  # a cache written by an older spind, under load
     pool = Pool([AT_REST])
-    assert asyncio.run(load_or_measure(pool, cfg, 10.0)).verify_ms == AT_REST.verify_ms and pool.calls == 6
+    assert asyncio.run(load_or_measure(pool, cfg, 10.0)).verify_ms == AT_REST.verify_ms and pool.calls == 7
     assert json.loads(path.read_text())["verify_ms"]["1"] == 14.6
 
 
@@ -103,3 +106,21 @@ def test_the_verify_probe_prefills_once_and_frees_every_block(tmp_path):
     assert sorted(time_verify(runner, [2, 8], context=40, k=4, reps=1, drafting=1)) == [2, 8]
     assert widths[1:] and all(w == [5] + [1] * (len(w) - 1) for w in widths[1:])  # one request drafts, the rest not
     assert runner.kv.num_free_blocks == free and not runner.kv.seqs
+
+
+def test_the_target_is_timed_alone_on_the_threads_it_verifies_with(tmp_path):
+    """The drafters are timed first, every worker at once on its own threads, and the target's forwards then alone,
+    on the threads it verifies with while nothing drafts beside it (all the cores, with adaptive threads): timed on
+    its share, the profile priced batch 1's draft tokens at a 1-thread forward's cost while serving ran on 2."""
+    from spind.coordinator.placement import verify_threads
+
+    cfg = config(tmp_path)
+    pool = Pool([AT_REST])
+    asyncio.run(load_or_measure(pool, cfg, 10.0))
+    first, *target = pool.msgs
+    assert first.batch_sizes == [] and first.threads == 0  # the drafters alone, on the worker's own threads
+    assert target and all(m.batch_sizes and m.threads == verify_threads(cfg, "cpu") for m in target)
+    assert verify_threads(cfg, "cpu", num_cores=4) == 4 and verify_threads(cfg, "cuda", num_cores=4) == 4 // len(
+        worker_names(cfg))
+    still = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, adaptive_threads=False))
+    assert verify_threads(still, "cpu", num_cores=4) == 4 // len(worker_names(cfg))

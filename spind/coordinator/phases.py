@@ -27,7 +27,7 @@ from spind.config import TARGET_WORKER, SpindConfig, configured_kv_blocks
 from spind.coordinator.history import History
 from spind.coordinator.interface import Delta, Usage
 from spind.coordinator.metrics import EngineMetrics, SlotTimes
-from spind.coordinator.placement import target_all_threads
+from spind.coordinator.placement import target_all_threads, threads_for, verify_threads
 from spind.coordinator.profile import SystemProfile
 from spind.coordinator.recovery import RestartPolicy
 from spind.coordinator.request import RequestState, SpecStats, output_logprobs
@@ -66,6 +66,8 @@ class VerifyOutcome:
     shadow_s: float = 0.0  # the target's worker drafting shadow drafts for it (Verified.shadow_s)
     prefilled: bool = False  # its forward also wrote prefill chunks (`SlotPhases.prefill_and_verify`)
     prefill_s: float = 0.0  # of that forward, the chunks' part (`SlotPhases._split_fused`), not the verify's
+    on_share: bool = False  # the target ran it on its share of the cores (a drafter drafted on another worker
+    #                         meanwhile), not on those it verifies with alone (`SlotPhases.on_share`)
 
     def live(self) -> VerifyOutcome:
         """This outcome without the requests that ended meanwhile (a follow-on's, after the slot before ended them; a
@@ -77,9 +79,12 @@ class VerifyOutcome:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens the verify forward carried (each request's drafts and one more); 0 if it was split or also
-        prefilled (no one forward of verify rows alone to learn its cost from)."""
-        return sum(r.num_drafted + 1 for r in self.results) if self.num_forwards == 1 and not self.prefilled else 0
+        """Tokens the verify forward carried (each request's drafts and one more); 0 if it was split, also
+        prefilled, or run on the target's share of the cores (no one forward of verify rows alone, on the threads
+        the verify-cost model prices, to learn its cost from)."""
+        if self.num_forwards != 1 or self.prefilled or self.on_share:
+            return 0
+        return sum(r.num_drafted + 1 for r in self.results)
 
 
 class SlotPhases:
@@ -116,6 +121,8 @@ class SlotPhases:
         self.shadows = ShadowDrafts()
         self._shadow_turn = 0  # counts selects: whose turn it is for shadow drafts
         self.all_threads = target_all_threads(cfg)  # the target's threads while nothing drafts elsewhere
+        self.own_threads = threads_for(cfg, TARGET_WORKER)  # ... and while something does
+        self._verify_threads: int | None = None  # `on_share`
         self.failure: str | None = None  # why the engine gave up (a worker that cannot be restarted)
         self.failed = asyncio.Event()  # set with failure
         self.idle = asyncio.Event()  # set while no request is waiting or running
@@ -427,6 +434,13 @@ class SlotPhases:
         drafting = any(self.drafter_worker.get(a.drafter, TARGET_WORKER) != TARGET_WORKER for a in arms.values())
         return 0 if drafting else self.all_threads
 
+    def on_share(self, threads: int) -> bool:
+        """Whether a verify sent with `threads` (`target_threads`) runs on fewer threads than the target verifies
+        with while nothing drafts beside it (`placement.verify_threads`, what the profile times)."""
+        if self._verify_threads is None:  # the target's device is known once its worker greeted
+            self._verify_threads = verify_threads(self.cfg, self.pool.info(TARGET_WORKER).device)
+        return (threads or self.own_threads) < self._verify_threads
+
     def fuses(self, chunks: Chunks, batch: list[RequestState]) -> bool:
         """Whether this slot's prefill chunks ride in its verify's forward (`prefill_and_verify`): there are both,
         and no chunk's request has completions of its prompt waiting for its KV (they copy it before any verify
@@ -458,7 +472,7 @@ class SlotPhases:
             except WorkerError as e:
                 log.info("a verify with prefill chunks failed (%s); prefilling, then verifying apart", e)
             else:
-                outcome = self._verified(batch, reply)
+                outcome = self._verified(batch, reply, threads)
                 self.prefilled(chunks, reply)
                 self._split_fused(outcome, sum(b.end - b.start for b in reply.busy if b.kind == "prefill"))
                 return outcome
@@ -520,7 +534,7 @@ class SlotPhases:
         if not batch:
             return VerifyOutcome()
         msg = P.Verify(0, self.slot_id if slot is None else slot, [items[st.req_id] for st in batch], threads)
-        return self._verified(batch, await self.await_workers(self._call_target(msg)))
+        return self._verified(batch, await self.await_workers(self._call_target(msg)), threads)
 
     def send_follow_on(self, batch: list[RequestState], items: dict[str, P.VerifyItem], threads: int,
                        slot: int) -> Awaitable[VerifyOutcome]:
@@ -531,14 +545,15 @@ class SlotPhases:
         reply = self.pool.start_call(TARGET_WORKER, msg, self.call_timeout_s)
 
         async def outcome() -> VerifyOutcome:
-            return self._verified(batch, await reply)
+            return self._verified(batch, await reply, threads)
         return outcome()
 
-    def _verified(self, batch: list[RequestState], reply: P.Verified) -> VerifyOutcome:
+    def _verified(self, batch: list[RequestState], reply: P.Verified, threads: int) -> VerifyOutcome:
         if [r.req_id for r in reply.results] != [st.req_id for st in batch]:
             raise WorkerError(TARGET_WORKER, "verify results do not match the batch")
         self.times.grammar_s += reply.grammar_s
-        return VerifyOutcome(list(batch), reply.results, reply.verify_s, shadow_s=reply.shadow_s)
+        return VerifyOutcome(list(batch), reply.results, reply.verify_s, shadow_s=reply.shadow_s,
+                             on_share=self.on_share(threads))
 
     async def _call_target(self, msg: object) -> object:
         """pool.call to the target; deltas and feedback held back (`hold_deltas`) are released once the op is on its

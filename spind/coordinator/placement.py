@@ -39,6 +39,16 @@ def target_all_threads(cfg: SpindConfig, num_cores: int | None = None) -> int:
     return min(cores, sum(threads_for(cfg, name, cores) for name in worker_names(cfg)))
 
 
+def verify_threads(cfg: SpindConfig, target_device: str, num_cores: int | None = None) -> int:
+    """The threads the target verifies with while nothing drafts on another worker: every core's where
+    [runtime].adaptive_threads gives them to a CPU target (`target_all_threads`), else its own share. Most slots run
+    so (plain decoding and the free drafters draft nothing elsewhere), so the start-up profile times the target
+    with them and the verify-cost model learns from those forwards only (`VerifyOutcome.on_share`)."""
+    if cfg.runtime.adaptive_threads and target_device == "cpu":
+        return target_all_threads(cfg, num_cores)
+    return threads_for(cfg, TARGET_WORKER, num_cores)
+
+
 def describe_placement(workers: list[dict]) -> str:
     """One line of what runs where, from the workers' own greetings (`WorkerPool.describe()`): each worker's
     device (a tensor-parallel target: every rank's) and the drafters it hosts."""

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from spind import protocol as P
 from spind.config import TARGET_WORKER, SpindConfig
+from spind.coordinator.placement import verify_threads
 from spind.progress import about, say
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,9 @@ def profile_fields(cfg: SpindConfig, workers: list[dict], max_model_len: int) ->
     forwards cost what one process's do not)."""
     workers_ = sorted([w["name"], w["device"], w.get("device_name", ""), w.get("dtype", ""), w["threads"]]
                       + ([f"ranks {' + '.join(w['ranks'])}"] if w.get("ranks") else []) for w in workers)
-    return {**_config_fields(cfg), "context": probe_context(max_model_len, cfg.speculation.k), "workers": workers_}
+    return {**_config_fields(cfg), "context": probe_context(max_model_len, cfg.speculation.k), "workers": workers_,
+            "target_threads": verify_threads(cfg, next((w["device"] for w in workers if w["name"] == TARGET_WORKER),
+                                                       "cpu"))}
 
 
 def profile_key(cfg: SpindConfig, workers: list[dict], max_model_len: int) -> str:
@@ -199,22 +202,34 @@ async def load_or_measure(pool, cfg: SpindConfig, timeout_s: float) -> SystemPro
 
 
 async def _measure(pool, cfg: SpindConfig, max_model_len: int, timeout_s: float) -> SystemProfile:
+    """Every worker's drafters at once, each on its worker's own threads; then the target alone, on the threads it
+    verifies with while nothing drafts beside it (`profiled_threads`): its verify at each batch size, each batch with
+    one request drafting n = 1..k, and plain decoding's step (the same probe with no draft, k = 0)."""
     k, sizes = cfg.speculation.k, batch_sizes(cfg.runtime.max_batch_size)
     context = probe_context(max_model_len, k)
-    replies = await asyncio.gather(*(pool.call(name, P.Profile(0, k, sizes if name == TARGET_WORKER else [], context,
-                                                                REPS), timeout_s) for name in pool.names))
-    # each batch with one request drafting n = 1..k; and plain decoding's step: the same probe with no draft (k = 0);
-    # on the target alone
+    threads = profiled_threads(cfg, pool)
+    replies = await asyncio.gather(*(pool.call(name, P.Profile(0, k, [], context, REPS), timeout_s)
+                                     for name in pool.names))
+    verify = await pool.call(TARGET_WORKER, P.Profile(0, k, sizes, context, REPS, threads=threads), timeout_s)
     lone: dict[int, list[float]] = {}
     for n in range(1, k + 1):
-        one = await pool.call(TARGET_WORKER, P.Profile(0, n, sizes, context, LONE_REPS, drafting=1), timeout_s)
+        one = await pool.call(TARGET_WORKER, P.Profile(0, n, sizes, context, LONE_REPS, drafting=1, threads=threads),
+                              timeout_s)
         for b, ms in one.verify_ms.items():
             lone.setdefault(b, []).append(ms)
-    decode = await pool.call(TARGET_WORKER, P.Profile(0, 0, sizes, context, REPS), timeout_s)
-    return SystemProfile(k, {n: ms for r in replies for n, ms in r.draft_ms_per_token.items()},
-                         dict(next(r.verify_ms for name, r in zip(pool.names, replies) if name == TARGET_WORKER)),
+    decode = await pool.call(TARGET_WORKER, P.Profile(0, 0, sizes, context, REPS, threads=threads), timeout_s)
+    return SystemProfile(k, {n: ms for r in replies for n, ms in r.draft_ms_per_token.items()}, dict(verify.verify_ms),
                          time.time(), decode.verify_ms.get(1), dict(decode.verify_ms),
                          {b: row for b, row in lone.items() if len(row) == k})
+
+
+def profiled_threads(cfg: SpindConfig, pool) -> int:
+    """The threads the profile times the target on: those it verifies with while nothing drafts on another worker
+    (`placement.verify_threads`: every core's on a CPU with [runtime].adaptive_threads). Nearly every slot runs so,
+    and a profile timed on the target's share (1 of 2 cores with a drafter worker beside it) priced a draft token
+    at batch 1 at 2.65 ms where serving's took ~1.6 (the default model, AMD EPYC, 2 cores): `spin` drafted less
+    than `fixed:suffix`, which drafts whatever it costs."""
+    return verify_threads(cfg, pool.info(TARGET_WORKER).device)
 
 
 def _write(path: Path, profile: SystemProfile, fields: dict) -> None:

@@ -489,10 +489,14 @@ class Worker:
         any_runner = runner or next((d.runner for d in self.drafters.values() if hasattr(d, "runner")), None)
         vocab = any_runner.model.args.vocab_size if any_runner is not None else 32000
         prompt = probe_prompt(msg.context, vocab)
+        self._use_threads(0)
         draft = self._timed("profile", 0, lambda: time_draft_tokens(self.drafters, prompt, msg.k, msg.reps))
-        verify = {} if runner is None else self._timed(
-            "profile", 0, lambda: time_verify(runner, list(msg.batch_sizes), msg.context, msg.k, msg.reps, self.clock,
-                                  msg.drafting))
+        verify = {}
+        if runner is not None and msg.batch_sizes:
+            self._use_threads(msg.threads)
+            verify = self._timed("profile", 0, lambda: time_verify(runner, list(msg.batch_sizes), msg.context, msg.k,
+                                                                   msg.reps, self.clock, msg.drafting))
+            self._use_threads(0)
         return P.Profiled(msg.seq, {n: ms for n, ms in draft.items() if ms is not None}, verify, self._take_busy())
 
     def stats(self, seq: int) -> P.WorkerStats:
