@@ -27,9 +27,9 @@ refined by the forwards served at that B. `seconds_per_token_at(B)` (b_B) is wha
 batch of B, and `predict` uses the B's line where there is one. Serving at one B sweeps T over that B's range
 only, which is exactly the range that B's choice is made over. The profile also times each B with one request
 drafting every length 1..k (T = B + 1 .. B + k). At batch 1 the prior is the line through those forwards, and their
-steps say how its slope divides over the draft positions (`token_shape_at`, `_shapes`): selection prices each
-position at its share there (a CPU's second row rides along with the first). Past batch 1 they are recorded but not
-priced from (`_chords` says why).
+steps say how its slope divides over the draft positions (`token_shape_at`, `StepCurve`, refined by the forwards
+served at batch 1 as the line is): selection prices each position at its share there (a CPU's second row rides along
+with the first). Past batch 1 they are recorded but not priced from (`_chords` says why).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class VerifyCost:
         self._last: CostLine | None = None  # the last fit solved
         self.num_prior_points = 0
         self._chords: dict[int, tuple[tuple[float, float], tuple[float, ...]]] = {}  # B -> profile's (a, b), T's
-        self._shapes: dict[int, tuple[float, ...]] = {}  # B -> each draft position's share of b (`_shapes`)
+        self._steps: StepCurve | None = None  # batch 1's forwards by T, what each draft position adds (`_steps_prior`)
         self._local: dict[int, LocalLine] = {}
 
     @staticmethod
@@ -131,7 +131,7 @@ class VerifyCost:
         self.num_prior_points = len(points)
         self._line = self._last = None
         self._chords = _chords(points)
-        self._shapes = _shapes(points)
+        self._steps = _steps_prior(points, self.prior_weight, self.window)
         self._local.clear()
 
     def observe(self, batch: int, tokens: int, seconds: float) -> None:
@@ -146,6 +146,8 @@ class VerifyCost:
         self._n = decay * self._n + 1.0
         self._line = None
         self._local_line(batch).observe(tokens, seconds)
+        if batch == 1 and self._steps is not None:
+            self._steps.observe(tokens, seconds)
 
     def _local_line(self, batch: int) -> LocalLine:
         if batch not in self._local:
@@ -186,12 +188,13 @@ class VerifyCost:
 
     def token_shape_at(self, batch: int) -> tuple[float, ...] | None:
         """What each draft position of a request adds to a forward of `batch` requests, relative to
-        `seconds_per_token_at(batch)` (mean 1): the profile's, at batch 1 only; None elsewhere, or where it was not
-        measured (every position costs the same). Past batch 1 the probe's steps read what serving's do not: its
+        `seconds_per_token_at(batch)` (mean 1): batch 1's steps (`StepCurve`: the profile's, refined by serving's
+        forwards), at batch 1 only; None elsewhere, or where the profile did not time them (every position costs the
+        same). Past batch 1 the probe's steps read what serving's do not: its
         requests share one forked 128-token context, and one request's first draft token cost 0.84 ms there at B = 4
         against 1.33 over distinct 300-token contexts (the default model, Xeon, 2 threads); priced at the former,
         `spin` drafted first tokens that lost (`bench e2e` at B = 4: 0.93x `none` on mtbench, 0.90 on gsm8k)."""
-        return self._shapes.get(1) if batch == 1 else None
+        return self._steps.shape if batch == 1 and self._steps is not None else None
 
     @property
     def is_known(self) -> bool:
@@ -260,7 +263,7 @@ def _by_batch(points: Iterable[tuple[int, int, float]]) -> dict[int, dict[int, f
 
 def _chords(points: list[tuple[int, int, float]]) -> dict[int, tuple[tuple[float, float], tuple[float, ...]]]:
     """Per batch size with forwards of at least two token counts: the least-squares line in T (slope kept >= 0), and
-    its T's. At batch 1 through every forward (its one request drafting 1..k: the steps `_shapes` reads); past it
+    its T's. At batch 1 through every forward (its one request drafting 1..k: the steps `StepCurve` reads); past it
     through the plain and the all-drafting forward only. The profile's forwards with one request drafting past batch 1
     (recorded, and `bench replay` models them) read cheaper than serving's: its requests share one forked 128-token
     context, and one request's first draft token cost 0.84 ms there at B = 4 against 1.33 over distinct 300-token
@@ -278,23 +281,52 @@ def _chords(points: list[tuple[int, int, float]]) -> dict[int, tuple[tuple[float
     return chords
 
 
-def _shapes(points: list[tuple[int, int, float]]) -> dict[int, tuple[float, ...]]:
-    """At batch 1, where its forwards were measured at every draft length 1..k: what each draft position adds to the
-    forward, relative to their mean (the line's slope): the differences of consecutive forwards, each at least the
-    one before it (a token never costs less than the one it follows: the prefix cut stays a prefix, and noise does
-    not make a late position look free). On a CPU the forward is stepped in rows: the default model's second row
-    rode along with the first (batch 1, Xeon, 2 threads: within 0.3 ms of a 5.5-6 ms step), each later one added
-    0.9-1.6 ms. Past batch 1 none (`_chords` says why)."""
+class StepCurve:
+    """Batch 1's forward seconds at each T = 1 .. K + 1 (the request's draft and one more), each the decayed mean of
+    that T's forwards (over `window` of them) after a prior of `weight` forwards at the profile's; `shape`: what each
+    draft position adds, its step of the curve (at least 0), relative to their mean (the line's slope). Serving's
+    forwards refine it, as they do the line: the profile's probe reads steps serving does not (default model, AMD
+    EPYC, 2 threads: the probe's first draft token added 0.5 ms to a 7.3 ms step, serving's ~1.6, its later ones
+    1.0-1.4 against 1.2-1.7), and priced at the probe's, selection drafts first tokens that do not pay. The steps are
+    not made monotone: the curve is concave where a second row switches the kernels from their one-row loop (AVX2,
+    above) and convex where it rides along (VNNI); `worth_drafting` keeps the best prefix either way, and a step
+    read too cheap draws the forwards at its T that correct it."""
+
+    def __init__(self, prior: dict[int, float], weight: float, window: int) -> None:
+        self.ts = sorted(prior)
+        self._decay = 1.0 - 1.0 / window
+        self._w = dict.fromkeys(self.ts, weight)
+        self._sum = {t: weight * prior[t] for t in self.ts}
+        self._shape: tuple[float, ...] | None = None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens in self._w:
+            self._w[tokens] = self._decay * self._w[tokens] + 1.0
+            self._sum[tokens] = self._decay * self._sum[tokens] + seconds
+            self._shape = None
+
+    def seconds(self, tokens: int) -> float:
+        return self._sum[tokens] / self._w[tokens]
+
+    @property
+    def shape(self) -> tuple[float, ...] | None:
+        if self._shape is None:
+            steps = [max(0.0, self.seconds(t1) - self.seconds(t0)) for t0, t1 in zip(self.ts, self.ts[1:])]
+            mean = sum(steps) / len(steps)
+            self._shape = tuple(x / mean for x in steps) if mean > 0 else ()
+        return self._shape or None
+
+
+def _steps_prior(points: list[tuple[int, int, float]], weight: float, window: int) -> StepCurve | None:
+    """Batch 1's curve, where the profile timed its forwards at every draft length 1..k (T = 1 .. k + 1); None where
+    it did not (every position is then priced alike). Past batch 1 none (`_chords` says why). On a CPU the forward
+    is stepped in rows: the default model's second row rode along with the first (batch 1, Xeon, 2 threads: within
+    0.3 ms of a 5.5-6 ms step), each later one added 0.9-1.6 ms."""
     curve = _by_batch(points).get(1, {})
     ts = sorted(curve)
     if len(ts) < 3 or ts != list(range(1, ts[-1] + 1)):
-        return {}
-    steps, top = [], 0.0
-    for t0, t1 in zip(ts, ts[1:]):
-        top = max(top, curve[t1] - curve[t0])
-        steps.append(top)
-    mean = sum(steps) / len(steps)
-    return {1: tuple(x / mean for x in steps)} if mean > 0 else {}
+        return None
+    return StepCurve(curve, weight, window)
 
 
 def _nonnegative_fit(xtx: np.ndarray, xty: np.ndarray) -> tuple[float, float, float]:
