@@ -11,7 +11,7 @@ from spind.config import SelectionConfig
 from spind.coordinator.phases import VerifyOutcome
 from spind.coordinator.profile import SystemProfile
 from spind.coordinator.selection.arms import ArmSet
-from spind.coordinator.selection.cost import VerifyCost
+from spind.coordinator.selection.cost import STEP_WINDOW, VerifyCost
 from spind.coordinator.selection.estimates import Calibration, worth_drafting
 from spind.coordinator.selection.lbss import LBSSSelector
 from spind.coordinator.selection.marginal import choose
@@ -107,15 +107,15 @@ def test_the_line_fits_every_forward_at_batch_one_and_the_all_drafting_chord_pas
 def test_each_draft_position_is_priced_at_what_it_adds_to_the_forward():
     """Where the profile timed one request drafting every length 1..k, each position's price is its step of that
     curve: on a CPU whose second row rides along with the first, a request's first draft token is nearly free and
-    its later ones dear, so a draft too unsure for the line's one price still drafts
-    its first token, and a calibrated drafter's floor is lower at the first position than past it."""
+    its later ones dear, so a draft too unsure for the line's one price still drafts its first token, and a
+    calibrated drafter's floor is lower at the first position than past it."""
     steps = {1: [0.0060, 0.0061, 0.0074, 0.0084, 0.0100]}  # T = 1 .. 5: +0.1, +1.3, +1.0, +1.6 ms
     points = [(1, t + 1, sec) for t, sec in enumerate(steps[1])] + [(4, 4, 0.008), (4, 20, 0.024)]
     cost = VerifyCost()
     cost.add_prior(points)
     assert cost.token_shape_at(1) == pytest.approx([0.1, 1.3, 1.0, 1.6], rel=1e-6)  # mean 1.0 ms
     assert cost.token_shape_at(2) is None  # past batch 1 every position alike (the probe's steps mislead there)
-    assert cost.seconds_per_token_at(1) == pytest.approx(float(np.polyfit(range(1, 6), steps[1], 1)[0]))
+    assert cost.seconds_per_token_at(1) == pytest.approx((steps[1][-1] - steps[1][0]) / 4)  # the steps' mean
     flat = VerifyCost()
     flat.add_prior([(1, 1, 0.006), (1, 5, 0.010)])
     assert flat.token_shape_at(1) is None  # only k's forward: every position alike
@@ -145,20 +145,23 @@ def test_batch_1s_position_prices_follow_the_forwards_served_not_only_the_profil
     they come."""
     profile = [0.0060, 0.0061, 0.0074, 0.0084, 0.0100]  # T = 1 .. 5: +0.1, +1.3, +1.0, +1.6 ms
     served = [0.0070, 0.0086, 0.0098, 0.0110, 0.0122]  # +1.6, +1.2, +1.2, +1.2 ms
-    cost = VerifyCost(window=100)
+    cost = VerifyCost()
     cost.add_prior([(1, t + 1, sec) for t, sec in enumerate(profile)])
-    before = cost.token_shape_at(1)
-    assert before == pytest.approx([0.1, 1.3, 1.0, 1.6], rel=1e-6)
-    cost.observe(1, 1, 0.0070)  # a plain step dearer than the probe's T = 2: never a negative step
+    before = [cost.seconds_per_token_at(1) * x / profile[0] for x in cost.token_shape_at(1)]  # in plain steps
+    assert cost.token_shape_at(1) == pytest.approx([0.1, 1.3, 1.0, 1.6], rel=1e-6)
+    cost.observe(1, 1, 0.0070)  # one forward does not outweigh the profile's (worth 2)
+    assert cost.token_shape_at(1) == pytest.approx([0.1, 1.3, 1.0, 1.6], rel=1e-6)
+    for _ in range(2):  # most of them now: a plain step dearer than the probe's T = 2, never a negative step
+        cost.observe(1, 1, 0.0070)
     assert cost.token_shape_at(1)[0] == 0.0 and min(cost.token_shape_at(1)) >= 0
-    for _ in range(300):
+    for _ in range(STEP_WINDOW):
         for t, sec in enumerate(served, 1):
             cost.observe(1, t, sec)
     after = cost.token_shape_at(1)
     assert after == pytest.approx([x / 1.3 for x in (1.6, 1.2, 1.2, 1.2)], rel=1e-3)  # the prior forgotten
-    assert cost.seconds_per_token_at(1) == pytest.approx(float(np.polyfit(range(1, 6), served, 1)[0]), rel=0.02)
+    assert cost.seconds_per_token_at(1) == pytest.approx((served[-1] - served[0]) / 4)  # the steps' mean
     priced = [cost.seconds_per_token_at(1) * x / served[0] for x in after]  # in plain steps
-    assert worth_drafting([0.2] * 4, [cost.seconds_per_token_at(1) * x / profile[0] for x in before], 4) == 1
+    assert worth_drafting([0.2] * 4, before, 4) == 1
     assert worth_drafting([0.2] * 4, priced, 4) == 0  # a first token surviving 1 in 5 pays less than it costs
     assert cost.token_shape_at(4) is None  # past batch 1 every position alike, whatever was served
 

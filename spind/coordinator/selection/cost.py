@@ -34,12 +34,15 @@ with the first). Past batch 1 they are recorded but not priced from (`_chords` s
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 RIDGE = 1e-6  # without a prior: a pull of the slopes towards 0, relative to the data's scale
+STEP_WINDOW = 64  # batch 1's latest forwards at each T whose median `StepCurve` reads
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,7 @@ class VerifyCost:
         self.num_prior_points = len(points)
         self._line = self._last = None
         self._chords = _chords(points)
-        self._steps = _steps_prior(points, self.prior_weight, self.window)
+        self._steps = _steps_prior(points, self.prior_weight)
         self._local.clear()
 
     def observe(self, batch: int, tokens: int, seconds: float) -> None:
@@ -181,8 +184,12 @@ class VerifyCost:
         return self._local_line(int(batch)).fit
 
     def seconds_per_token_at(self, batch: int) -> float:
-        """What one more verified token adds to a forward of `batch` requests: that batch size's own line where it
-        has one (profiled, interpolated or observed), else the global c_tok; 0 while nothing is known."""
+        """What one more verified token adds to a forward of `batch` requests: at batch 1, where the profile timed
+        every draft length, the mean of `StepCurve`'s steps (what `token_shape_at` divides); else that batch size's
+        own line where it has one (profiled, interpolated or observed), else the global c_tok; 0 while nothing is
+        known."""
+        if batch == 1 and self._steps is not None and self._steps.mean_step > 0:
+            return self._steps.mean_step  # the mean of its steps (`token_shape_at`)
         fit = self._local_fit(batch)
         return self.seconds_per_token if fit is None else fit[1]
 
@@ -282,42 +289,49 @@ def _chords(points: list[tuple[int, int, float]]) -> dict[int, tuple[tuple[float
 
 
 class StepCurve:
-    """Batch 1's forward seconds at each T = 1 .. K + 1 (the request's draft and one more), each the decayed mean of
-    that T's forwards (over `window` of them) after a prior of `weight` forwards at the profile's; `shape`: what each
-    draft position adds, its step of the curve (at least 0), relative to their mean (the line's slope). Serving's
-    forwards refine it, as they do the line: the profile's probe reads steps serving does not (default model, AMD
-    EPYC, 2 threads: the probe's first draft token added 0.5 ms to a 7.3 ms step, serving's ~1.6, its later ones
-    1.0-1.4 against 1.2-1.7), and priced at the probe's, selection drafts first tokens that do not pay. The steps are
-    not made monotone: the curve is concave where a second row switches the kernels from their one-row loop (AVX2,
-    above) and convex where it rides along (VNNI); `worth_drafting` keeps the best prefix either way, and a step
-    read too cheap draws the forwards at its T that correct it."""
+    """Batch 1's forward seconds at each T = 1 .. K + 1 (the request's draft and one more), each the median of that
+    T's latest STEP_WINDOW forwards, the profile's counting as `weight` of them until serving's replace them; `steps`:
+    what each draft position adds, its step of the curve (at least 0), and `shape`, those relative to their mean.
+    Serving's forwards refine the profile's probe, which reads steps serving does not (default model, AMD EPYC, 2
+    threads: the probe's first draft token added 0.5 ms to a 7.3 ms step, serving's ~1.6-1.9, its later ones
+    1.0-1.4 against 1.2-1.7); priced at the probe's, selection drafts first tokens that do not pay. Medians: a
+    forward the host preempted (this VM's slots spike to 2x) moves a mean of the few forwards at a rare T by more
+    than the steps differ. The steps are not made monotone: the curve is concave where a second row takes the
+    kernels off their one-row loop (AVX2, above) and convex where it rides along (VNNI); `worth_drafting` keeps the
+    best prefix either way, and a step read too cheap draws the forwards at its T that correct it."""
 
-    def __init__(self, prior: dict[int, float], weight: float, window: int) -> None:
+    def __init__(self, prior: dict[int, float], weight: float) -> None:
         self.ts = sorted(prior)
-        self._decay = 1.0 - 1.0 / window
-        self._w = dict.fromkeys(self.ts, weight)
-        self._sum = {t: weight * prior[t] for t in self.ts}
-        self._shape: tuple[float, ...] | None = None
+        self._seen = {t: deque([prior[t]] * max(1, round(weight)), maxlen=STEP_WINDOW) for t in self.ts}
+        self._steps: tuple[float, ...] | None = None
 
     def observe(self, tokens: int, seconds: float) -> None:
-        if tokens in self._w:
-            self._w[tokens] = self._decay * self._w[tokens] + 1.0
-            self._sum[tokens] = self._decay * self._sum[tokens] + seconds
-            self._shape = None
+        if tokens in self._seen:
+            self._seen[tokens].append(seconds)
+            self._steps = None
 
     def seconds(self, tokens: int) -> float:
-        return self._sum[tokens] / self._w[tokens]
+        return statistics.median(self._seen[tokens])
+
+    @property
+    def steps(self) -> tuple[float, ...]:
+        """Seconds each draft position adds (position j: from T = j to j + 1)."""
+        if self._steps is None:
+            at = [self.seconds(t) for t in self.ts]
+            self._steps = tuple(max(0.0, b - a) for a, b in zip(at, at[1:]))
+        return self._steps
+
+    @property
+    def mean_step(self) -> float:
+        return sum(self.steps) / len(self.steps)
 
     @property
     def shape(self) -> tuple[float, ...] | None:
-        if self._shape is None:
-            steps = [max(0.0, self.seconds(t1) - self.seconds(t0)) for t0, t1 in zip(self.ts, self.ts[1:])]
-            mean = sum(steps) / len(steps)
-            self._shape = tuple(x / mean for x in steps) if mean > 0 else ()
-        return self._shape or None
+        mean = self.mean_step
+        return tuple(x / mean for x in self.steps) if mean > 0 else None
 
 
-def _steps_prior(points: list[tuple[int, int, float]], weight: float, window: int) -> StepCurve | None:
+def _steps_prior(points: list[tuple[int, int, float]], weight: float) -> StepCurve | None:
     """Batch 1's curve, where the profile timed its forwards at every draft length 1..k (T = 1 .. k + 1); None where
     it did not (every position is then priced alike). Past batch 1 none (`_chords` says why). On a CPU the forward
     is stepped in rows: the default model's second row rode along with the first (batch 1, Xeon, 2 threads: within
@@ -326,7 +340,7 @@ def _steps_prior(points: list[tuple[int, int, float]], weight: float, window: in
     ts = sorted(curve)
     if len(ts) < 3 or ts != list(range(1, ts[-1] + 1)):
         return None
-    return StepCurve(curve, weight, window)
+    return StepCurve(curve, weight)
 
 
 def _nonnegative_fit(xtx: np.ndarray, xty: np.ndarray) -> tuple[float, float, float]:
