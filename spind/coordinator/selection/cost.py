@@ -42,7 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 
 RIDGE = 1e-6  # without a prior: a pull of the slopes towards 0, relative to the data's scale
-STEP_WINDOW = 64  # batch 1's latest forwards at each T whose median `StepCurve` reads
+STEP_WINDOW = 64  # batch 1's latest forwards at each T > 1 whose median excess `StepCurve` reads
+LEVEL_WINDOW = 16  # ... over the median of its latest plain forwards (T = 1): a plain step of the moment
 
 
 @dataclass(frozen=True)
@@ -289,36 +290,40 @@ def _chords(points: list[tuple[int, int, float]]) -> dict[int, tuple[tuple[float
 
 
 class StepCurve:
-    """Batch 1's forward seconds at each T = 1 .. K + 1 (the request's draft and one more), each the median of that
-    T's latest STEP_WINDOW forwards, the profile's counting as `weight` of them until serving's replace them; `steps`:
-    what each draft position adds, its step of the curve (at least 0), and `shape`, those relative to their mean.
-    Serving's forwards refine the profile's probe, which reads steps serving does not (default model, AMD EPYC, 2
-    threads: the probe's first draft token added 0.5 ms to a 7.3 ms step, serving's ~1.6-1.9, its later ones
-    1.0-1.4 against 1.2-1.7); priced at the probe's, selection drafts first tokens that do not pay. Medians: a
-    forward the host preempted (this VM's slots spike to 2x) moves a mean of the few forwards at a rare T by more
-    than the steps differ. The steps are not made monotone: the curve is concave where a second row takes the
-    kernels off their one-row loop (AVX2, above) and convex where it rides along (VNNI); `worth_drafting` keeps the
-    best prefix either way, and a step read too cheap draws the forwards at its T that correct it."""
+    """What each draft position of batch 1's one request adds to its forward: the first c1, each later one c2 (a
+    CPU's forward is stepped in rows: the default model's second row rode along with the first on a Xeon, within 0.3
+    ms of a 5.5-6 ms step, each later one adding 0.9-1.6 ms; on AVX2 the second row takes the kernels off their
+    one-row loop and costs more than the rows after it). Fitted to each T's median excess over a plain forward of
+    the same moment (the median of the latest LEVEL_WINDOW forwards of T = 1): excess(T) = c1 + c2 (T - 2), each T
+    weighed by its forwards, the latest STEP_WINDOW of them, the profile's counting as `weight` until serving's
+    replace them; c1, c2 >= 0. The profile's probe reads steps serving does not (default model, AMD EPYC, 2
+    threads: its first draft token added 0.5 ms to a 7.3 ms step, serving's 1.6-1.9, its later ones 1.0-1.4
+    against 1.2-1.7; T = 1 .. 5 alternated in one process, 1.0-1.3 each); priced at the probe's, selection drafted
+    first tokens that did not pay. A median, over a plain forward of the same moment, and two numbers for four
+    positions: this VM's forwards spike to 2x and drift by 10% within a minute, and each T's own curve read from
+    the forwards served (medians of its latest 64) put a step at 0 in one run and at 0.4 of its neighbours in
+    another."""
 
     def __init__(self, prior: dict[int, float], weight: float) -> None:
         self.ts = sorted(prior)
-        self._seen = {t: deque([prior[t]] * max(1, round(weight)), maxlen=STEP_WINDOW) for t in self.ts}
+        copies = max(1, round(weight))
+        self._plain = deque([prior[1]] * copies, maxlen=LEVEL_WINDOW)
+        self._excess = {t: deque([prior[t] - prior[1]] * copies, maxlen=STEP_WINDOW) for t in self.ts[1:]}
         self._steps: tuple[float, ...] | None = None
 
     def observe(self, tokens: int, seconds: float) -> None:
-        if tokens in self._seen:
-            self._seen[tokens].append(seconds)
+        if tokens == 1:
+            self._plain.append(seconds)
+        elif tokens in self._excess:
+            self._excess[tokens].append(seconds - statistics.median(self._plain))
             self._steps = None
-
-    def seconds(self, tokens: int) -> float:
-        return statistics.median(self._seen[tokens])
 
     @property
     def steps(self) -> tuple[float, ...]:
-        """Seconds each draft position adds (position j: from T = j to j + 1)."""
+        """Seconds each draft position adds: (c1, c2, c2, ...)."""
         if self._steps is None:
-            at = [self.seconds(t) for t in self.ts]
-            self._steps = tuple(max(0.0, b - a) for a, b in zip(at, at[1:]))
+            c1, c2 = _first_and_rest([(t - 2, statistics.median(q), len(q)) for t, q in self._excess.items()])
+            self._steps = (c1,) + (c2,) * (len(self._excess) - 1)
         return self._steps
 
     @property
@@ -331,11 +336,20 @@ class StepCurve:
         return tuple(x / mean for x in self.steps) if mean > 0 else None
 
 
+def _first_and_rest(points: list[tuple[int, float, int]]) -> tuple[float, float]:
+    """(c1, c2) >= 0 of y = c1 + c2 x by least squares weighted by n, over (x, y, n) points; one x: (y, y)."""
+    w = sum(n for _, _, n in points)
+    mx, my = sum(n * x for x, _, n in points) / w, sum(n * y for _, y, n in points) / w
+    sxx = sum(n * (x - mx) ** 2 for x, _, n in points)
+    if sxx <= 0:
+        return max(0.0, my), max(0.0, my)
+    c2 = max(0.0, sum(n * (x - mx) * (y - my) for x, y, n in points) / sxx)
+    return max(0.0, my - c2 * mx), c2
+
+
 def _steps_prior(points: list[tuple[int, int, float]], weight: float) -> StepCurve | None:
-    """Batch 1's curve, where the profile timed its forwards at every draft length 1..k (T = 1 .. k + 1); None where
-    it did not (every position is then priced alike). Past batch 1 none (`_chords` says why). On a CPU the forward
-    is stepped in rows: the default model's second row rode along with the first (batch 1, Xeon, 2 threads: within
-    0.3 ms of a 5.5-6 ms step), each later one added 0.9-1.6 ms."""
+    """Batch 1's steps, where the profile timed its forwards at every draft length 1..k (T = 1 .. k + 1); None where
+    it did not (every position is then priced alike). Past batch 1 none (`_chords` says why)."""
     curve = _by_batch(points).get(1, {})
     ts = sorted(curve)
     if len(ts) < 3 or ts != list(range(1, ts[-1] + 1)):
