@@ -291,6 +291,9 @@ def verify_cost_summary(state: SpindState) -> str | None:
                   if isinstance(v, dict) and _number(v.get("per_token_ms")) is not None]
         if slopes:
             parts.append("ms per token by batch size " + ", ".join(slopes[:6]))
+        steps = cost.get("batch1_position_ms")
+        if isinstance(steps, list) and steps and all(_number(x) is not None for x in steps):
+            parts.append("batch 1's draft positions add " + ", ".join(f"{x:.2g}" for x in steps) + " ms")
     return " · ".join(parts)
 
 

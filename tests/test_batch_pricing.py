@@ -158,6 +158,7 @@ def test_batch_1s_position_prices_follow_the_forwards_served_not_only_the_profil
     after = cost.token_shape_at(1)
     assert after == pytest.approx([x / 1.3 for x in (1.6, 1.2, 1.2, 1.2)], rel=1e-6)  # the profile's forgotten
     assert cost.seconds_per_token_at(1) == pytest.approx(0.0013)  # the steps' mean
+    assert cost.describe()["batch1_position_ms"] == pytest.approx([1.6, 1.2, 1.2, 1.2])  # as /v1/spind/state shows
     priced = [cost.seconds_per_token_at(1) * x / served[0] for x in after]  # in plain steps
     assert worth_drafting([0.2] * 4, before, 4) == 1
     assert worth_drafting([0.2] * 4, priced, 4) == 0  # a first token surviving 1 in 5 pays less than it costs

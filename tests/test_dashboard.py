@@ -275,6 +275,9 @@ def test_verify_cost_frame_is_the_fitted_line_for_each_batch_size():
     assert list(df[df["requests"] == 4]["predicted_ms"]) == pytest.approx([12.0 + 0.25 * 4 * m for m in range(1, 10)])
     assert charts.verify_cost_summary(decode_state(with_pricing(snapshot("busy"), verify_cost=own))).endswith(
         " · ms per token by batch size B=1: 1.2")
+    steps = own | {"batch1_position_ms": [1.62, 1.21, 1.2, 1.19]}  # batch 1's draft positions (`StepCurve`)
+    assert charts.verify_cost_summary(decode_state(with_pricing(snapshot("busy"), verify_cost=steps))).endswith(
+        " · ms per token by batch size B=1: 1.2 · batch 1's draft positions add 1.6, 1.2, 1.2, 1.2 ms")
 
 
 def test_verify_fit_frame_is_predicted_and_measured_per_forward_oldest_first():

@@ -256,9 +256,12 @@ class VerifyCost:
             if fit is not None:
                 by_batch[str(b)] = {"c0_ms": round(fit[0] * 1e3, 4), "per_token_ms": round(fit[1] * 1e3, 4),
                                     "observations": round(self._local[b].n, 1)}
-        return {"c0_ms": round(line.c0 * 1e3, 4), "per_request_ms": round(line.c_req * 1e3, 4),
-                "per_token_ms": round(line.c_tok * 1e3, 4), "prior_points": self.num_prior_points,
-                "observations": round(self._n, 1), "by_batch": by_batch}
+        out = {"c0_ms": round(line.c0 * 1e3, 4), "per_request_ms": round(line.c_req * 1e3, 4),
+               "per_token_ms": round(line.c_tok * 1e3, 4), "prior_points": self.num_prior_points,
+               "observations": round(self._n, 1), "by_batch": by_batch}
+        if self._steps is not None:  # what each draft position of batch 1's request adds (`StepCurve`)
+            out["batch1_position_ms"] = [round(x * 1e3, 4) for x in self._steps.steps]
+        return out
 
 
 def _by_batch(points: Iterable[tuple[int, int, float]]) -> dict[int, dict[int, float]]:
