@@ -198,10 +198,10 @@ class VerifyCost:
         """What each draft position of a request adds to a forward of `batch` requests, relative to
         `seconds_per_token_at(batch)` (mean 1): batch 1's steps (`StepCurve`: the profile's, refined by serving's
         forwards), at batch 1 only; None elsewhere, or where the profile did not time them (every position costs the
-        same). Past batch 1 the probe's steps read what serving's do not: its
-        requests share one forked 128-token context, and one request's first draft token cost 0.84 ms there at B = 4
-        against 1.33 over distinct 300-token contexts (the default model, Xeon, 2 threads); priced at the former,
-        `spin` drafted first tokens that lost (`bench e2e` at B = 4: 0.93x `none` on mtbench, 0.90 on gsm8k)."""
+        same). Past batch 1 the probe's steps read what serving's do not: its requests share one forked 128-token
+        context, and one request's first draft token cost 0.84 ms there at B = 4 against 1.33 over distinct 300-token
+        contexts (the default model, Xeon, 2 threads); priced at the former, `spin` drafted first tokens that lost
+        (`bench e2e` at B = 4: 0.93x `none` on mtbench, 0.90 on gsm8k)."""
         return self._steps.shape if batch == 1 and self._steps is not None else None
 
     @property
