@@ -38,9 +38,8 @@ at::Tensor huge_page_copy(const at::Tensor& t) {
   madvise(p, size, MADV_HUGEPAGE);  // before the first touch, so the faults below take huge pages
   std::memcpy(p, t.data_ptr(), bytes);
   // A fault takes a 4 KB page where no free 2 MB one was at hand (memory fragmented by what loaded before: in one
-  // `spind bench e2e` the last target worker loaded held 234 of its 270 MB of weights on huge pages, the first 270,
-  // and its batch-4 forwards took 2-4% longer). Linux >= 6.1 collapses them now, compacting as it must; elsewhere
-  // (EINVAL) khugepaged does it in its own time.
+  // `spind bench e2e` the last target worker loaded held 234 of its 270 MB of weights on huge pages, the first 270).
+  // Linux >= 6.1 collapses them now, compacting as it must; elsewhere (EINVAL) khugepaged does it in its own time.
   madvise(p, size, kMadvCollapse);
   return at::from_blob(p, t.sizes(), [](void* q) { std::free(q); }, t.options());
 }

@@ -203,11 +203,14 @@ async def load_or_measure(pool, cfg: SpindConfig, timeout_s: float) -> SystemPro
 
 async def _measure(pool, cfg: SpindConfig, max_model_len: int, timeout_s: float) -> SystemProfile:
     """Every worker's drafters at once, each on its worker's own threads; then the target alone, on the threads it
-    verifies with while nothing drafts beside it (`profiled_threads`): its verify at each batch size, each batch with
-    one request drafting n = 1..k, and plain decoding's step (the same probe with no draft, k = 0)."""
+    verifies with while nothing drafts beside it (`placement.verify_threads`: every core's on a CPU with
+    [runtime].adaptive_threads): its verify at each batch size, each batch with one request drafting n = 1..k, and
+    plain decoding's step (the same probe with no draft, k = 0). Nearly every slot verifies on those threads, and a
+    profile timed on the target's share (1 of 2 cores with a drafter worker beside it) priced a draft token at batch
+    1 at 2.65 ms where serving's took ~1.6 (the default model, AMD EPYC, 2 cores)."""
     k, sizes = cfg.speculation.k, batch_sizes(cfg.runtime.max_batch_size)
     context = probe_context(max_model_len, k)
-    threads = profiled_threads(cfg, pool)
+    threads = verify_threads(cfg, pool.info(TARGET_WORKER).device)
     replies = await asyncio.gather(*(pool.call(name, P.Profile(0, k, [], context, REPS), timeout_s)
                                      for name in pool.names))
     verify = await pool.call(TARGET_WORKER, P.Profile(0, k, sizes, context, REPS, threads=threads), timeout_s)
@@ -221,15 +224,6 @@ async def _measure(pool, cfg: SpindConfig, max_model_len: int, timeout_s: float)
     return SystemProfile(k, {n: ms for r in replies for n, ms in r.draft_ms_per_token.items()}, dict(verify.verify_ms),
                          time.time(), decode.verify_ms.get(1), dict(decode.verify_ms),
                          {b: row for b, row in lone.items() if len(row) == k})
-
-
-def profiled_threads(cfg: SpindConfig, pool) -> int:
-    """The threads the profile times the target on: those it verifies with while nothing drafts on another worker
-    (`placement.verify_threads`: every core's on a CPU with [runtime].adaptive_threads). Nearly every slot runs so,
-    and a profile timed on the target's share (1 of 2 cores with a drafter worker beside it) priced a draft token
-    at batch 1 at 2.65 ms where serving's took ~1.6 (the default model, AMD EPYC, 2 cores): `spin` drafted less
-    than `fixed:suffix`, which drafts whatever it costs."""
-    return verify_threads(cfg, pool.info(TARGET_WORKER).device)
 
 
 def _write(path: Path, profile: SystemProfile, fields: dict) -> None:
