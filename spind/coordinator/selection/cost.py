@@ -42,8 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 RIDGE = 1e-6  # without a prior: a pull of the slopes towards 0, relative to the data's scale
-STEP_WINDOW = 64  # batch 1's latest forwards at each T > 1 whose median excess `StepCurve` reads
-LEVEL_WINDOW = 16  # ... over the median of its latest plain forwards (T = 1): a plain step of the moment
+STEP_WINDOW = 64  # batch 1's latest differences between consecutive forwards, per pair of token counts (`StepCurve`)
 
 
 @dataclass(frozen=True)
@@ -150,8 +149,11 @@ class VerifyCost:
         self._n = decay * self._n + 1.0
         self._line = None
         self._local_line(batch).observe(tokens, seconds)
-        if batch == 1 and self._steps is not None:
-            self._steps.observe(tokens, seconds)
+        if self._steps is not None:
+            if batch == 1:
+                self._steps.observe(tokens, seconds)
+            else:
+                self._steps.interrupt()
 
     def _local_line(self, batch: int) -> LocalLine:
         if batch not in self._local:
@@ -296,37 +298,54 @@ class StepCurve:
     """What each draft position of batch 1's one request adds to its forward: the first c1, each later one c2 (a
     CPU's forward is stepped in rows: the default model's second row rode along with the first on a Xeon, within 0.3
     ms of a 5.5-6 ms step, each later one adding 0.9-1.6 ms; on AVX2 the second row takes the kernels off their
-    one-row loop and costs more than the rows after it). Fitted to each T's median excess over a plain forward of
-    the same moment (the median of the latest LEVEL_WINDOW forwards of T = 1): excess(T) = c1 + c2 (T - 2), each T
-    weighed by its forwards, the latest STEP_WINDOW of them, the profile's counting as `weight` until serving's
-    replace them; c1, c2 >= 0. The profile's probe reads steps serving does not (default model, AMD EPYC, 2
-    threads: its first draft token added 0.5 ms to a 7.3 ms step, serving's 1.6-1.9, its later ones 1.0-1.4
+    one-row loop and costs more than the rows after it). Read from consecutive forwards of distinct token counts: a
+    forward of T tokens right after one of T' adds f(T) - f(T'), f(T) = c1 + c2 (T - 2) for T >= 2 and f(1) = 0, so
+    the host's drift between moments cancels; per pair of counts the median of its latest STEP_WINDOW differences,
+    the pairs' medians fitted by least squares weighed by their counts, c1, c2 >= 0. The profile's steps seed the
+    pairs (1, T) as `weight` differences each until serving's replace them, and a pair serving never ran drops out
+    once serving has made STEP_WINDOW of its own. The profile's probe reads steps serving does not (default model,
+    AMD EPYC, 2 threads: its first draft token added 0.5 ms to a 7.3 ms step, serving's 1.6-1.9, its later ones 1.0-1.4
     against 1.2-1.7; T = 1 .. 5 alternated in one process, 1.0-1.3 each); priced at the probe's, selection drafted
-    first tokens that did not pay. A median, over a plain forward of the same moment, and two numbers for four
-    positions: this VM's forwards spike to 2x and drift by 10% within a minute, and each T's own curve read from
-    the forwards served (medians of its latest 64) put a step at 0 in one run and at 0.4 of its neighbours in
-    another."""
+    first tokens that did not pay. Medians and two numbers for four positions: this VM's forwards spike to 2x and
+    drift by 10% within a minute. Read against the median of the latest plain forwards instead (stop 73), c1 swung
+    from 1.1 to 2.1 ms between quarters of one `bench e2e` run whose quarters' own medians put it at 1.3-1.7 (gsm8k,
+    batch 1): a plain forward is rare where requests draft, and the plain step it was read against was minutes old."""
 
     def __init__(self, prior: dict[int, float], weight: float) -> None:
         self.ts = sorted(prior)
         copies = max(1, round(weight))
-        self._plain = deque([prior[1]] * copies, maxlen=LEVEL_WINDOW)
-        self._excess = {t: deque([prior[t] - prior[1]] * copies, maxlen=STEP_WINDOW) for t in self.ts[1:]}
+        self._pairs = {(1, t): deque([prior[t] - prior[1]] * copies, maxlen=STEP_WINDOW) for t in self.ts[1:]}
+        self._served: dict[tuple[int, int], int] = dict.fromkeys(self._pairs, 0)  # serving's differences per pair
+        self._num_served = 0
+        self._last: tuple[int, float] | None = None  # the latest forward (T, seconds), while the next may pair with it
         self._steps: tuple[float, ...] | None = None
 
     def observe(self, tokens: int, seconds: float) -> None:
-        if tokens == 1:
-            self._plain.append(seconds)
-        elif tokens in self._excess:
-            self._excess[tokens].append(seconds - statistics.median(self._plain))
-            self._steps = None
+        if tokens not in self.ts:  # beyond the profiled draft lengths: not priced from, breaks the run
+            self._last = None
+            return
+        last, self._last = self._last, (tokens, seconds)
+        if last is None or last[0] == tokens:
+            return
+        lo, hi = sorted((last, (tokens, seconds)))
+        pair = (lo[0], hi[0])
+        self._pairs.setdefault(pair, deque(maxlen=STEP_WINDOW)).append(hi[1] - lo[1])
+        self._served[pair] = self._served.get(pair, 0) + 1
+        self._num_served += 1
+        self._steps = None
+
+    def interrupt(self) -> None:
+        """A forward of another batch size ran: the next of batch 1 pairs with none before it."""
+        self._last = None
 
     @property
     def steps(self) -> tuple[float, ...]:
         """Seconds each draft position adds: (c1, c2, c2, ...)."""
         if self._steps is None:
-            c1, c2 = _first_and_rest([(t - 2, statistics.median(q), len(q)) for t, q in self._excess.items()])
-            self._steps = (c1,) + (c2,) * (len(self._excess) - 1)
+            settled = self._num_served >= STEP_WINDOW
+            c1, c2 = _first_and_rest([(lo, hi, statistics.median(q), len(q)) for (lo, hi), q in self._pairs.items()
+                                      if not settled or self._served[(lo, hi)]])
+            self._steps = (c1,) + (c2,) * (len(self.ts) - 2)
         return self._steps
 
     @property
@@ -339,15 +358,26 @@ class StepCurve:
         return tuple(x / mean for x in self.steps) if mean > 0 else None
 
 
-def _first_and_rest(points: list[tuple[int, float, int]]) -> tuple[float, float]:
-    """(c1, c2) >= 0 of y = c1 + c2 x by least squares weighted by n, over (x, y, n) points; one x: (y, y)."""
-    w = sum(n for _, _, n in points)
-    mx, my = sum(n * x for x, _, n in points) / w, sum(n * y for _, y, n in points) / w
-    sxx = sum(n * (x - mx) ** 2 for x, _, n in points)
-    if sxx <= 0:
-        return max(0.0, my), max(0.0, my)
-    c2 = max(0.0, sum(n * (x - mx) * (y - my) for x, y, n in points) / sxx)
-    return max(0.0, my - c2 * mx), c2
+def _first_and_rest(pairs: list[tuple[int, int, float, int]]) -> tuple[float, float]:
+    """(c1, c2) >= 0 of f(hi) - f(lo) = y, f(T) = c1 [T >= 2] + c2 max(T - 2, 0), by least squares weighed by n over
+    (lo, hi, y, n); where the pairs leave one of them unread it is the other's alike (a pair (1, 2) only: c2 = c1)."""
+    rows = [(float(hi >= 2) - float(lo >= 2), max(hi - 2, 0) - max(lo - 2, 0), y, n) for lo, hi, y, n in pairs]
+    s11 = sum(n * a * a for a, _, _, n in rows)
+    s12 = sum(n * a * b for a, b, _, n in rows)
+    s22 = sum(n * b * b for _, b, _, n in rows)
+    s1y = sum(n * a * y for a, _, y, n in rows)
+    s2y = sum(n * b * y for _, b, y, n in rows)
+    det = s11 * s22 - s12 * s12
+    if s11 <= 0 or s22 <= 0 or det <= 1e-12 * (s11 + s22) ** 2:  # one of the two unread: one step for all positions
+        s = s11 + 2 * s12 + s22
+        c = max(0.0, (s1y + s2y) / s) if s > 0 else 0.0
+        return c, c
+    c1, c2 = (s22 * s1y - s12 * s2y) / det, (s11 * s2y - s12 * s1y) / det
+    if c1 >= 0 and c2 >= 0:
+        return c1, c2
+    if c2 < 0:  # flat past the first
+        return max(0.0, s1y / s11), 0.0
+    return 0.0, max(0.0, s2y / s22)
 
 
 def _steps_prior(points: list[tuple[int, int, float]], weight: float) -> StepCurve | None:
