@@ -57,6 +57,18 @@ def test_a_system_with_settings_is_a_row_of_its_own_and_a_wrong_setting_is_refus
             parse_system(name, cfg)
 
 
+def test_another_engine_of_a_system_is_a_row_of_its_own():
+    cfg = load_config()
+    copy = parse_system("none#2", cfg)
+    assert copy == dataclasses.replace(parse_system("none", cfg), name="none#2")
+    assert spind_config(cfg, copy, 4) == spind_config(cfg, parse_system("none", cfg), 4)
+    spin = parse_system("spin/selection.price_margin=0.1#3", cfg)
+    assert (spin.name, spin.settings) == ("spin/selection.price_margin=0.1#3", (("selection", "price_margin", 0.1),))
+    for bad in ("none#", "none#0", "none#x", "#2", "hf-plain#2", "oracle#2", "fast#2"):
+        with pytest.raises(RefusedSystem):
+            parse_system(bad, cfg)
+
+
 def test_open_loop_arrivals_are_poisson_and_seeded():
     assert arrivals(3, None, 0) == [0.0, 0.0, 0.0]
     a = arrivals(2000, 4.0, 7)
@@ -70,8 +82,9 @@ def test_the_oracle_learns_each_requests_best_fixed_drafter():
 
     results = {"none": [rec(0, 10, 2.0), rec(1, 10, 2.0)], "fixed:ngram": [rec(0, 10, 1.0), rec(1, 10, 4.0)],
                "fixed:int8": [rec(0, 10, 1.5), rec(1, 10, 1.0)], "spin": [rec(0, 10, 0.1), rec(1, 10, 0.1)],
-               "fixed:ngram/runtime.kv_cache_dtype=float32": [rec(0, 10, 0.1), rec(1, 10, 0.1)]}
-    # spin's runs are not candidates, nor a fixed drafter's with settings of its own
+               "fixed:ngram/runtime.kv_cache_dtype=float32": [rec(0, 10, 0.1), rec(1, 10, 0.1)],
+               "fixed:ngram#2": [rec(0, 10, 0.1), rec(1, 10, 0.1)]}
+    # spin's runs are not candidates, nor a fixed drafter's with settings of its own, nor another engine of one
     assert best_arms(results, 4) == {0: Arm("ngram", 4), 1: Arm("int8", 4)}
 
 

@@ -67,7 +67,8 @@ def add_parsers(sub: argparse._SubParsersAction,
                    help="comma-separated: none, fixed:NAME, spin, spin-nopipe, spin-nobatch-nopipe, greedy-length, "
                         "epsilon-greedy, random, oracle, hf-plain, hf-assisted:NAME, hf-prompt-lookup; a spind "
                         "system may end in /SECTION.KEY=VALUE settings of its config (a row of its own: "
-                        "spin/selection.price_margin=0.1)")
+                        "spin/selection.price_margin=0.1), or in #N: one more engine of that system (none#2 beside "
+                        "none: how far two engines of one system differ, the run's noise floor)")
     e.add_argument("--temperature", type=float, default=0.0)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--k", type=int, default=None, help="draft length of fixed:NAME (default: [speculation].k)")

@@ -74,7 +74,12 @@ def fixed_policy(system: str) -> Policy | None:
 def parse_system(name: str, cfg: SpindConfig) -> SystemSpec:
     """A system name -> how to run it; RefusedSystem names what is missing. A spind system's name may end in settings
     of its config, `/SECTION.KEY=VALUE` each (VALUE as TOML writes it): `spin/selection.price_margin=0.1` is `spin`
-    with that margin, a row of its own beside `spin`, so that a setting is weighed side by side in one run."""
+    with that margin, a row of its own beside `spin`, so that a setting is weighed side by side in one run. A name
+    ending in `#N` (N a whole number) is one more engine of the system before it, with rows of its own: `none#2` beside
+    `none` reads how far two engines of one system differ in the run, the floor under every other ratio."""
+    spec = _parse_copy(name, cfg) if "#" in name else None
+    if spec is not None:
+        return spec
     base, *settings = name.split("/")
     spec = _parse_base(base, cfg)
     if not settings:
@@ -87,6 +92,16 @@ def parse_system(name: str, cfg: SpindConfig) -> SystemSpec:
     except ConfigError as e:
         raise RefusedSystem(f"{name}: {e}") from None
     return spec
+
+
+def _parse_copy(name: str, cfg: SpindConfig) -> SystemSpec:
+    system, _, copy = name.rpartition("#")
+    if not (system and copy.isdigit() and int(copy) > 0):
+        raise RefusedSystem(f"{name}: another engine of a system is SYSTEM#N, N a whole number (e.g. none#2)")
+    spec = parse_system(system, cfg)
+    if spec.kind != "spind" or spec.policy.name == "oracle":
+        raise RefusedSystem(f"{name}: only spind systems other than oracle run as another engine (#N)")
+    return dataclasses.replace(spec, name=name)
 
 
 SET_BY_SYSTEM = ("selection.policy", "runtime.pipeline", "runtime.attention", "speculation.k")  # the system's, --k's
@@ -387,10 +402,10 @@ def drafter_shares(records: list[RequestRecord]) -> dict[str, float]:
 
 def best_arms(results: dict[str, list[RequestRecord]], k: int) -> dict[int, Arm]:
     """Each request's best drafter in hindsight: the fixed:NAME run (or none) that served it at the highest
-    goodput in this bench run (a system with settings of its own is not one of them)."""
+    goodput in this bench run (a system with settings of its own, or another engine of one, is not one of them)."""
     best: dict[int, tuple[float, Arm]] = {}
     for system, records in results.items():
-        if "/" in system:
+        if "/" in system or "#" in system:
             continue
         fixed = fixed_policy(system)
         if system != "none" and fixed is None:
