@@ -307,9 +307,10 @@ class StepCurve:
     AMD EPYC, 2 threads: its first draft token added 0.5 ms to a 7.3 ms step, serving's 1.6-1.9, its later ones 1.0-1.4
     against 1.2-1.7; T = 1 .. 5 alternated in one process, 1.0-1.3 each); priced at the probe's, selection drafted
     first tokens that did not pay. Medians and two numbers for four positions: this VM's forwards spike to 2x and
-    drift by 10% within a minute. Read against the median of the latest plain forwards instead (stop 73), c1 swung
-    from 1.1 to 2.1 ms between quarters of one `bench e2e` run whose quarters' own medians put it at 1.3-1.7 (gsm8k,
-    batch 1): a plain forward is rare where requests draft, and the plain step it was read against was minutes old."""
+    drift by 10% within a minute. Read against the median of the latest plain forwards instead, c1 swung from 1.1 to
+    2.1 ms between quarters of one `bench e2e` run whose quarters' own medians put it at 1.3-1.7 (gsm8k, batch 1; to
+    0.6 on humaneval's `fixed:suffix`): a plain forward is rare where requests draft, and the plain step it was read
+    against was minutes old. Replayed over the same forwards, the pairs read 1.4-1.8 (1.5 on humaneval)."""
 
     def __init__(self, prior: dict[int, float], weight: float) -> None:
         self.ts = sorted(prior)
