@@ -77,9 +77,8 @@ def parse_system(name: str, cfg: SpindConfig) -> SystemSpec:
     with that margin, a row of its own beside `spin`, so that a setting is weighed side by side in one run. A name
     ending in `#N` (N a whole number) is one more engine of the system before it, with rows of its own: `none#2` beside
     `none` reads how far two engines of one system differ in the run, the floor under every other ratio."""
-    spec = _parse_copy(name, cfg) if "#" in name else None
-    if spec is not None:
-        return spec
+    if "#" in name:
+        return _parse_copy(name, cfg)
     base, *settings = name.split("/")
     spec = _parse_base(base, cfg)
     if not settings:

@@ -35,7 +35,7 @@ with the first). Past batch 1 they are recorded but not priced from (`_chords` s
 from __future__ import annotations
 
 import statistics
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -316,8 +316,7 @@ class StepCurve:
         self.ts = sorted(prior)
         copies = max(1, round(weight))
         self._pairs = {(1, t): deque([prior[t] - prior[1]] * copies, maxlen=STEP_WINDOW) for t in self.ts[1:]}
-        self._served: dict[tuple[int, int], int] = dict.fromkeys(self._pairs, 0)  # serving's differences per pair
-        self._num_served = 0
+        self._served: Counter[tuple[int, int]] = Counter()  # serving's differences per pair
         self._last: tuple[int, float] | None = None  # the latest forward (T, seconds), while the next may pair with it
         self._steps: tuple[float, ...] | None = None
 
@@ -331,8 +330,7 @@ class StepCurve:
         lo, hi = sorted((last, (tokens, seconds)))
         pair = (lo[0], hi[0])
         self._pairs.setdefault(pair, deque(maxlen=STEP_WINDOW)).append(hi[1] - lo[1])
-        self._served[pair] = self._served.get(pair, 0) + 1
-        self._num_served += 1
+        self._served[pair] += 1
         self._steps = None
 
     def interrupt(self) -> None:
@@ -343,7 +341,7 @@ class StepCurve:
     def steps(self) -> tuple[float, ...]:
         """Seconds each draft position adds: (c1, c2, c2, ...)."""
         if self._steps is None:
-            settled = self._num_served >= STEP_WINDOW
+            settled = self._served.total() >= STEP_WINDOW
             c1, c2 = _first_and_rest([(lo, hi, statistics.median(q), len(q)) for (lo, hi), q in self._pairs.items()
                                       if not settled or self._served[(lo, hi)]])
             self._steps = (c1,) + (c2,) * (len(self.ts) - 2)
