@@ -180,6 +180,9 @@ def test_rounds_need_two_batches_a_slice_and_a_closed_loop():
     assert dataclasses.replace(s, batch_size=16).num_rounds() == 1  # a slice of 8 would never fill 16 clients
     assert dataclasses.replace(s, batch_size=8).num_rounds() == 2
     assert dataclasses.replace(s, rate=2.0).num_rounds() == 1  # open loop: arrivals are timed from the start
+    assert dataclasses.replace(s, rounds=0).num_rounds() == 4  # as many as leave each slice two batches
+    assert dataclasses.replace(s, rounds=0, batch_size=1).num_rounds() == 16
+    assert dataclasses.replace(s, rounds=0, num_requests=5).num_rounds() == 1
 
 
 def test_systems_taking_turns_keep_every_request_once_and_in_order(tmp_path):
@@ -191,7 +194,7 @@ def test_systems_taking_turns_keep_every_request_once_and_in_order(tmp_path):
                  "--rounds", "2", "--max-tokens", "6", "--systems", "none,fixed:ngram", "--threads", "1",
                  "--json", str(out)]) == 0
     results = json.loads(out.read_text())
-    assert results["settings"]["rounds"] == 2
+    assert results["settings"]["rounds"] == results["settings"]["num_rounds"] == 2
     for recs in results["requests"].values():
         assert [r["index"] for r in recs] == [0, 1, 2, 3] and all(r["lossless"] for r in recs)
         assert all(r["latency_s"] > 0 and r["token_ids"] for r in recs)

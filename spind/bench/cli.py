@@ -56,9 +56,10 @@ def add_parsers(sub: argparse._SubParsersAction,
     e.add_argument("--num-requests", type=int, default=24)
     e.add_argument("--batch-size", type=int, default=8, help="closed-loop clients (the paper's batch size)")
     e.add_argument("--rate", type=float, default=None, help="open loop instead: Poisson arrivals per second")
-    e.add_argument("--rounds", type=int, default=4,
+    e.add_argument("--rounds", type=int, default=0,
                    help="closed loop: the spind systems take turns over this many slices of the requests (at least "
-                        "two batches each; 1: one system after another)")
+                        "two batches each; 1: one system after another; default 0: as many as the requests allow, "
+                        "so that the host's drift in speed, seconds apart, falls on every system alike)")
     e.add_argument("--max-tokens", type=int, default=64)
     e.add_argument("--workers", choices=("threads", "processes"), default="threads",
                    help="the spind systems' workers: threads of this process, or worker processes as `spind start` "
@@ -564,8 +565,9 @@ def cmd_bench_e2e(args: argparse.Namespace) -> int:
     systems = _names(args.systems)
     if not systems:
         raise ValueError("--systems needs at least one system")
-    _check_positive(num_requests=args.num_requests, batch_size=args.batch_size, max_tokens=args.max_tokens,
-                    rounds=args.rounds)
+    _check_positive(num_requests=args.num_requests, batch_size=args.batch_size, max_tokens=args.max_tokens)
+    if args.rounds < 0:
+        raise ValueError("--rounds must be >= 0 (0: as many as the requests allow)")
     if args.rate is not None and args.rate <= 0:
         raise ValueError("--rate must be > 0 requests per second")
     k = cfg.speculation.k if args.k is None else args.k

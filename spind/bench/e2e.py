@@ -485,7 +485,8 @@ def run_e2e(cfg: SpindConfig, s: E2ESettings, prompts_text: list[Prompt]) -> dic
             recs = [r for r in results[n] if r.category == c]
             per_category[c].append({**summarize(n, recs, walls[n]), "drafter_shares": drafter_shares(recs)})
     target = cfg.worker(TARGET_WORKER)
-    return {"settings": asdict(s), "model": cfg.model.target, "rows": rows, "refused": refused,
+    return {"settings": {**asdict(s), "num_rounds": s.num_rounds()}, "model": cfg.model.target, "rows": rows,
+            "refused": refused,
             "target_ranks": list(target.group_devices) if target.tensor_parallel > 1 else [],
             "per_category": per_category,
             "requests": {n: [asdict(r) for r in recs] for n, recs in results.items()}}
@@ -496,6 +497,8 @@ def render_table(results: dict) -> str:
     loop = f"open loop, {s['rate']} req/s" if s["rate"] else f"closed loop, batch {s['batch_size']}"
     title = (f"spind bench e2e: {s['workload']}, {s['num_requests']} requests, {s['max_tokens']} tokens max, "
              f"{loop}, temperature {s['temperature']}, worker {s.get('workers', 'threads')}")
+    if s.get("num_rounds", 1) > 1:
+        title += f", {s['num_rounds']} rounds"
     if results.get("target_ranks"):
         title += f", target split over {len(results['target_ranks'])} ranks ({', '.join(results['target_ranks'])})"
     header = ["system", "goodput tok/s", "x none", "x none, round median", "tok/s/req p50", "accept", "acc len", "lat p50 s", "lat p99 s",
