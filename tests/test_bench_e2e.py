@@ -185,16 +185,25 @@ def test_rounds_need_two_batches_a_slice_and_a_closed_loop():
     assert dataclasses.replace(s, rounds=0, num_requests=5).num_rounds() == 1
 
 
-def test_systems_taking_turns_keep_every_request_once_and_in_order(tmp_path):
+def test_negative_rounds_are_refused_before_anything_loads(tmp_path, capsys):
+    from spind.cli import main
+
+    assert main(["bench", "e2e", "--workload", "alpaca", "--rounds", "-1", "--datasets-dir", str(tmp_path)]) == 2
+    assert "--rounds must be >= 0 (0: as many as the requests allow)" in capsys.readouterr().err
+
+
+def test_systems_taking_turns_keep_every_request_once_and_in_order(tmp_path, capsys):
     """... and each system's slots are its own: how many, their wall time, and the coordinator's and the target's
-    shares of it."""
+    shares of it. Asked for more requests than the workload has prompts, it runs (and counts, and slices in rounds:
+    by default as many as leave two batches a slice) the prompts it has."""
     prompts = write_prompt_file(tmp_path / "prompts.json", 4)
     out = tmp_path / "e2e.json"
-    assert main(["bench", "e2e", "--workload", str(prompts), "--num-requests", "4", "--batch-size", "1",
-                 "--rounds", "2", "--max-tokens", "6", "--systems", "none,fixed:ngram", "--threads", "1",
-                 "--json", str(out)]) == 0
+    assert main(["bench", "e2e", "--workload", str(prompts), "--num-requests", "9", "--batch-size", "1",
+                 "--max-tokens", "6", "--systems", "none,fixed:ngram", "--threads", "1", "--json", str(out)]) == 0
+    assert "has 4 prompts: 4 requests, not 9" in capsys.readouterr().err
     results = json.loads(out.read_text())
-    assert results["settings"]["rounds"] == results["settings"]["num_rounds"] == 2
+    assert results["settings"]["num_requests"] == 4
+    assert results["settings"]["rounds"] == 0 and results["settings"]["num_rounds"] == 2
     for recs in results["requests"].values():
         assert [r["index"] for r in recs] == [0, 1, 2, 3] and all(r["lossless"] for r in recs)
         assert all(r["latency_s"] > 0 and r["token_ids"] for r in recs)

@@ -571,10 +571,13 @@ def cmd_bench_e2e(args: argparse.Namespace) -> int:
     if args.rate is not None and args.rate <= 0:
         raise ValueError("--rate must be > 0 requests per second")
     k = cfg.speculation.k if args.k is None else args.k
-    settings = E2ESettings(workload=args.workload, num_requests=args.num_requests, batch_size=args.batch_size,
+    prompts = sample_workload(args.workload, args.num_requests, args.seed, args.datasets_dir)
+    if len(prompts) < args.num_requests:  # the settings (rounds, the table, the JSON) count the requests that run
+        print(f"{args.workload} has {len(prompts)} prompts: {len(prompts)} requests, not {args.num_requests}",
+              file=sys.stderr)
+    settings = E2ESettings(workload=args.workload, num_requests=len(prompts), batch_size=args.batch_size,
                            max_tokens=args.max_tokens, systems=systems, temperature=args.temperature, seed=args.seed,
                            rate=args.rate, k=k, rounds=args.rounds, workers=args.workers)
-    prompts = sample_workload(args.workload, args.num_requests, args.seed, args.datasets_dir)
     results = run_e2e(cfg, settings, prompts)
     print(render_table(results))
     print(f"wrote {write_json(args.json, results)}", file=sys.stderr)
