@@ -186,8 +186,6 @@ def test_rounds_need_two_batches_a_slice_and_a_closed_loop():
 
 
 def test_negative_rounds_are_refused_before_anything_loads(tmp_path, capsys):
-    from spind.cli import main
-
     assert main(["bench", "e2e", "--workload", "alpaca", "--rounds", "-1", "--datasets-dir", str(tmp_path)]) == 2
     assert "--rounds must be >= 0 (0: as many as the requests allow)" in capsys.readouterr().err
 

@@ -486,8 +486,7 @@ def run_e2e(cfg: SpindConfig, s: E2ESettings, prompts_text: list[Prompt]) -> dic
             per_category[c].append({**summarize(n, recs, walls[n]), "drafter_shares": drafter_shares(recs)})
     target = cfg.worker(TARGET_WORKER)
     return {"settings": {**asdict(s), "num_rounds": s.num_rounds()}, "model": cfg.model.target, "rows": rows,
-            "refused": refused,
-            "target_ranks": list(target.group_devices) if target.tensor_parallel > 1 else [],
+            "refused": refused, "target_ranks": list(target.group_devices) if target.tensor_parallel > 1 else [],
             "per_category": per_category,
             "requests": {n: [asdict(r) for r in recs] for n, recs in results.items()}}
 
