@@ -35,10 +35,10 @@ over its request-steps, its *extra*, while its slots are never shorter than a pl
 least a plain step, and selecting costs CPU on the target's cores). So a bucket whose SELECT windows add fewer extra
 tokens than PLAIN's (requests that named a drafter speculate in both) by MIN_GAIN cannot gain more than that, and runs
 PLAIN, exploring at EXPLORE_MIN only: the timed pairs cannot tell a few percent apart there, and read as noise they
-left the costlier regime running. Measured (`bench e2e`, batch 16, passage, AMD EPYC 2 vCPU): selection chose plain
-decoding for 99.8% of its requests, its SELECT windows were timed 1.04 +- 0.03 x PLAIN over 18 pairs, and 70% of the
-slots ran SELECT, at 1.02-1.05x a plain engine's slot time (`spin` 0.95x `none`, beside a second plain engine's 0.97).
-The extra tokens are counted, not timed: no noise of the host's but the text's.
+left the costlier regime running. Measured (`bench e2e`, batch 16, AMD EPYC 2 vCPU): on passage selection chose plain
+decoding for 99.8% of its requests, yet its SELECT windows were timed 1.04 +- 0.03 x PLAIN over 18 pairs and ran 70% of
+the slots; with the bound, SELECT ran 4-13% of the slots at batch 16 on all seven workloads (15-70% before). The extra
+tokens are counted, not timed: no noise of the host's, only the text's.
 
 Pure: numbers in, a regime out; its randomness is seeded.
 """
