@@ -239,8 +239,7 @@ BATCH_BUCKETS = ("1", "2", "3-4", "5-8", "9-16", "17+")  # the selector's batch-
 
 def regime_summary(regime: object) -> str | None:
     """The regime trial (selection/regime.py) in words: per batch-size bucket with measured pairs, what selection's
-    slots made against plain, unselected ones (x), the tokens its drafts added (the most it can gain), and which runs
-    now; None when there is nothing measured."""
+    slots made against plain, unselected ones (x), and which runs now; None when there is nothing measured."""
     buckets = regime.get("buckets") if isinstance(regime, dict) else None
     if not isinstance(buckets, dict):
         return None
@@ -249,9 +248,7 @@ def regime_summary(regime: object) -> str | None:
         adv = _number(b.get("advantage")) if isinstance(b, dict) else None
         if adv is None or not str(key).isdigit() or int(key) >= len(BATCH_BUCKETS):
             continue
-        gain = _number(b.get("gain_bound"))
-        added = f"drafts add {100 * gain:+.1f}%, " if gain is not None else ""
-        parts.append(f"B={BATCH_BUCKETS[int(key)]}: {adv:.2f}x ({_number(b.get('pairs')) or 0:g} pairs, {added}"
+        parts.append(f"B={BATCH_BUCKETS[int(key)]}: {adv:.2f}x ({_number(b.get('pairs')) or 0:g} pairs, "
                      f"{b.get('regime')} now)")
     return "selection vs plain, measured: " + ", ".join(parts) if parts else None
 

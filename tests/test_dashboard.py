@@ -300,11 +300,11 @@ def test_verify_cost_summary_names_pricing_price_and_coefficients():
             "(another free drafter does better on the same text) · ") in charts.verify_cost_summary(idle)
     trial = {"slots": {"select": 900, "plain": 700}, "buckets": {
         "0": {"pairs": 6, "exploited": 40, "advantage": 1.1234, "spread": 0.02, "regime": "select"},
-        "2": {"pairs": 9, "exploited": 30, "advantage": 0.951, "spread": 0.01, "gain_bound": 0.004, "regime": "plain"},
+        "2": {"pairs": 9, "exploited": 30, "advantage": 0.951, "spread": 0.01, "regime": "plain"},
         "3": {"pairs": 0, "exploited": 0, "advantage": None, "spread": None, "regime": "select"}}}
     measured = decode_state(with_pricing(snapshot("busy"), regime=trial))
-    assert (" · selection vs plain, measured: B=1: 1.12x (6 pairs, select now), "
-            "B=3-4: 0.95x (9 pairs, drafts add +0.4%, plain now) · " in charts.verify_cost_summary(measured))
+    assert (" · selection vs plain, measured: B=1: 1.12x (6 pairs, select now), B=3-4: 0.95x (9 pairs, plain now) · "
+            in charts.verify_cost_summary(measured))
     assert charts.regime_summary({"buckets": {"3": {"pairs": 0, "advantage": None}}}) is None
     assert charts.regime_summary(None) is None and charts.regime_summary({"buckets": []}) is None
     unfitted = decode_state(with_pricing(snapshot("busy"), batch_pricing=False, price=0.0, verify_cost=None))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spind.coordinator.selection.regime import EXPLORE_MIN, MIN_GAIN, MIN_PAIRS, PLAIN, SELECT, RegimeTrial
+from spind.coordinator.selection.regime import MIN_PAIRS, PLAIN, SELECT, RegimeTrial
 
 PLAIN_S = {1: 0.006, 2: 0.0065, 3: 0.007, 4: 0.0075, 16: 0.02}  # a plain forward's predicted seconds per batch size
 
@@ -17,21 +17,15 @@ def trial(**kw) -> RegimeTrial:
 
 
 def run(t: RegimeTrial, slots: int, speed: dict[str, float], bucket: int = 2, batch: int = 4, noise: float = 0.05,
-        seed: int = 1, extra: float = 0.5) -> list[str]:
-    """`slots` slots at `bucket`: each in the regime the trial gives; a SELECT slot commits `extra` tokens a request
-    past the one a plain slot commits (its accepted drafts), each slot in the seconds of its tokens / speed[regime]
-    plain steps (1 = plain decoding's speed), with noise; the regimes run, in order."""
+        seed: int = 1) -> list[str]:
+    """`slots` slots at `bucket`: each in the regime the trial gives, making `batch` tokens in the seconds of
+    batch / speed[regime] plain steps (1 = plain decoding's speed), with noise; the regimes run, in order."""
     rng = np.random.default_rng(seed)
-    ran, owed = [], 0.0  # SELECT's extra tokens not yet committed (whole tokens a slot)
+    ran = []
     for _ in range(slots):
         r = t.regime(bucket, batch)
-        tokens = batch
-        if r == SELECT:
-            owed += batch * extra
-            tokens += int(owed)
-            owed -= int(owed)
-        seconds = PLAIN_S[batch] * tokens / batch / speed[r] * (1.0 + noise * rng.standard_normal())
-        t.record(bucket, r, tokens, batch, seconds)
+        seconds = PLAIN_S[batch] / speed[r] * (1.0 + noise * rng.standard_normal())
+        t.record(bucket, r, batch, batch, seconds)
         ran.append(r)
     return ran
 
@@ -61,34 +55,6 @@ def test_where_speculation_pays_plain_slots_all_but_stop():
     late = ran[len(ran) // 4:]
     assert late.count(PLAIN) / len(late) < 0.04  # a pair now and then, to keep the evidence fresh
     assert t.advantage(2) == pytest.approx(1.2, abs=0.05)
-
-
-def test_a_select_whose_drafts_add_too_little_runs_plain_whatever_its_timing_reads():
-    """SELECT windows that commit under MIN_GAIN extra tokens a request-step cannot gain more than that: the bucket
-    runs PLAIN with only EXPLORE_MIN's pairs, though the pairs' timing (noise, here a scripted 4%) says SELECT is
-    ahead. With its drafts adding 50% it runs SELECT on the same timing."""
-    idle, busy = trial(), trial()
-    ran = run(idle, 16 * 200, {SELECT: 1.04, PLAIN: 1.0}, batch=16, bucket=4, extra=MIN_GAIN / 2)
-    late = ran[len(ran) // 2:]
-    assert late.count(SELECT) / len(late) < 3 * EXPLORE_MIN
-    described = idle.describe()["buckets"]["4"]
-    assert 0.0 < described["gain_bound"] < MIN_GAIN and described["advantage"] > 1.0
-    ran = run(busy, 16 * 200, {SELECT: 1.04, PLAIN: 1.0}, batch=16, bucket=4)
-    late = ran[len(ran) // 2:]
-    assert late.count(SELECT) / len(late) > 0.5 and busy.describe()["buckets"]["4"]["gain_bound"] == 0.5
-
-
-def test_the_gain_bound_is_selects_extra_tokens_less_plains():
-    """Requests that named a drafter speculate in PLAIN windows too: what SELECT can gain is its extra tokens less
-    theirs. Slots not timed (seconds 0) still count their tokens; slots of another regime than the window's do not."""
-    t = trial(window=4)  # one slot at batch 4
-    assert t.describe()["buckets"] == {}
-    for _ in range(2 * MIN_PAIRS):
-        r = t.regime(2, 4)
-        t.record(2, r, 7 if r == SELECT else 5, 4, 0.0)  # SELECT: 3 extra of 4 request-steps; PLAIN: 1
-        t.record(2, PLAIN if r == SELECT else SELECT, 100, 4, 0.01)  # not the window's regime: not counted
-    t.regime(2, 4)  # closes the last window
-    assert t.describe()["buckets"]["2"]["gain_bound"] == pytest.approx(0.75 - 0.25)
 
 
 def test_a_regime_that_turns_is_followed():

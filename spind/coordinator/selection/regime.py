@@ -30,16 +30,6 @@ or of PLAIN where SELECT is likely the worse (its chance to be better below PLAI
 pays or clearly loses, ~2-4% of the slots run the other regime; where the two are within the noise, both run, which
 costs little. Batch 1 is left to selection alone (MIN_BATCH).
 
-What SELECT can gain is bounded by what its drafts add: a slot's tokens past one a request (the accepted draft tokens)
-over its request-steps, its *extra*, while its slots are never shorter than a plain one (a verify of drafts costs at
-least a plain step, and selecting costs CPU on the target's cores). So a bucket whose SELECT windows add fewer extra
-tokens than PLAIN's (requests that named a drafter speculate in both) by MIN_GAIN cannot gain more than that, and runs
-PLAIN, exploring at EXPLORE_MIN only: the timed pairs cannot tell a few percent apart there, and read as noise they
-left the costlier regime running. Measured (`bench e2e`, batch 16, AMD EPYC 2 vCPU): on passage selection chose plain
-decoding for 99.8% of its requests, yet its SELECT windows were timed 1.04 +- 0.03 x PLAIN over 18 pairs and ran 70% of
-the slots; with the bound, SELECT ran 4-13% of the slots at batch 16 on all seven workloads (15-70% before). The extra
-tokens are counted, not timed: no noise of the host's, only the text's.
-
 Pure: numbers in, a regime out; its randomness is seeded.
 """
 
@@ -64,15 +54,10 @@ PLAIN_BELOW = 0.25  # a window is exploited plain only where SELECT beats PLAIN 
 #                    is what the daemon is for, and a few pairs at a start, read through a cost model that is still
 #                    learning, can make it look worse than it is
 SD_FLOOR = 0.02  # the least spread assumed of a pair's difference (a few pairs that happen to agree are not proof)
-MIN_GAIN = 0.02  # the least extra tokens a request-step SELECT's windows must add over PLAIN's for SELECT to be run on
-#                  the evidence: below it SELECT cannot gain more than its selecting costs (the trial's own pairs
-#                  measured SELECT 0.93-0.99x PLAIN in the bench e2e cells at batch 4 and 16 where selection drafted
-#                  for 0-2% of its requests: alpaca, gsm8k, cp, mix, humaneval)
 
 
 class _Bucket:
-    __slots__ = ("plan", "pair", "regime", "left", "tokens", "seconds", "n", "sum", "sum2", "pairs", "exploited",
-                 "window_extra", "window_steps", "extra", "steps")
+    __slots__ = ("plan", "pair", "regime", "left", "tokens", "seconds", "n", "sum", "sum2", "pairs", "exploited")
 
     def __init__(self) -> None:
         self.plan: list[str] = []  # the regimes of the windows queued next (a pair's second)
@@ -85,10 +70,6 @@ class _Bucket:
         self.n = self.sum = self.sum2 = 0.0  # decayed sums of the pairs' differences, SELECT's less PLAIN's
         self.pairs = 0  # pairs measured
         self.exploited = 0  # windows run on the evidence alone
-        self.window_extra = self.window_steps = 0  # the running window's extra tokens and request-steps (counted,
-        #                                            timed or not)
-        self.extra = {r: 0.0 for r in REGIMES}  # decayed sums per regime, over its windows: extra tokens ...
-        self.steps = {r: 0.0 for r in REGIMES}  # ... and request-steps (`RegimeTrial._gain_bound`)
 
     @property
     def mean(self) -> float:
@@ -136,14 +117,9 @@ class RegimeTrial:
 
     def record(self, bucket: int, regime: str, tokens: int, batch_size: int, seconds: float) -> None:
         """A slot of `batch_size` requests that ran in `regime` committed `tokens` in `seconds` of wall time. A slot of
-        another regime than the bucket's running window is not counted; one of no seconds counts its tokens past one
-        a request (`_gain_bound`), not its time."""
+        another regime than the bucket's running window, or of no seconds, is not counted."""
         b = self._buckets[bucket]
-        if regime != b.regime or batch_size < 1:
-            return
-        b.window_extra += max(0, tokens - batch_size)
-        b.window_steps += batch_size
-        if seconds <= 0:
+        if regime != b.regime or seconds <= 0 or batch_size < 1:
             return
         b.tokens += tokens
         b.seconds[batch_size] = b.seconds.get(batch_size, 0.0) + seconds
@@ -152,10 +128,6 @@ class RegimeTrial:
         """The bucket's running window, if it was a pair's, into the pair; a pair with both windows into the mean
         difference. A window with nothing measured voids its pair."""
         window, b.tokens, b.seconds = (b.tokens, b.seconds), 0, {}
-        if b.regime is not None and b.window_steps:
-            b.extra[b.regime] = self._decay * b.extra[b.regime] + b.window_extra
-            b.steps[b.regime] = self._decay * b.steps[b.regime] + b.window_steps
-        b.window_extra = b.window_steps = 0
         if b.regime is None or (not b.plan and not b.pair):  # a window run on the evidence: not measured into it
             return
         if window[0] <= 0 or not window[1]:
@@ -189,25 +161,13 @@ class RegimeTrial:
         """The next windows: a pair (both regimes, in random order, so that a workload's drift falls on either
         first), until MIN_PAIRS were measured and then with the chance that the evidence is still in doubt (twice
         the chance of the less likely sign of the mean difference, at least EXPLORE_MIN); else one window of
-        SELECT, or of PLAIN where SELECT is likely worse (PLAIN_BELOW) or cannot gain MIN_GAIN (`_gain_bound`: then
-        a pair runs with EXPLORE_MIN's chance only)."""
+        SELECT, or of PLAIN where SELECT is likely worse (PLAIN_BELOW)."""
         if b.pairs >= MIN_PAIRS:
             p = 0.5 * math.erfc(-b.mean / (b.se * math.sqrt(2.0)))  # P(SELECT beats PLAIN)
-            bound = self._gain_bound(b)
-            idle = bound is not None and bound < MIN_GAIN
-            if self._rng.random() >= (EXPLORE_MIN if idle else max(EXPLORE_MIN, 2.0 * min(p, 1.0 - p))):
+            if self._rng.random() >= max(EXPLORE_MIN, 2.0 * min(p, 1.0 - p)):
                 b.exploited += 1
-                return [SELECT if p > PLAIN_BELOW and not idle else PLAIN]
+                return [SELECT if p > PLAIN_BELOW else PLAIN]
         return list(REGIMES) if self._rng.random() < 0.5 else [PLAIN, SELECT]
-
-    @staticmethod
-    def _gain_bound(b: _Bucket) -> float | None:
-        """The most SELECT can gain over PLAIN at the bucket: its windows' extra tokens a request-step less PLAIN's
-        (None before a SELECT window closed)."""
-        if b.steps[SELECT] <= 0:
-            return None
-        plain = b.extra[PLAIN] / b.steps[PLAIN] if b.steps[PLAIN] > 0 else 0.0
-        return b.extra[SELECT] / b.steps[SELECT] - plain
 
     def advantage(self, bucket: int) -> float | None:
         """SELECT's measured gain over PLAIN at the bucket (a ratio of tokens per second, 1 = even; None: no pair
@@ -217,8 +177,8 @@ class RegimeTrial:
 
     def describe(self) -> dict:
         """slots {regime: slots run}; buckets {bucket: {pairs, exploited (windows run on the evidence), advantage
-        (SELECT over PLAIN), spread (its standard error, in log), gain_bound (`_gain_bound`), regime (the running
-        window's)}} for buckets that ran a window."""
+        (SELECT over PLAIN), spread (its standard error, in log), regime (the running window's)}} for buckets that
+        ran a window."""
         out = {}
         for i, b in enumerate(self._buckets):
             if b.regime is None:
@@ -226,7 +186,5 @@ class RegimeTrial:
             adv = self.advantage(i)
             out[str(i)] = {"pairs": b.pairs, "exploited": b.exploited,
                            "advantage": None if adv is None else round(adv, 4),
-                           "spread": round(b.se, 4) if b.pairs else None,
-                           "gain_bound": None if (g := self._gain_bound(b)) is None else round(g, 4),
-                           "regime": b.regime}
+                           "spread": round(b.se, 4) if b.pairs else None, "regime": b.regime}
         return {"slots": dict(self.slots), "buckets": out}
