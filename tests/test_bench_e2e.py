@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 import pytest
@@ -11,8 +12,10 @@ import pytest
 from daemon_util import child_pids
 from prompts import write_prompt_file
 from spind.bench.datasets import WorkloadFormatError, read_prompt_file, sample_workload
-from spind.bench.e2e import (E2ESettings, RefusedSystem, RequestRecord, arrivals, best_arms, drafter_shares,
-                             parse_system, spind_config, round_order, round_ratios)
+from spind.bench import e2e
+from spind.bench.e2e import (E2ESettings, RefusedSystem, RequestRecord, SlotAccount, arrivals, best_arms,
+                             drafter_shares, first_row, parse_system, spind_config, round_order, round_ratios,
+                             run_repeats)
 from spind.cli import main
 from spind.config import load_config
 from spind.coordinator.selection.protocol import Arm
@@ -221,6 +224,27 @@ def test_systems_taking_turns_keep_every_request_once_and_in_order(tmp_path, cap
         assert [r["round"] for r in recs] == [0, 0, 1, 1]
 
 
+def test_repeated_requests_run_again_on_fresh_engines_and_pool(tmp_path, capsys):
+    """Two prompts at batch 1 give one round; two repeats run them twice, every system on a fresh engine each time:
+    every record kept (the second pass compared with none's second), a ratio per repeat, the table says so."""
+    prompts = write_prompt_file(tmp_path / "prompts.json", 2)
+    out = tmp_path / "e2e.json"
+    assert main(["bench", "e2e", "--workload", str(prompts), "--num-requests", "2", "--batch-size", "1",
+                 "--max-tokens", "5", "--systems", "none,fixed:suffix", "--threads", "1", "--repeats", "2",
+                 "--json", str(out)]) == 0
+    assert "the requests run 2 times (engines loaded afresh each time)" in capsys.readouterr().out
+    results = json.loads(out.read_text())
+    assert results["settings"]["repeats"] == 2 and results["settings"]["num_rounds"] == 1
+    for recs in results["requests"].values():
+        assert [(r["index"], r["round"]) for r in recs] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+        assert all(r["lossless"] for r in recs)
+    # a fresh suffix trie: the second pass drafts as the first did (a trie kept on would know these outputs)
+    suffix = results["requests"]["fixed:suffix"]
+    assert [r["num_accepted"] for r in suffix[:2]] == [r["num_accepted"] for r in suffix[2:]]
+    for row in results["rows"]:
+        assert len(row["round_speedups_vs_none"]) == 2
+
+
 def test_systems_over_worker_processes_as_the_daemon_runs_them(tmp_path):
     """--workers processes: each spind system is the daemon's coordinator over real worker processes, timed and
     accounted as over threads, its outputs the same, and its processes gone with the run."""
@@ -249,6 +273,65 @@ def test_round_order_changes_each_systems_first_place_and_predecessor():
     for n in names:
         assert len({o.index(n) for o in orders}) >= 3
         assert len({o[o.index(n) - 1] if o.index(n) else None for o in orders}) >= 3
+
+
+def test_repeats_run_on_fresh_engines_complete_squares_and_take_turns_at_the_first_slice(monkeypatch):
+    """81 prompts at batch 16 leave 2 rounds for 4 systems: half a Williams square, `none` first after the load.
+    Four repeats (each a `run_spind_rounds` call: engines loaded afresh) run rows 0-1, 2-3, 1-2, 3-0: two whole
+    squares, and each system has the first slice after the engines load once; records (their rounds counted on),
+    round walls and slots add up in order."""
+    names = ["none", "none#2", "fixed:suffix", "spin"]
+    rows, places, first = [], {n: [0] * 4 for n in names}, []
+
+    def rounds(cfg, specs, prompts, categories, s, progress, states=None, row=0):
+        out = {}
+        for r in range(s.num_rounds()):
+            rows.append((row + r) % 4)
+            order = round_order(list(specs), row + r)
+            first.append(order[0]) if r == 0 else None
+            for n in specs:
+                places[n][order.index(n)] += 1
+        for n in specs:
+            recs = [RequestRecord(r, "", 1, round=r) for r in range(s.num_rounds())]
+            out[n] = (recs, [1.0 + len(first)] * s.num_rounds(), SlotAccount(num_slots=3))
+        return out
+
+    monkeypatch.setattr(e2e, "run_spind_rounds", rounds)
+    s = E2ESettings(workload="passage", num_requests=81, batch_size=16, max_tokens=8, systems=tuple(names),
+                    rounds=0, repeats=4)
+    assert s.num_rounds() == 2
+    out = run_repeats(None, dict.fromkeys(names), [], [], s, None)
+    assert rows == [0, 1, 2, 3, 1, 2, 3, 0]
+    assert sorted(first) == sorted(names)  # each system once the first after a load
+    assert all(p == [2, 2, 2, 2] for p in places.values()), places  # every place twice: two whole squares
+    for n in names:
+        recs, walls, account = out[n]
+        assert [r.round for r in recs] == list(range(8)) and walls == [2.0, 2.0, 3.0, 3.0, 4.0, 4.0, 5.0, 5.0]
+        assert account.num_slots == 12
+
+
+def test_the_first_rows_of_repeats_make_whole_squares_and_move_the_first_slice():
+    for n in (2, 3, 4, 5):
+        for rounds in (1, 2, 3, 4, 6):
+            starts = [first_row(n, rounds, rep) for rep in range(n)]
+            assert starts[0] == 0
+            assert sorted(starts) == list(range(n)), (n, rounds, starts)  # every system first after a load once
+            cycle = n // math.gcd(rounds, n)
+            counts = [0] * n
+            for rep in range(cycle):  # the first cycle of repeats runs each row equally often: whole squares
+                for r in range(rounds):
+                    counts[(first_row(n, rounds, rep) + r) % n] += 1
+            assert len(set(counts)) == 1, (n, rounds, counts)
+
+
+def test_repeats_need_a_closed_loop_and_systems_taking_turns(tmp_path, capsys):
+    prompts = write_prompt_file(tmp_path / "prompts.json", 2)
+    for extra, why in ((["--repeats", "0"], "--repeats must be >= 1"),
+                       (["--repeats", "2", "--rate", "1"], "1 in an open loop"),
+                       (["--repeats", "2", "--systems", "none"], "needs two or more of them")):
+        assert main(["bench", "e2e", "--workload", str(prompts), "--num-requests", "2", "--max-tokens", "4",
+                     "--threads", "1", *extra]) == 2, extra
+        assert why in capsys.readouterr().err
 
 
 def test_round_ratios_pair_each_round_with_none():

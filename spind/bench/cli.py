@@ -60,6 +60,10 @@ def add_parsers(sub: argparse._SubParsersAction,
                    help="closed loop: the spind systems take turns over this many slices of the requests (at least "
                         "two batches each; 1: one system after another; default 0: as many as the requests allow, "
                         "so that the host's drift in speed, seconds apart, falls on every system alike)")
+    e.add_argument("--repeats", type=int, default=1,
+                   help="closed loop: run the requests this many times, the spind systems on engines loaded afresh "
+                        "each time and their turns' order going on where the last left off (a Williams square: with "
+                        "R rounds and N systems, N / R repeats give every system every place); the ratios pool them")
     e.add_argument("--max-tokens", type=int, default=64)
     e.add_argument("--workers", choices=("threads", "processes"), default="threads",
                    help="the spind systems' workers: threads of this process, or worker processes as `spind start` "
@@ -570,6 +574,8 @@ def cmd_bench_e2e(args: argparse.Namespace) -> int:
         raise ValueError("--rounds must be >= 0 (0: as many as the requests allow)")
     if args.rate is not None and args.rate <= 0:
         raise ValueError("--rate must be > 0 requests per second")
+    if args.repeats < 1 or (args.repeats > 1 and args.rate is not None):
+        raise ValueError("--repeats must be >= 1, and 1 in an open loop (--rate: arrivals are timed from the start)")
     k = cfg.speculation.k if args.k is None else args.k
     prompts = sample_workload(args.workload, args.num_requests, args.seed, args.datasets_dir)
     if len(prompts) < args.num_requests:  # the settings (rounds, the table, the JSON) count the requests that run
@@ -577,7 +583,8 @@ def cmd_bench_e2e(args: argparse.Namespace) -> int:
               file=sys.stderr)
     settings = E2ESettings(workload=args.workload, num_requests=len(prompts), batch_size=args.batch_size,
                            max_tokens=args.max_tokens, systems=systems, temperature=args.temperature, seed=args.seed,
-                           rate=args.rate, k=k, rounds=args.rounds, workers=args.workers)
+                           rate=args.rate, k=k, rounds=args.rounds, workers=args.workers,
+                           repeats=args.repeats)
     results = run_e2e(cfg, settings, prompts)
     print(render_table(results))
     print(f"wrote {write_json(args.json, results)}", file=sys.stderr)

@@ -39,6 +39,8 @@ class E2ESettings:
     rounds: int = 1  # closed loop: the spind systems take turns over this many slices of the requests (0: as many
     #                  as the requests allow, `num_rounds`)
     workers: str = "threads"  # the spind systems' workers: "threads" of this process, or "processes" (the daemon's)
+    repeats: int = 1  # closed loop: the systems taking turns run the requests this many times, on engines loaded
+    #                   afresh each time, their rounds' order continuing (`run_repeats`)
 
     def num_rounds(self) -> int:
         """Rounds actually run: 1 in an open loop (arrivals are timed from the start); else `rounds`, at most as many
