@@ -49,12 +49,19 @@ def test_a_system_with_settings_is_a_row_of_its_own_and_a_wrong_setting_is_refus
     assert (run.selection.price_margin, run.runtime.adaptive_threads, run.selection.policy, run.speculation.k) == \
         (0.1, False, "lbss", 4)
     assert spind_config(cfg, parse_system("spin", cfg), 4).selection.price_margin == cfg.selection.price_margin
+    deep = spind_config(cfg, parse_system("spin/drafters.suffix.max_depth=24/drafters.suffix.factor=2.0", cfg), 4)
+    suffix = {d.name: d for d in deep.drafters}["suffix"]
+    assert (suffix.max_depth, suffix.factor) == (24, 2.0)  # a drafter's settings; the others' stay as configured
+    assert [d for d in deep.drafters if d.name != "suffix"] == [d for d in cfg.drafters if d.name != "suffix"]
     fixed = spind_config(cfg, parse_system("fixed:ngram/runtime.kv_cache_dtype=float32", cfg), 4)
     assert (fixed.runtime.kv_cache_dtype, fixed.selection.policy) == ("float32", "fixed:ngram")  # a bare string
     refused = {"spin/selection.price_margin=x": "must be float", "spin/price_margin=0.1": "SECTION.KEY=VALUE",
                "spin/selection.policy=none": "set by the system", "spin/speculation.k=2": "set by the system",
                "spin/selection.nope=1": "unknown key", "spin/nosec.a=1": "no section", "spin/selection.alpha=-1":
-               "alpha >= 0", "hf-plain/selection.alpha=1": "only spind systems", "fast/selection.alpha=1": "unknown"}
+               "alpha >= 0", "hf-plain/selection.alpha=1": "only spind systems", "fast/selection.alpha=1": "unknown",
+               "spin/drafters.nope.max_depth=8": "no drafter 'nope'", "spin/drafters.suffix.max_depth=0":
+               "max_depth >= 1", "spin/drafters.suffix.nope=1": "unknown key", "spin/drafters.suffix=1":
+               "drafters.NAME.KEY=VALUE", "spin/drafters.suffix.max_depth=x": "must be int"}
     for name, why in refused.items():
         with pytest.raises(RefusedSystem, match=why):
             parse_system(name, cfg)

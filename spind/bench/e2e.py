@@ -48,7 +48,7 @@ from spind.bench.datasets import Prompt, encode_prompt
 from spind.bench.e2e_records import E2ESettings, RefusedSystem, RequestRecord, SlotAccount, SystemSpec
 from spind.bench.report import Progress, fmt, format_table
 from spind.bench.serve import percentile
-from spind.config import TARGET_WORKER, ConfigError, SpindConfig, with_section_values
+from spind.config import TARGET_WORKER, ConfigError, SpindConfig, with_drafter_values, with_section_values
 from spind.coordinator.interface import EngineRequest
 from spind.coordinator.selection.protocol import Arm
 from spind.params import SamplingParams
@@ -75,7 +75,8 @@ def fixed_policy(system: str) -> Policy | None:
 def parse_system(name: str, cfg: SpindConfig) -> SystemSpec:
     """A system name -> how to run it; RefusedSystem names what is missing. A spind system's name may end in settings
     of its config, `/SECTION.KEY=VALUE` each (VALUE as TOML writes it): `spin/selection.price_margin=0.1` is `spin`
-    with that margin, a row of its own beside `spin`, so that a setting is weighed side by side in one run. A name
+    with that margin, a row of its own beside `spin`, so that a setting is weighed side by side in one run; a
+    drafter's is `/drafters.NAME.KEY=VALUE` (`spin/drafters.suffix.max_depth=24`). A name
     ending in `#N` (N a whole number) is one more engine of the system before it, with rows of its own: `none#2` beside
     `none` reads how far two engines of one system differ in the run, the floor under every other ratio."""
     if "#" in name:
@@ -169,9 +170,16 @@ def spind_config(cfg: SpindConfig, spec: SystemSpec, k: int) -> SpindConfig:
                               selection=dataclasses.replace(cfg.selection, policy=str(spec.policy)))
     sections: dict[str, dict[str, object]] = {}
     for section, key, value in spec.settings:
+        if section == "drafters":  # drafters.NAME.KEY: that [[drafters]] entry's
+            drafter, dot, key = key.partition(".")
+            if not (dot and drafter and key):
+                raise ConfigError(f"a drafter's setting is drafters.NAME.KEY=VALUE, got drafters.{drafter}")
+            section = f"drafters.{drafter}"
         sections.setdefault(section, {})[key] = value
     for section, values in sections.items():
-        out = with_section_values(out, section, values)
+        drafter = section.removeprefix("drafters.")
+        out = (with_drafter_values(out, drafter, values) if drafter != section
+               else with_section_values(out, section, values))
     return out
 
 

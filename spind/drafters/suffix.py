@@ -280,7 +280,7 @@ class _Local:
 class SuffixDrafter(Drafter):
     kind = "suffix"
 
-    def __init__(self, name: str, max_depth: int = 24, factor: float = 1.0, min_prob: float = 0.1,
+    def __init__(self, name: str, max_depth: int = 12, factor: float = 1.0, min_prob: float = 0.1,
                  cache_mb: float = 64.0) -> None:
         super().__init__(name)
         self.max_depth, self.factor, self.min_prob = max_depth, factor, min_prob
