@@ -522,9 +522,7 @@ def with_section_values(cfg: SpindConfig, section: str, values: dict[str, Any]) 
     cls = SECTIONS.get(section)
     if cls is None:
         raise ConfigError(f"no section [{section}] (sections: {', '.join(SECTIONS)})")
-    raw = {f.name: (list(v) if isinstance(v := getattr(getattr(cfg, section), f.name), tuple) else v)
-           for f in dataclasses.fields(cls)}
-    return validate(dataclasses.replace(cfg, **{section: _build(cls, {**raw, **values}, section)}))
+    return validate(dataclasses.replace(cfg, **{section: _rebuilt(getattr(cfg, section), values, section)}))
 
 
 def with_drafter_values(cfg: SpindConfig, name: str, values: dict[str, Any]) -> SpindConfig:
@@ -532,14 +530,15 @@ def with_drafter_values(cfg: SpindConfig, name: str, values: dict[str, Any]) -> 
     names = [d.name for d in cfg.drafters]
     if name not in names:
         raise ConfigError(f"no drafter {name!r} in [[drafters]] (configured: {', '.join(names)})")
-    drafters = []
-    for d in cfg.drafters:
-        if d.name == name:
-            raw = {f.name: (list(v) if isinstance(v := getattr(d, f.name), tuple) else v)
-                   for f in dataclasses.fields(DrafterConfig)}
-            d = _build(DrafterConfig, {**raw, **values}, f"drafters {name}")
-        drafters.append(d)
-    return validate(dataclasses.replace(cfg, drafters=tuple(drafters)))
+    drafters = tuple(_rebuilt(d, values, f"drafters {name}") if d.name == name else d for d in cfg.drafters)
+    return validate(dataclasses.replace(cfg, drafters=drafters))
+
+
+def _rebuilt(table: Any, values: dict[str, Any], where: str) -> Any:
+    """A config table (a dataclass) with `values` set, every value checked by `_build` as the file's would be."""
+    raw = {f.name: (list(v) if isinstance(v := getattr(table, f.name), tuple) else v)
+           for f in dataclasses.fields(table)}
+    return _build(type(table), {**raw, **values}, where)
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> SpindConfig:
