@@ -295,7 +295,8 @@ def test_repeats_run_on_fresh_engines_complete_squares_and_take_turns_at_the_fir
         for r in range(s.num_rounds()):
             rows.append((row + r) % 4)
             order = round_order(list(specs), row + r)
-            first.append(order[0]) if r == 0 else None
+            if r == 0:
+                first.append(order[0])
             for n in specs:
                 places[n][order.index(n)] += 1
         for n in specs:

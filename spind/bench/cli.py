@@ -63,7 +63,8 @@ def add_parsers(sub: argparse._SubParsersAction,
     e.add_argument("--repeats", type=int, default=1,
                    help="closed loop: run the requests this many times, the spind systems on engines loaded afresh "
                         "each time and their turns' order going on where the last left off (a Williams square: with "
-                        "R rounds and N systems, N / R repeats give every system every place); the ratios pool them")
+                        "R rounds and N systems, N / R repeats give every system every place, and N repeats give "
+                        "each system the first turn after a load once); the ratios pool them")
     e.add_argument("--max-tokens", type=int, default=64)
     e.add_argument("--workers", choices=("threads", "processes"), default="threads",
                    help="the spind systems' workers: threads of this process, or worker processes as `spind start` "

@@ -169,17 +169,19 @@ def spind_config(cfg: SpindConfig, spec: SystemSpec, k: int) -> SpindConfig:
     out = dataclasses.replace(cfg, runtime=r, speculation=dataclasses.replace(cfg.speculation, k=k),
                               selection=dataclasses.replace(cfg.selection, policy=str(spec.policy)))
     sections: dict[str, dict[str, object]] = {}
+    drafters: dict[str, dict[str, object]] = {}  # drafters.NAME.KEY: that [[drafters]] entry's
     for section, key, value in spec.settings:
-        if section == "drafters":  # drafters.NAME.KEY: that [[drafters]] entry's
-            drafter, dot, key = key.partition(".")
-            if not (dot and drafter and key):
-                raise ConfigError(f"a drafter's setting is drafters.NAME.KEY=VALUE, got drafters.{drafter}")
-            section = f"drafters.{drafter}"
-        sections.setdefault(section, {})[key] = value
+        if section != "drafters":
+            sections.setdefault(section, {})[key] = value
+            continue
+        name, dot, key = key.partition(".")
+        if not (dot and name and key):
+            raise ConfigError(f"a drafter's setting is drafters.NAME.KEY=VALUE, got drafters.{name}")
+        drafters.setdefault(name, {})[key] = value
     for section, values in sections.items():
-        drafter = section.removeprefix("drafters.")
-        out = (with_drafter_values(out, drafter, values) if drafter != section
-               else with_section_values(out, section, values))
+        out = with_section_values(out, section, values)
+    for name, values in drafters.items():
+        out = with_drafter_values(out, name, values)
     return out
 
 
