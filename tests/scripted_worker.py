@@ -188,7 +188,7 @@ class ScriptedWorker:
     def has_idle_work(self) -> bool:
         return bool(self.precompute_queue)
 
-    def run_idle_work(self) -> None:
+    def run_idle_work(self, stop=None) -> None:
         self.run_precompute()
 
     def run_precompute(self) -> None:

@@ -8,7 +8,7 @@ sequence as it now stands (a drafter with a KV cache rolls back to the common pr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,8 +84,10 @@ class Drafter(ABC):
         """Work this drafter does between ops, off every request's path (see background_work)."""
         return False
 
-    def background_work(self, max_tokens: int) -> None:
-        """A chunk (about max_tokens tokens' worth) of that work; the worker runs it only while no op waits."""
+    def background_work(self, max_tokens: int, stop: Callable[[], bool] | None = None) -> None:
+        """A chunk (about max_tokens tokens' worth) of that work; the worker runs it only while no op waits. stop:
+        whether an op now waits (the worker's socket polled), asked between small parts of the chunk: the work
+        yields to it there."""
 
     def prepare_probe(self, req_id: str, tokens: list[int]) -> None:
         """Before an offline probe drafts for `req_id` over prefixes of `tokens` (the start-up profile, `spind

@@ -40,7 +40,7 @@ def serve(worker, sock: zmq.Socket, parent: int) -> None:
         if os.getppid() != parent:
             return
         if worker.has_idle_work and not sock.poll(0):
-            worker.run_idle_work()
+            worker.run_idle_work(stop=lambda: bool(sock.poll(0)))
             continue
         if not sock.poll(POLL_MS):
             continue

@@ -21,7 +21,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from spind import protocol as P
@@ -456,12 +456,12 @@ class Worker:
         """Work to run while no op waits: queued precomputes, or a drafter's own (the suffix cache's inserts)."""
         return bool(self.precompute_queue) or any(d.has_background_work for d in self.drafters.values())
 
-    def run_idle_work(self) -> None:
+    def run_idle_work(self, stop: Callable[[], bool] | None = None) -> None:
         """One chunk of idle work (called only when no op is waiting): a drafter's background work first (it
-        serves every later request), else one precompute chunk."""
+        serves every later request; it ends early where `stop` says an op now waits), else one precompute chunk."""
         for name, drafter in self.drafters.items():
             if drafter.has_background_work:
-                self._timed("precompute", 0, lambda: drafter.background_work(PRECOMPUTE_CHUNK), name)
+                self._timed("precompute", 0, lambda: drafter.background_work(PRECOMPUTE_CHUNK, stop), name)
                 return
         if self.precompute_queue:
             self.run_precompute()

@@ -230,7 +230,7 @@ class InProcessPool:
         try:
             while True:
                 if local.ops.empty() and worker.has_idle_work:
-                    await loop.run_in_executor(local.executor, worker.run_idle_work)
+                    await loop.run_in_executor(local.executor, worker.run_idle_work, lambda: not local.ops.empty())
                     continue
                 msg, fut = await local.ops.get()
                 reply = await loop.run_in_executor(local.executor, worker.answer, msg)
