@@ -11,26 +11,29 @@ import time
 import zmq
 
 from spind import protocol as P
-from spind.drafters.suffix import INSERT_CHUNK, STOP_EVERY, SuffixDrafter
+from spind.drafters.suffix import INSERT_CHUNK, SuffixDrafter
 from spind.worker.main import serve
 
 
-def test_a_chunk_of_inserts_ends_at_the_first_part_after_an_op_arrives():
+def test_a_chunk_of_inserts_ends_at_the_token_where_an_op_arrives():
     d = SuffixDrafter("suffix", max_depth=8, cache_mb=8)
     d.observe_finished("a", list(range(100, 100 + 3 * INSERT_CHUNK)))
     asked = []
 
-    def stop() -> bool:  # an op arrives after the second part
+    def stop() -> bool:  # an op arrives while the third token goes in
         asked.append(1)
-        return len(asked) >= 2
+        return len(asked) >= 3
 
     d.background_work(INSERT_CHUNK, stop)
-    assert d.cache._partial is not None and d.cache._partial[2] == 2 * STOP_EVERY
+    assert d.cache._partial is not None and d.cache._partial[2] == 3
     d.background_work(INSERT_CHUNK, lambda: False)  # nothing waits: the whole chunk
-    assert d.cache._partial[2] == 2 * STOP_EVERY + INSERT_CHUNK
+    assert d.cache._partial[2] == 3 + INSERT_CHUNK
     while d.has_background_work:
         d.background_work(INSERT_CHUNK)
-    assert list(d.cache.entries) == ["a"] and d.cache.trie.match([100, 101]) != 0
+    assert list(d.cache.entries) == ["a"]
+    whole = SuffixDrafter("suffix", max_depth=8, cache_mb=8).cache
+    whole.add("a", list(range(100, 100 + 3 * INSERT_CHUNK)))  # in parts, as in one go
+    assert d.cache.trie.count == whole.trie.count and d.cache.trie.children == whole.trie.children
 
 
 class _IdleWorker:
