@@ -1,6 +1,6 @@
 """Idle work (the suffix cache's inserts of finished outputs) runs on the target's worker only while no op waits,
-and yields as soon as one arrives: the worker polls its socket between small parts of a chunk, so an op that
-arrives mid-chunk waits for a part (~0.1 ms), not for the chunk."""
+and yields as soon as one arrives: the worker's socket is polled after each token the cache takes, so an op that
+arrives mid-chunk waits for one token's insert, not for the chunk."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_the_worker_loop_tells_idle_work_that_an_op_waits():
     coord.bind("inproc://idle-work")
     wsock.connect("inproc://idle-work")
     worker = _IdleWorker()
-    loop = threading.Thread(target=serve, args=(worker, wsock, os.getppid()))
+    loop = threading.Thread(target=serve, args=(worker, wsock, os.getppid()), daemon=True)  # a hung loop: no hung run
     try:
         loop.start()
         time.sleep(0.1)  # the worker is in its idle work
