@@ -253,6 +253,9 @@ def _load(cfg: SpindConfig, spec: SystemSpec, prompts: list[list[int]], s: E2ESe
         engine = LocalEngine.load(run_cfg, drafters=list(spec.drafters), selector=selector)
     try:
         engine.loop.run_until_complete(_warm_up(engine.coordinator, prompts, s, _drafter(spec), spec.name))
+        # the warm-up's answer (to the first prompt) out of the drafters' caches: suffix decoding would draft the
+        # first timed request from it, as much of it as the worker inserted between ops by then
+        engine.loop.run_until_complete(engine.coordinator.reset_cache())
     except BaseException:
         engine.close()
         raise
