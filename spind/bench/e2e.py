@@ -31,7 +31,7 @@ ends: the paper's setting) or an open loop (Poisson arrivals at `--rate` request
 compared with `none`'s, request by request: the `lossless` flag. In a closed loop the spind systems are loaded
 side by side and take turns over `--rounds` slices of the requests (`run_spind_rounds`): on a shared, noisy
 machine a system run after another meets other conditions, and the ratios between them are what the bench is
-for. Each system is warmed up with one untimed request first.
+for. Each system is warmed up with one untimed request first, whose answer its drafters then forget.
 """
 
 from __future__ import annotations
@@ -227,10 +227,12 @@ async def _drive(coordinator, prompts: list[list[int]], categories: list[str], s
 async def _warm_up(coordinator, prompts: list[list[int]], s: E2ESettings, drafter: str, label: str) -> None:
     """One short request through the system before the clock starts, untimed: what a running server has already
     paid (first allocations, lazily built state, the selector's first matching) is not charged to the first
-    requests of one system and not another's."""
+    requests of one system and not another's. Its answer (to the first prompt) then leaves the drafters' caches:
+    suffix decoding would draft the first timed request from it, as much of it as the worker had inserted by then."""
     params = SamplingParams(max_tokens=8, temperature=s.temperature, seed=s.seed)
     async for _ in coordinator.generate(EngineRequest(f"e2e-{label}-warmup", prompts[0], params, drafter, None)):
         pass
+    await coordinator.reset_cache()
 
 
 def _load(cfg: SpindConfig, spec: SystemSpec, prompts: list[list[int]], s: E2ESettings,
@@ -253,9 +255,6 @@ def _load(cfg: SpindConfig, spec: SystemSpec, prompts: list[list[int]], s: E2ESe
         engine = LocalEngine.load(run_cfg, drafters=list(spec.drafters), selector=selector)
     try:
         engine.loop.run_until_complete(_warm_up(engine.coordinator, prompts, s, _drafter(spec), spec.name))
-        # the warm-up's answer (to the first prompt) out of the drafters' caches: suffix decoding would draft the
-        # first timed request from it, as much of it as the worker inserted between ops by then
-        engine.loop.run_until_complete(engine.coordinator.reset_cache())
     except BaseException:
         engine.close()
         raise
