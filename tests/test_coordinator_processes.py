@@ -173,7 +173,11 @@ def test_concurrent_requests_with_different_drafters(harness, reference):
     target = next(w for w in snap.workers if w.name == "target")
     assert {"prefill", "verify", "draft"} <= {b.kind for b in target.busy}  # n-gram drafts inline
     assert 0 < target.utilisation <= 1 and snap.selection.precompute_s > 0
-    assert sum(c.num_committed for s in snap.throughput for c in s.drafters.values()) > 0
+    # the timeline holds closed seconds only: the four requests can finish within the second they started in
+    time.sleep(1.05 - time.monotonic() % 1.0)
+    closed = harness.snapshot().throughput
+    generated = sum(d.usage.completion_tokens for r in results for d in r[-1:])
+    assert sum(c.num_committed for s in closed for c in s.drafters.values()) >= generated - len(cases)  # - prefills'
     text = harness.on_loop(harness.engine.render_metrics)
     assert 'spind_draft_tokens_total{drafter="int8"}' in text
     assert 'spind_accepted_at_position_total{drafter="int8",position="0"}' in text
@@ -386,7 +390,8 @@ def test_shutdown_drain_finishes_in_flight_requests(tmp_path, harness, reference
         ids, ref = chat_ids(harness, "repeat"), reference("repeat", 24)
 
         async def go():
-            reqs = [EngineRequest(f"d{i}", ids, SamplingParams(max_tokens=24), d) for i, d in enumerate(["ngram", "none"])]
+            reqs = [EngineRequest(f"d{i}", ids, SamplingParams(max_tokens=24), d)
+                    for i, d in enumerate(["ngram", "none"])]
             tasks = [asyncio.create_task(collect(h.engine, r)) for r in reqs]
             await asyncio.sleep(0.2)
             drain = asyncio.create_task(h.engine.shutdown(drain=True))
