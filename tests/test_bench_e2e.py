@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import io
 import json
 import math
 import os
@@ -17,7 +19,9 @@ from spind.bench.e2e import (E2ESettings, RefusedSystem, RequestRecord, SlotAcco
                              drafter_shares, first_row, parse_system, spind_config, round_order, round_ratios,
                              run_repeats)
 from spind.cli import main
+from spind.bench.report import Progress
 from spind.config import load_config
+from spind.coordinator.interface import Delta, Usage
 from spind.coordinator.selection.protocol import Arm
 from spind.policy import Policy
 
@@ -174,6 +178,8 @@ def test_a_tiny_run_reports_every_system_lossless_and_the_refused_ones(tmp_path,
     assert all(r["lossless"] is True for r in rows.values())  # greedy: every system reproduces plain decoding
     assert rows["none"]["speedup_vs_none"] == 1.0 and rows["none"]["drafter_shares"] == {"none": 1.0}
     assert rows["hf-plain"]["slots"] is None  # transformers' generate: no slots of spind's to account
+    assert rows["none"]["full_batch_speedup_vs_none"] == 1.0 and rows["spin"]["full_batch_goodput"] > 0
+    assert rows["hf-plain"]["full_batch_goodput"] is None
     assert all(rows[n]["slots"]["num_slots"] > 0 for n in ("none", "fixed:ngram", "spin"))
     assert rows["none"]["selection"] is None and rows["fixed:ngram"]["selection"] is None  # nothing learned
     assert {"dominated", "idle", "ledger", "overhead_ms"} <= set(rows["spin"]["selection"])  # what LBSS learned
@@ -223,6 +229,7 @@ def test_systems_taking_turns_keep_every_request_once_and_in_order(tmp_path, cap
         assert 0 < slots["coordinator_ms"] < slots["slot_ms"] and 0 < slots["target_busy_ms"] <= slots["slot_ms"]
         assert slots["side_busy_ms"] == 0  # no worker but the target's
         assert slots["process_cpu_ms"] > 0 and slots["workers_cpu_ms"] == 0  # workers in this process: its CPU time
+        assert row["full_batch_goodput"] == pytest.approx(row["goodput"], rel=0.05)  # batch 1: full to the end
     for row in results["rows"]:  # paired per round: the same slice of requests, minutes apart at most
         assert len(row["round_speedups_vs_none"]) == 2 and row["speedup_vs_none_round_median"] > 0
         if row["system"] == "none":
@@ -350,3 +357,39 @@ def test_round_ratios_pair_each_round_with_none():
     ratios = round_ratios(results, {"none": [1.0, 1.0], "spin": [1.0, 1.5]})
     assert ratios["none"] == [1.0, 1.0] and ratios["spin"] == pytest.approx([1.2, 0.6])
     assert round_ratios(results, {}) == {}  # one after another: no pairs
+
+
+class _PacedEngine:
+    """A coordinator stand-in that streams request i's `lengths[i]` tokens one every 10 ms."""
+
+    def __init__(self, lengths: dict[int, int]) -> None:
+        self.lengths = lengths
+
+    async def generate(self, req):
+        n = self.lengths[len(req.prompt_ids)]
+        for t in range(n):
+            await asyncio.sleep(0.01)
+            yield Delta([t], "x", "length" if t == n - 1 else None,
+                        Usage(1, n, num_steps=n) if t == n - 1 else None)
+
+
+def test_the_full_batch_ends_when_a_client_first_finds_no_request_left():
+    """Two clients, four requests of 2, 12, 2 and 2 tokens: the first client runs requests 0, 2 and 3 and finds none
+    left while request 1 is half streamed: the full batch's time ends there, with every token of 0, 2, 3 and some of
+    1's; the slice's wall time runs on to request 1's end. A client that never had a request: no full batch."""
+    prompts = [[0] * n for n in (1, 2, 3, 4)]
+    engine = _PacedEngine({1: 2, 2: 12, 3: 2, 4: 2})
+    s = E2ESettings(workload="w", num_requests=4, batch_size=2, max_tokens=16, systems=("none",))
+    records, wall, full = asyncio.run(e2e._drive(engine, prompts, [""] * 4, s, "none", Progress(4, io.StringIO()),
+                                                 "t"))
+    assert [len(r.token_ids) for r in records] == [2, 12, 2, 2]
+    assert 6 < full.full_tokens < 18 and 0 < full.full_s < wall
+    assert full.full_batch_goodput == pytest.approx(full.full_tokens / full.full_s)
+    s3 = dataclasses.replace(s, batch_size=3)
+    _, _, none_full = asyncio.run(e2e._drive(_PacedEngine({1: 2, 2: 2}), prompts[:2], [""] * 2, s3, "none",
+                                             Progress(2, io.StringIO()), "t"))
+    assert none_full.full_s == 0 and none_full.full_batch_goodput is None
+    open_loop = dataclasses.replace(s, rate=100.0)
+    _, _, open_full = asyncio.run(e2e._drive(engine, prompts, [""] * 4, open_loop, "none", Progress(4, io.StringIO()),
+                                             "t"))
+    assert open_full.full_batch_goodput is None

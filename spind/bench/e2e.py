@@ -28,7 +28,12 @@ by side, in the same rounds, rather than in two runs minutes apart on a machine 
 
 Requests arrive in a closed loop (`--batch-size` clients, each sending its next request when the previous
 ends: the paper's setting) or an open loop (Poisson arrivals at `--rate` requests/s). Greedy outputs are
-compared with `none`'s, request by request: the `lossless` flag. In a closed loop the spind systems are loaded
+compared with `none`'s, request by request: the `lossless` flag. In a closed loop a slice of the requests ends in a
+drain, the batch shrinking to its last request; it is longer for a system whose requests progress unevenly
+(speculation) than for one that keeps equally long requests in step (plain decoding, where most answers run to
+--max-tokens), so each spind system's slices are also timed while the batch was full (`x none, full batch`: from a
+slice's start until a client first found no request left, with the tokens streamed by then): serving at the batch
+size, where `x none` is the slices whole. In a closed loop the spind systems are loaded
 side by side and take turns over `--rounds` slices of the requests (`run_spind_rounds`): on a shared, noisy
 machine a system run after another meets other conditions, and the ratios between them are what the bench is
 for. Each system is warmed up with one untimed request first, whose answer its drafters then forget.
@@ -186,12 +191,15 @@ def spind_config(cfg: SpindConfig, spec: SystemSpec, k: int) -> SpindConfig:
 
 
 async def _drive(coordinator, prompts: list[list[int]], categories: list[str], s: E2ESettings, drafter: str,
-                 progress: Progress, label: str, first: int = 0) -> tuple[list[RequestRecord], float]:
-    """Run `prompts` (the workload's requests first .. first + len - 1) through the coordinator."""
+                 progress: Progress, label: str, first: int = 0) -> tuple[list[RequestRecord], float, SlotAccount]:
+    """Run `prompts` (the workload's requests first .. first + len - 1) through the coordinator; returns the records,
+    the wall seconds and, in a closed loop, the full batch's seconds and tokens (`SlotAccount.full_s`)."""
     params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, seed=s.seed)
     records = [RequestRecord(first + i, categories[i], len(p)) for i, p in enumerate(prompts)]
     start = time.perf_counter()
     times = arrivals(len(prompts), s.rate, s.seed)
+    streamed = [0]  # tokens streamed so far, all requests
+    full: list[SlotAccount] = []  # set when a client first finds no request left
 
     async def one(i: int) -> None:
         rec = records[i]
@@ -203,6 +211,7 @@ async def _drive(coordinator, prompts: list[list[int]], categories: list[str], s
             if d.token_ids and rec.ttft_s is None:
                 rec.ttft_s = time.perf_counter() - t0
             rec.token_ids += d.token_ids
+            streamed[0] += len(d.token_ids)
             if d.finish_reason is not None:
                 u = d.usage
                 rec.finish_reason, rec.num_steps, rec.drafters, rec.arms = d.finish_reason, u.num_steps, u.drafters, u.arms
@@ -215,13 +224,18 @@ async def _drive(coordinator, prompts: list[list[int]], categories: list[str], s
         todo = iter(range(len(prompts)))
 
         async def client() -> None:
+            ran = False
             for i in todo:
                 await one(i)
+                ran = True
+            if not full:  # a client that never had a request: the batch was never full
+                full.append(SlotAccount(full_s=time.perf_counter() - start, full_tokens=streamed[0]) if ran else
+                            SlotAccount())
 
         await asyncio.gather(*(client() for _ in range(s.batch_size)))
     else:
         await asyncio.gather(*(one(i) for i in range(len(prompts))))
-    return records, time.perf_counter() - start
+    return records, time.perf_counter() - start, full[0] if full else SlotAccount()
 
 
 async def _warm_up(coordinator, prompts: list[list[int]], s: E2ESettings, drafter: str, label: str) -> None:
@@ -289,12 +303,12 @@ def selector_state(coordinator) -> dict | None:
 def _drive_accounted(engine, prompts: list[list[int]], categories: list[str], s: E2ESettings, spec: SystemSpec,
                      progress: Progress, first: int = 0) -> tuple[list[RequestRecord], float, SlotAccount]:
     before = slot_account(engine.coordinator)
-    records, wall = engine.loop.run_until_complete(
+    records, wall, full = engine.loop.run_until_complete(
         _drive(engine.coordinator, prompts, categories, s, _drafter(spec), progress, spec.name, first))
     # what is still in flight (a follow-on slot sent for a request that then ended) settles before this engine's loop
     # stops until its next turn, else that slot would span the other systems' turns
     engine.loop.run_until_complete(engine.coordinator.until_idle())
-    return records, wall, slot_account(engine.coordinator) - before
+    return records, wall, slot_account(engine.coordinator) - before + full
 
 
 def run_spind(cfg: SpindConfig, spec: SystemSpec, prompts: list[list[int]], categories: list[str], s: E2ESettings,
@@ -521,8 +535,12 @@ def run_e2e(cfg: SpindConfig, s: E2ESettings, prompts_text: list[Prompt]) -> dic
     rows = [summarize(n, results[n], walls[n]) for n in results]
     base = next((r["goodput"] for r in rows if r["system"] == "none"), None)
     ratios = round_ratios(results, round_walls)
+    full = {n: a.full_batch_goodput for n, a in accounts.items()}
     for r in rows:
         r["speedup_vs_none"] = r["goodput"] / base if base else None
+        r["full_batch_goodput"] = full.get(r["system"])  # None: transformers, or an open loop
+        r["full_batch_speedup_vs_none"] = (r["full_batch_goodput"] / full["none"] if r["full_batch_goodput"]
+                                           and full.get("none") else None)
         r["round_speedups_vs_none"] = ratios.get(r["system"])
         r["speedup_vs_none_round_median"] = percentile(ratios[r["system"]], 0.5) if r["system"] in ratios else None
         r["drafter_shares"] = drafter_shares(results[r["system"]])
@@ -553,11 +571,11 @@ def render_table(results: dict) -> str:
         title += f", the requests run {s['repeats']} times (engines loaded afresh each time)"
     if results.get("target_ranks"):
         title += f", target split over {len(results['target_ranks'])} ranks ({', '.join(results['target_ranks'])})"
-    header = ["system", "goodput tok/s", "x none", "x none, round median", "tok/s/req p50", "accept", "acc len", "lat p50 s", "lat p99 s",
+    header = ["system", "goodput tok/s", "x none", "x none, round median", "x none, full batch", "tok/s/req p50", "accept", "acc len", "lat p50 s", "lat p99 s",
               "TTFT p50 s", "TTFT p99 s", "slot ms", "coordinator ms/slot", "target busy ms/slot", "side busy ms/slot",
               "process CPU ms/slot", "workers CPU ms/slot", "lossless", "drafter shares"]
     rows = [[r["system"], fmt(r["goodput"], 1), fmt(r["speedup_vs_none"]), fmt(r.get("speedup_vs_none_round_median")),
-             fmt(r["request_tokens_per_s_p50"], 1),
+             fmt(r.get("full_batch_speedup_vs_none")), fmt(r["request_tokens_per_s_p50"], 1),
              fmt(r["acceptance_rate"]), fmt(r["mean_accepted_length"]), fmt(r["latency_p50_s"]),
              fmt(r["latency_p99_s"]), fmt(r["ttft_p50_s"]), fmt(r["ttft_p99_s"]),
              *(fmt((r.get("slots") or {}).get(key)) for key in ("slot_ms", "coordinator_ms", "target_busy_ms",

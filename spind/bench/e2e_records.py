@@ -85,7 +85,11 @@ class SlotAccount:
     choices: two systems with the same tokens per second of target time differ only by what runs around it. The
     other workers' busy seconds (drafting, KV precompute) say what ran beside the target, on the same cores. CPU
     seconds, of this process (the coordinator, and in-process workers) and of the worker processes: the work each
-    did, which other tenants of a shared host inflate far less than they do wall time."""
+    did, which other tenants of a shared host inflate far less than they do wall time. And, in a closed loop, the
+    seconds of its slices while all of their clients were busy (from a slice's start until a client first found no
+    request left in it: the batch full, but for the moments of an admission) and the tokens streamed in them: a
+    slice's end, where the batch drains to its last request, is no part of serving at that batch, and it is longer for
+    a system whose requests progress unevenly (speculation) than for one that keeps equally long requests in step."""
 
     num_slots: int = 0
     slot_s: float = 0.0
@@ -94,6 +98,8 @@ class SlotAccount:
     side_s: float = 0.0
     process_cpu_s: float = 0.0
     workers_cpu_s: float = 0.0
+    full_s: float = 0.0
+    full_tokens: int = 0
 
     def __add__(self, other: SlotAccount) -> SlotAccount:
         return SlotAccount(*(a + b for a, b in zip(astuple(self), astuple(other))))
@@ -111,4 +117,9 @@ class SlotAccount:
         return {"num_slots": n, "slot_ms": ms(self.slot_s), "coordinator_ms": ms(self.coordinator_s),
                 "target_busy_ms": ms(self.target_s), "side_busy_ms": ms(self.side_s),
                 "process_cpu_ms": ms(self.process_cpu_s), "workers_cpu_ms": ms(self.workers_cpu_s)}
+
+    @property
+    def full_batch_goodput(self) -> float | None:
+        """Tokens a second while every client was busy (None: no such time, e.g. an open loop)."""
+        return self.full_tokens / self.full_s if self.full_s > 0 else None
 

@@ -92,7 +92,7 @@ def record(cfg: SpindConfig, workload: str, s: ReplaySettings, progress: Progres
     engine = _load(cfg, parse_system("none", cfg), prompts, e2e)
     try:
         with open(os.devnull, "w") as quiet:  # the bench's own progress counts the replays
-            records, _ = engine.loop.run_until_complete(
+            records, _, _ = engine.loop.run_until_complete(
                 _drive(engine.coordinator, prompts, labels, e2e, "none", Progress(len(prompts), quiet), "record"))
     finally:
         engine.close()
