@@ -33,7 +33,7 @@ drain, the batch shrinking to its last request; it is longer for a system whose 
 (speculation) than for one that keeps equally long requests in step (plain decoding, where most answers run to
 --max-tokens), so each spind system's slices are also timed while the batch was full (`x none, full batch`: from a
 slice's start until a client first found no request left, with the tokens streamed by then): serving at the batch
-size, where `x none` is the slices whole. In a closed loop the spind systems are loaded
+size, where `x none` is the slices whole. The spind systems are loaded
 side by side and take turns over `--rounds` slices of the requests (`run_spind_rounds`): on a shared, noisy
 machine a system run after another meets other conditions, and the ratios between them are what the bench is
 for. Each system is warmed up with one untimed request first, whose answer its drafters then forget.
