@@ -162,6 +162,11 @@ DOMINANCE_MARGIN = 0.05  # ... where it is worth less than (1 - this) x the best
 #                         every workload of the shared datasets
 IDLE_SHADOW = 8  # while selecting does not pay (`_idle`): every IDLE_SHADOW-th shadow turn is granted
 SETTLED_SHADOW = 16  # while settled on one drafter (`_settle`): every SETTLED_SHADOW-th shadow turn is granted
+SETTLED_SAMPLE = 4  # ... and the matching's estimates (the population's, each request's counts and survival) learn
+#                    from every SETTLED_SAMPLE-th slot only: nothing settled reads them (the floor, the calibration
+#                    and the ledger decide, and learn from every slot), and they are what the matching starts from
+#                    when selection unsettles, where a quarter of the evidence still fills their windows. Learning
+#                    them was ~30% of a settled slot's selecting (batch 1, gsm8k), run cold after each forward
 OVERHEAD_WINDOW = 33  # fully selected slots whose selecting seconds overhead_s is the median of (per batch size: a
 #                      slow first matching, or a slot the OS preempted, must not idle selection for long)
 FIT_HISTORY = 64  # verify forwards whose predicted and measured seconds describe() keeps
@@ -169,6 +174,9 @@ REPRICE_FORWARDS = 8  # verify forwards the cost model learns from before the pr
 #                       at once where the batch size changes): they move little from one forward to the next (the
 #                       cost model's window is 500 forwards), and reading them (the verify line, the drafters'
 #                       seconds per token, the ledger) cost ~30 us a slot, run cold after each forward
+REPRICE_SETTLED = 32  # ... while settled (`_settle`): a reading's ledger verdict, ~0.3 ms run cold at batch 1, was
+#                      a third of a settled slot's selecting at every 8th; settled is hysteresis already (another
+#                      drafter must dominate the settled one), which 32 forwards more delay by well under a request
 EXPLORE, EXPLOIT = "explore", "exploit"
 NUM_BUCKETS = 6  # batch-size buckets the overhead of selecting is kept per (`bucket_of`)
 
@@ -224,6 +232,7 @@ class LBSSSelector:
         self._draft_prior = np.array([known.get(d, np.nan) for d in self.arm_set.drafters], dtype=float)  # [D]
         self._delta: np.ndarray | None = None  # _draft_s_per_token(), until the next _price_plain
         self._position_prices: dict[int, tuple[float, ...]] = {}  # _prices_of_tokens(j), until the next _price_plain
+        self._floors_at: dict[int, tuple[list[float], tuple[float, ...]]] = {}  # _floor(j) and the curve it read
         self.price = 0.0  # G: the batch's expected tokens per second at the last priced matching
         self._fit: deque[tuple[float, float]] = deque(maxlen=FIT_HISTORY)  # (predicted, measured) verify seconds
         self.rng = np.random.default_rng(cfg.seed)
@@ -364,8 +373,10 @@ class LBSSSelector:
         return arms
 
     def _stale_prices(self) -> bool:
-        """Whether the prices must be read again: the batch size changed, or REPRICE_FORWARDS forwards were learned."""
-        return self._batch_size != self._priced_batch or self._cost_seen - self._priced_at >= REPRICE_FORWARDS
+        """Whether the prices must be read again: the batch size changed, or REPRICE_FORWARDS forwards were learned
+        (REPRICE_SETTLED while settled)."""
+        every = REPRICE_FORWARDS if self.settled_on is None else REPRICE_SETTLED
+        return self._batch_size != self._priced_batch or self._cost_seen - self._priced_at >= every
 
     def _price_plain(self) -> None:
         """Plain decoding's tokens per second at this batch size, whether any draft token could beat it, whether
@@ -373,6 +384,7 @@ class LBSSSelector:
         seconds per draft token and price of a draft token are solved again at their next reading."""
         self._delta = None
         self._position_prices.clear()
+        self._floors_at.clear()
         self._plain_price = self._plain_price_at(self._batch_size)
         pricing = self._pricing_at(self._batch_size)
         self.verdict = self.ledger.verdict(pricing) if pricing is not None else UNKNOWN
@@ -485,6 +497,7 @@ class LBSSSelector:
         if learn:
             for st in self._reqs.values():
                 st.expected.clear()
+        estimates = learn and (self.settled_on is None or self.num_slots % SETTLED_SAMPLE == 0)
         slot_s = 0.0
         selecting_s = sum(fb.select_s for fb in feedback)
         if selecting_s > 0 and not self.nothing_pays and self.settled_on is None:  # what a fully selected slot
@@ -500,7 +513,7 @@ class LBSSSelector:
             if st is None or seconds <= 0:
                 continue
             j = self.arm_set.drafter_index.get(fb.arm.drafter)
-            if learn:
+            if estimates:
                 reward = fb.num_committed / seconds
                 a = self.arm_set.index.get(fb.arm)
                 self.population.add(st.context, j, a, fb, reward)
@@ -517,7 +530,7 @@ class LBSSSelector:
                 self._switch_tokens[j] += st.catchup_tokens
             st.catchup_tokens = 0
             if learn:
-                self._observe_shadow(st, fb)
+                self._observe_shadow(st, fb, estimates)
         self.observed_s += slot_s
 
     def _observe_cost(self, feedback: Sequence[SlotFeedback]) -> None:
@@ -532,15 +545,18 @@ class LBSSSelector:
         self.cost.observe(fb.batch_size, fb.batch_tokens, fb.verify_s)
         self._cost_seen += 1
 
-    def _observe_shadow(self, st: _Request, fb: SlotFeedback) -> None:
-        """Counterfactual drafts of free drafters teach acceptance (never rewards: no slot ran on them), and what
-        each would have been worth (`_ledger`)."""
+    def _observe_shadow(self, st: _Request, fb: SlotFeedback, estimates: bool = True) -> None:
+        """Counterfactual drafts of free drafters teach acceptance (never rewards: no slot ran on them; the matching's
+        estimates only where `estimates`: SETTLED_SAMPLE), the calibration, and what each would have been worth
+        (`_ledger`)."""
         self._ledger(fb)
         for name, drafted, accepted in fb.shadow:
             j = self.arm_set.drafter_index.get(name)
             if j is None:
                 continue
             self._shadowed.add(j)
+            if not estimates:
+                continue
             self.population.add_acceptance(st.context, j, drafted, accepted)
             if not st.is_bypass:
                 st.counts.add_acceptance((), j, drafted, accepted)
@@ -876,8 +892,15 @@ class LBSSSelector:
 
     def _floor(self, j: int) -> tuple[float, ...]:
         """The confidence calibrated drafter j's tokens need at this slot's prices, per draft position (above 1: none
-        pays; non-decreasing, as the prices are)."""
-        return tuple(self.calibration.floor(j, p) for p in self._prices_of_tokens(j))
+        pays; non-decreasing, as the prices are). Read every slot: kept until the next `_price_plain` or the next
+        solve of j's calibration curve (`Calibration.curve` returns the same list until then)."""
+        curve = self.calibration.curve(j)
+        kept = self._floors_at.get(j)
+        if kept is not None and kept[0] is curve:
+            return kept[1]
+        floors = tuple(self.calibration.floor(j, p) for p in self._prices_of_tokens(j))
+        self._floors_at[j] = (curve, floors)
+        return floors
 
     def confidence_floor(self, req_id: str) -> tuple[float, ...]:
         """The confidence its drafter's tokens need this slot, per draft position (`_cut`); empty: no floor."""
