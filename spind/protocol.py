@@ -26,7 +26,7 @@ import msgspec
 
 from spind.params import SamplingParams
 
-VERSION = 2  # internal: coordinator <-> worker and worker -> worker
+VERSION = 3  # internal: coordinator <-> worker and worker -> worker (3: VerifyItem cuts by cut_values, cut_prices)
 CLIENT_PROTOCOL_VERSION = 2  # the ZeroMQ client API (ClientIn, ClientOut); began at the version both shared
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
@@ -118,9 +118,10 @@ class VerifyItem(_Rec):
     max_draft: Count = 0  # a request with a grammar: the tokens it forces may lengthen the draft up to this (0: never)
     shadow: list[Name] = []  # model-free drafters hosted here that draft counterfactually for it (never verified)
     shadow_k: Count = 0  # tokens each shadow draft proposes
-    # the inline draft is cut before its first token whose Draft.confidence is below its position's floor here (past
-    # the end, the last one holds; empty: no cut)
-    min_confidence: list[float] = []
+    # the inline draft is cut to its prefix of greatest worth (`spind.drafters.base.CutRule`: per confidence bin the
+    # chance a token survives, per position what it costs; empty: no cut)
+    cut_values: list[float] = []
+    cut_prices: list[float] = []
 
 
 class Verify(_Msg, tag="verify"):

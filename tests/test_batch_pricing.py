@@ -17,6 +17,8 @@ from spind.coordinator.selection.lbss import LBSSSelector
 from spind.coordinator.selection.marginal import choose
 from spind import protocol as P
 from spind.coordinator.selection.protocol import PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
+from spind.draft_cut import CutRule
+from spind.drafters.base import Draft, cut_at
 
 C0, C_REQ, C_TOK = 0.004, 0.0005, 0.002  # a CPU-like verify: 2 ms per token carried
 
@@ -108,7 +110,7 @@ def test_each_draft_position_is_priced_at_what_it_adds_to_the_forward():
     """Where the profile timed one request drafting every length 1..k, each position's price is its step of that
     curve: on a CPU whose second row rides along with the first, a request's first draft token is nearly free and
     its later ones dear, so a draft too unsure for the line's one price still drafts its first token, and a
-    calibrated drafter's floor is lower at the first position than past it."""
+    calibrated drafter's cut keeps a token at the first position that it cuts past it."""
     steps = {1: [0.0060, 0.0061, 0.0074, 0.0084, 0.0100]}  # T = 1 .. 5: +0.1, +1.3, +1.0, +1.6 ms
     points = [(1, t + 1, sec) for t, sec in enumerate(steps[1])] + [(4, 4, 0.008), (4, 20, 0.024)]
     cost = VerifyCost()
@@ -135,8 +137,9 @@ def test_each_draft_position_is_priced_at_what_it_adds_to_the_forward():
                                   verify_s=0.006, batch_size=1, batch_tokens=1, shadow=(("suffix", 3, accepted),),
                                   shadow_confidence=(("suffix", (0.95, 0.5, 0.2), accepted),))])
     assert sel.select([info("r", 80)], cap)[0].drafter == "suffix"
-    floors = sel.confidence_floor("r")
-    assert floors[0] <= 0.2 < 0.5 <= floors[1] == floors[2] == floors[3]  # a 1-in-20 token pays only first
+    rule = sel.cut_rule("r")
+    assert rule.kept((0.2,)) == 1 and rule.kept((0.2,) * 4) == 1  # a 1-in-20 token pays only first
+    assert rule.kept((0.95,) * 4) == 4
 
 
 def test_batch_1s_position_prices_follow_the_forwards_served_not_only_the_profiles_probe():
@@ -394,7 +397,7 @@ def calibrated(cal: Calibration, j: int = 0, n: int = 100) -> None:
         cal.add(j, [0.95, 0.35], 0 if i % 10 == 0 else 2 if i % 10 == 1 else 1)
 
 
-def test_calibration_turns_a_drafters_confidence_into_the_floor_that_pays():
+def test_calibration_turns_a_drafters_confidence_into_the_chance_its_token_survives():
     cal = Calibration(1, bins=10, min_tokens=50)
     assert not cal.known(0) and cal.describe(0) is None
     calibrated(cal)
@@ -404,9 +407,10 @@ def test_calibration_turns_a_drafters_confidence_into_the_floor_that_pays():
     assert curve[4:9] == [curve[3]] * 5  # bins with no tokens: the one below
     assert curve[:3] == [0.05, curve[3], curve[3]]  # below every bin seen: the bin's middle, at most the lowest seen
     assert all(a <= b for a, b in zip(curve, curve[1:]))
-    assert 0.35 < cal.floor(0, 0.5) <= 0.9  # the 0.95 tokens pay half a token; the 0.35 ones do not
-    assert cal.floor(0, 0.05) <= 0.3  # a cheap token: both pay
-    assert cal.floor(0, 0.95) > 1.0  # dearer than any token's chance: none pays
+    rule = CutRule(tuple(curve), (0.5,))
+    assert rule.kept((0.95, 0.35)) == 1 and rule.pays(4)  # the 0.95 tokens pay half a token; the 0.35 ones do not
+    assert CutRule(tuple(curve), (0.05,)).kept((0.95, 0.35)) == 2  # a cheap token: both pay
+    assert not CutRule(tuple(curve), (0.95,)).pays(4)  # dearer than any token's chance: none pays
     # a bin that did worse than a less confident one is pooled with it: a surer token is never worth less
     worse = Calibration(1, bins=10, min_tokens=1)
     for i in range(100):
@@ -428,9 +432,29 @@ def test_calibration_turns_a_drafters_confidence_into_the_floor_that_pays():
     assert lazy.curve(0) is not solved and lazy.curve(0)[9] < solved[9]  # the misses are in
 
 
-def test_lbss_cuts_a_calibrated_drafters_draft_at_its_confidence_floor():
-    """Once suffix's confidences are calibrated by shadow drafts, a request on it keeps its k and gets the floor its
-    worker cuts the draft at (the request's own recent survival no longer cuts it); where no token's chance pays
+def test_a_draft_is_cut_to_its_prefix_of_greatest_worth_not_at_its_first_token_below_a_floor():
+    """Each kept token adds the chance its rating says it survives with its prefix, less its position's price. Where
+    the first position costs more than the rest (a CPU forward's second row: 0.5-0.8 ms against 0.15-0.4 for each
+    later one at batch 1), a first token that does not pay alone is kept for the run behind it that pays for it; a
+    run too unsure for even the cheap positions is not; of equal worths the shortest prefix. Past the prices' end
+    the last one holds; a token past `limit` is never kept."""
+    values = tuple((b + 0.5) / 20 for b in range(20))  # a token is worth its rating (the bin's middle)
+    dear_first = CutRule(values, (0.7, 0.1))
+    assert dear_first.kept((0.625,)) == 0  # alone: 0.625 < 0.7
+    assert dear_first.kept((0.625, 0.575, 0.525, 0.475)) == 4  # -0.075 + 0.475 + 0.425 + 0.375: the run pays
+    assert dear_first.kept((0.625, 0.575, 0.525, 0.475), limit=2) == 2
+    assert dear_first.kept((0.625, 0.125, 0.075)) == 0  # the run behind it too unsure: -0.075 + 0.025 - 0.025
+    assert dear_first.kept((0.975, 0.075, 0.025)) == 1  # past the first, tokens worth less than 0.1 are cut
+    assert CutRule(values, (0.525,)).kept((0.525, 0.525)) == 0  # worth exactly its price: nothing gained, not kept
+    assert not CutRule(values, (1.0,)).pays(4) and dear_first.pays(1)
+    draft = Draft([5, 6, 7, 8], confidence=[0.625, 0.575, 0.075, 0.025])
+    assert cut_at(draft, dear_first).tokens == [5, 6] and cut_at(draft, None) is draft
+    assert cut_at(Draft([5, 6]), dear_first).tokens == [5, 6]  # a drafter that rates nothing: not cut
+
+
+def test_lbss_cuts_a_calibrated_drafters_draft_by_its_tokens_ratings():
+    """Once suffix's confidences are calibrated by shadow drafts, a request on it keeps its k and gets the rule its
+    worker cuts the draft by (the request's own recent survival no longer cuts it); where no token's chance pays
     its price, the request decodes plainly."""
     sel = LBSSSelector(SelectionConfig(seed=0, alpha=0), ["suffix"], 4, verify_points=profile_points(),
                        draft_s_per_token={"suffix": 1e-5})
@@ -445,13 +469,14 @@ def test_lbss_cuts_a_calibrated_drafters_draft_at_its_confidence_floor():
     assert sel.calibration.known(0)
     arm = sel.select([info("r", 60)], cap)[0]
     assert arm.drafter == "suffix" and arm.k >= 2  # not cut by its history: the draft is, on the worker
-    assert 0.35 < sel.confidence_floor("r")[0] <= 0.95
-    assert sel.confidence_floor("other") == ()
+    rule = sel.cut_rule("r")
+    assert rule.kept((0.95, 0.35)) == 1 and rule.kept((0.35,)) == 0  # 9 in 10 of the first pay, none of the second
+    assert sel.cut_rule("other") is None
     state = msgspec.json.decode(msgspec.json.encode(sel.describe()))  # what /v1/spind/state sends
-    assert state["floors"] == {"r": pytest.approx(list(sel.confidence_floor("r")), abs=1e-3)}
+    assert state["cuts"] == {"r": pytest.approx(list(rule.prices), abs=1e-4)}
     assert len(state["calibration"]["suffix"]) == sel.calibration.bins
-    # its text stops giving suffix anything sure: its latest two drafts had no token above the floor. Alone (batch 1)
-    # it still drafts, and its worker cuts the draft at the floor: its shadow drafts keep its suffix trie current, so
+    # its text stops giving suffix anything sure: its latest two drafts had no prefix that pays. Alone (batch 1)
+    # it still drafts, and its worker cuts the draft: its shadow drafts keep its suffix trie current, so
     # a draft costs a lookup, and a copy run is caught on its first slot (replayed, the rule below cost batch-1
     # selection 1-2%). In a batch the next slot is plain without a draft drawn up to be cut to nothing
     for t in (61, 62):
@@ -459,9 +484,9 @@ def test_lbss_cuts_a_calibrated_drafters_draft_at_its_confidence_floor():
                                   verify_s=cpu_verify(1, 1), batch_size=1, batch_tokens=1,
                                   shadow=(("suffix", 2, 0),), shadow_confidence=(("suffix", (0.15, 0.05), 0),))])
         arm = sel.select([info("r", t)], cap)[0]
-    assert arm.drafter == "suffix" and sel.confidence_floor("r")[0] > 0.35
+    assert arm.drafter == "suffix" and sel.cut_rule("r").kept((0.35,)) == 0
     arms = sel.select([info("r", 63), info("q", 0)], cap)
-    assert arms[0] == PLAIN_ARM and sel.confidence_floor("r") == ()
+    assert arms[0] == PLAIN_ARM and sel.cut_rule("r") is None
     sel.remove("q")
     # the same drafter where even its surest tokens fail: nothing pays, plain decoding
     for t in range(61, 200):
@@ -469,13 +494,13 @@ def test_lbss_cuts_a_calibrated_drafters_draft_at_its_confidence_floor():
         sel.observe([SlotFeedback(req_id="r", arm=arm, num_drafted=0, num_accepted=0, num_committed=1, draft_s=0.0,
                                   verify_s=cpu_verify(1, 1), batch_size=1, batch_tokens=1,
                                   shadow=(("suffix", 2, 0),), shadow_confidence=(("suffix", (0.95, 0.35), 0),))])
-    assert sel.select([info("r", 200)], cap)[0] == PLAIN_ARM and sel.confidence_floor("r") == ()
+    assert sel.select([info("r", 200)], cap)[0] == PLAIN_ARM and sel.cut_rule("r") is None
 
 
 def test_a_price_margin_drafts_only_tokens_worth_more_than_their_seconds():
     """A drafted token must be worth (1 + price_margin) x what plain decoding makes in the seconds it adds: a
-    larger margin raises the confidence floor its worker cuts drafts at, and one that no token's chance clears
-    leaves the request decoding plainly (`nothing_pays` too)."""
+    larger margin cuts drafts shorter on the worker, and one that no token's chance clears leaves the request decoding
+    plainly (`nothing_pays` too)."""
     confidence = (0.95, 0.75, 0.55, 0.35)
     accepted = [4] * 4 + [3] * 5 + [2] * 5 + [1] * 5 + [0]  # each prefix survives 95, 70, 45, 20% of the time
     got = {}
@@ -490,9 +515,10 @@ def test_a_price_margin_drafts_only_tokens_worth_more_than_their_seconds():
                                       draft_s=0.0, verify_s=cpu_verify(1, 1), batch_size=1, batch_tokens=1,
                                       shadow=(("suffix", 4, acc),), shadow_confidence=(("suffix", confidence, acc),))])
         arm = sel.select([info("r", 100)], cap)[0]
-        got[margin] = (arm.drafter, (sel.confidence_floor("r") or (0.0,))[0], sel.describe()["nothing_pays"])
+        rule = sel.cut_rule("r")
+        got[margin] = (arm.drafter, rule.kept(confidence) if rule else 0, sel.describe()["nothing_pays"])
     assert [got[m][0] for m in (0.0, 1.0, 2.0, 4.0)] == ["suffix", "suffix", "suffix", None]
-    assert 0.35 < got[0.0][1] <= 0.55 < got[1.0][1] <= 0.75 < got[2.0][1] <= 0.95  # 0.31, 0.62, 0.93 tokens a token
+    assert [got[m][1] for m in (0.0, 1.0, 2.0, 4.0)] == [3, 2, 1, 0]  # at 0.31, 0.62, 0.93 tokens a token
     assert got[4.0][2] and not got[2.0][2]
     with pytest.raises(ValueError, match="price_margin"):
         SelectionConfig(price_margin=-0.1)
@@ -500,7 +526,7 @@ def test_a_price_margin_drafts_only_tokens_worth_more_than_their_seconds():
 
 def test_shadow_drafts_back_off_while_they_find_nothing_that_pays():
     """A request's shadow drafts cost lookups on the target's worker every turn; past batch 1 (here 2: a companion
-    request that is never shadowed), while its latest ones had no token above the floor (its slots decode plainly), it
+    request that is never shadowed), while its latest ones would have been cut to nothing (its slots decode plainly), it
     is shadowed at every 2nd, then 4th, then 8th turn, and at every turn again once one has a token that pays. At
     batch 1 every turn (`LBSSSelector.wants_shadow`)."""
     sel = LBSSSelector(SelectionConfig(seed=0, alpha=0), ["suffix"], 4, verify_points=profile_points(),
@@ -525,7 +551,7 @@ def test_shadow_drafts_back_off_while_they_find_nothing_that_pays():
     quiet = [turn(t, unsure, 0) for t in range(60, 80)]
     assert quiet == [True, True, False, True, False, False, False, True] + [False] * 7 + [True] + [False] * 4
     # the latest shadows had nothing that pays; alone (batch 1), its draft is still drawn up and cut on the worker
-    assert sel.select([info("r", 80)], cap)[0].drafter == "suffix" and sel.confidence_floor("r")[0] > 0.35
+    assert sel.select([info("r", 80)], cap)[0].drafter == "suffix" and sel.cut_rule("r").kept(unsure) == 0
     skipped = 0
     while not turn(81 + skipped, sure, 1):  # the next turn that shadows finds a token that pays again ...
         skipped += 1
@@ -537,7 +563,7 @@ def test_shadow_drafts_back_off_while_they_find_nothing_that_pays():
 def test_between_calibrated_drafters_the_one_right_lately_is_chosen_and_misses_keep_a_drafter():
     """Both drafters rate their tokens alike and are calibrated alike over the population; this request's latest
     suffix drafts were accepted and its n-gram ones were not: the matching puts it on suffix. A request whose drafts
-    on both all missed lately is valued as plain decoding on them, and stays on a drafter: the worker's floor
+    on both all missed lately is valued as plain decoding on them, and stays on a drafter: the worker's cut
     decides each slot (no stage-long plain decoding on a run of misses)."""
     sel = LBSSSelector(SelectionConfig(seed=0, alpha=0), ["ngram", "suffix"], 4, verify_points=profile_points(),
                        draft_s_per_token={"ngram": 1e-5, "suffix": 1e-5})
@@ -563,8 +589,8 @@ def test_between_calibrated_drafters_the_one_right_lately_is_chosen_and_misses_k
                      for n, arm in zip(("r", "m"), arms)])
     sel.stage_slots = sel.slot_in_stage  # a new stage: a fresh matching
     r, m = sel.select([info("r", 9), info("m", 9)], cap)
-    assert r.drafter == "suffix" and sel.confidence_floor("r")[0] > 0
-    assert m.drafter is not None  # on a drafter, valued as plain: the floor decides each slot
+    assert r.drafter == "suffix" and sel.cut_rule("r") is not None
+    assert m.drafter is not None  # on a drafter, valued as plain: the cut decides each slot
 
 
 def test_where_no_draft_token_could_pay_the_batch_decodes_plainly_without_shadows():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import msgspec
+import numpy as np
 import pytest
 
 from spind.config import SelectionConfig
@@ -14,6 +15,7 @@ from spind.coordinator.selection import lbss
 from spind.coordinator.selection.ledger import ShadowLedger, Verdict
 from spind.coordinator.selection.lbss import LBSSSelector, bucket_of
 from spind.coordinator.selection.protocol import PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
+from spind.draft_cut import CutRule
 
 C0, C_REQ, C_TOK = 0.004, 0.0005, 0.002  # a CPU-like verify: 2 ms per token carried
 
@@ -31,12 +33,16 @@ def info(req_id: str, n_out: int) -> RequestInfo:
                        num_output_tokens=n_out)
 
 
-def flat(floors, cost):
-    """A Pricing: every drafter cut at `floors` (None: never cut), each draft token costing `cost` tokens."""
-    return lambda j: (floors, (cost,))
+def flat(rule, cost):
+    """A Pricing: every drafter cut by `rule` (None: never cut), each draft token costing `cost` tokens."""
+    return lambda j: (rule, (cost,))
 
 
-def test_drafts_valued_at_the_prices_asked_cut_at_the_floors():
+# a calibration curve over 20 bins: a token rated 0.5 or more survives, one rated less never does
+SURE_ABOVE_HALF = (0.0,) * 10 + (1.0,) * 10
+
+
+def test_drafts_valued_at_the_prices_asked_cut_by_the_rule():
     assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 64)] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     led = ShadowLedger(["ngram", "suffix"], window=1000, evidence=10, margin=0.15, max_len=4)
     for _ in range(9):
@@ -50,13 +56,13 @@ def test_drafts_valued_at_the_prices_asked_cut_at_the_floors():
     v = led.verdict(cheap)
     assert v.rates == pytest.approx((1 - 4 * 0.25, 4 - 4 * 0.25)) and v.best == pytest.approx(3.0)
     assert v.dominated == {"ngram"}  # 0.0 < 0.85 x 3.0
-    cut = led.verdict(flat((0.5,), 0.25))  # a floor of 0.5: n-gram's draft is cut after its first token
-    assert cut.rates == pytest.approx((0.75, 3.0))
-    assert led.verdict(flat((0.5, 0.95), 0.25)).rates[1] == pytest.approx(3.0)  # unrated tokens are never cut
-    dear = led.verdict(flat((0.5,), 1.2))  # the same drafts where a draft token costs more than a token
-    assert dear.rates == pytest.approx((-0.2, 4 - 4.8)) and dear.best == pytest.approx(-0.2)
+    assert led.verdict(cheap, limit=2).rates == pytest.approx((1 - 2 * 0.25, 2 - 2 * 0.25))  # at most 2 a draft
+    cut = led.verdict(flat(CutRule(SURE_ABOVE_HALF, (0.25,)), 0.25))  # n-gram's draft is cut after its first token
+    assert cut.rates == pytest.approx((0.75, 3.0))  # (an unrated token is read surest)
+    dear = led.verdict(flat(CutRule(SURE_ABOVE_HALF, (1.2,)), 1.2))  # where a draft token costs more than a token
+    assert dear.rates == pytest.approx((0.0, 0.0)) and dear.best == 0.0  # no prefix pays: every draft cut away
     assert dear.dominated == frozenset()  # nothing pays: no judge
-    shaped = led.verdict(lambda j: ((0.0,), (0.1, 0.2, 0.5)))  # a price per position, the last one holding
+    shaped = led.verdict(lambda j: (None, (0.1, 0.2, 0.5)))  # a price per position, the last one holding
     assert shaped.rates[1] == pytest.approx(4 - (0.1 + 0.2 + 0.5 + 0.5))
     empty = ShadowLedger(["ngram"], evidence=1)
     empty.add(0, 0, 0, ())
@@ -73,6 +79,34 @@ def test_drafts_valued_at_the_prices_asked_cut_at_the_floors():
     assert recent.verdict(cheap).rates[0] == pytest.approx(-1.0)  # the latest window of drafts weighs
     with pytest.raises(ValueError):
         ShadowLedger(["ngram"], margin=1.0)
+
+
+def test_the_ledger_cuts_each_draft_where_its_worker_would():
+    """The ledger's cut (numpy over its drafts) keeps, draft by draft, what `CutRule.kept` keeps on the worker: so
+    it values a drafter as its slots would run it. Random ratings (non-increasing), curves and prices, a first
+    position dearer than the rest."""
+    rng = np.random.default_rng(3)
+    for trial in range(40):
+        curve = tuple(np.sort(rng.uniform(0, 1, 20)))
+        prices = (float(rng.uniform(0.1, 1.2)), float(rng.uniform(0.0, 0.4)))
+        limit = int(rng.integers(1, 9))
+        led = ShadowLedger(["suffix"], window=64, evidence=1, max_len=8)
+        drafts = []
+        for _ in range(30):
+            n = int(rng.integers(0, 9))
+            rating = tuple(np.sort(rng.uniform(0, 1, n))[::-1])
+            accepted = int(rng.integers(0, n + 1))
+            led.add(0, n, accepted, rating)
+            drafts.append((rating, accepted))
+        rule = CutRule(curve, prices)
+        costs = (0.3, 0.1)
+        got = led.worth(0, rule, costs, limit)
+        weights = (1 - 1 / 64) ** np.arange(len(drafts))[::-1]
+        values = []
+        for rating, accepted in drafts:
+            kept = rule.kept(rating, limit)
+            values.append(min(accepted, kept) - sum(costs[min(t, 1)] for t in range(kept)))
+        assert got == pytest.approx(float(np.dot(weights, values) / weights.sum())), trial
 
 
 def shadow_feedback(req_id: str, arm, batch: int, worth: dict[str, int], select_s: float = 0.0) -> SlotFeedback:
@@ -185,8 +219,8 @@ def settling_selector(monkeypatch) -> tuple[LBSSSelector, Capacity]:
 
 def test_with_one_calibrated_drafter_left_selection_settles_on_it_without_the_matching(monkeypatch):
     """Once the ledger leaves suffix decoding alone (n-gram dominated) and its confidence is calibrated, the stages'
-    exploration and matching could only choose among its k's and plain decoding, which its confidence floor already
-    decides slot by slot: every request runs it at the default k with its floor, no matching is drawn up, and past
+    exploration and matching could only choose among its k's and plain decoding, which its cut already
+    decides slot by slot: every request runs it at the default k with its cut, no matching is drawn up, and past
     batch 1 only every SETTLED_SHADOW-th shadow turn is granted. A request that names its drafter, a model drafter in
     the arm set, or n-gram catching up on the text unsettles it."""
     sel, cap = settling_selector(monkeypatch)
@@ -205,7 +239,7 @@ def test_with_one_calibrated_drafter_left_selection_settles_on_it_without_the_ma
     granted = []
     for _ in range(4 * lbss.SETTLED_SHADOW):
         arms = sel.select([info("r", t)], cap)
-        assert arms == [Arm("suffix", 4)] and 0 < sel.confidence_floor("r")[0] <= 0.95
+        assert arms == [Arm("suffix", 4)] and sel.cut_rule("r").kept((0.95,) * 4) == 4
         granted.append(sel.wants_shadow("r"))
         sel.observe([shadow_feedback("r", arms[0], 1, {"suffix": 4, "ngram": 1})])
         t += 1
@@ -243,10 +277,39 @@ def test_with_one_calibrated_drafter_left_selection_settles_on_it_without_the_ma
     assert model.settled_on is None  # the ledger cannot value a model drafter: nothing is settled
 
 
+def test_settled_selection_learns_the_matchings_estimates_from_a_sample_of_its_slots_and_reprices_less_often(
+        monkeypatch):
+    """Settled, nothing reads the matching's estimates (the population's, the request's counts): they learn from
+    every SETTLED_SAMPLE-th slot, what the matching starts from when selection unsettles, while the calibration and
+    the ledger, which decide each settled slot and whether it stays settled, learn from every one; the prices are read
+    every REPRICE_SETTLED forwards (here every forward while not settled)."""
+    sel, cap = settling_selector(monkeypatch)
+    t = 0
+    while sel.settled_on is None:
+        arm = sel.select([info("r", t)], cap)[0]
+        sel.observe([shadow_feedback("r", arm, 1, {"suffix": 4, "ngram": 4 if t % 4 == 0 else 0})])
+        t += 1
+    readings = []  # the slots a price reading read the ledger at
+    verdict = sel.ledger.verdict
+    monkeypatch.setattr(sel.ledger, "verdict", lambda *a: (readings.append(t), verdict(*a))[1])
+    slots, tokens = sel.population.counts.slots.sum(), list(sel.calibration.total)
+    drafts = [sel.ledger.seen(j) for j in range(2)]
+    n = 4 * lbss.REPRICE_SETTLED
+    for _ in range(n):
+        arms = sel.select([info("r", t)], cap)
+        assert arms == [Arm("suffix", 4)] and sel.settled_on == "suffix"
+        sel.observe([shadow_feedback("r", arms[0], 1, {"suffix": 4, "ngram": 1})])
+        t += 1
+    assert sel.population.counts.slots.sum() - slots == n // lbss.SETTLED_SAMPLE
+    assert [a - b for a, b in zip(sel.calibration.total, tokens)] == [4 * n, 4 * n]
+    assert [sel.ledger.seen(j) - d for j, d in enumerate(drafts)] == [n, n]
+    assert len(readings) == 4 and readings[1] - readings[0] == lbss.REPRICE_SETTLED
+
+
 def test_drafts_seen_at_one_load_value_the_drafters_at_another(monkeypatch):
     """The ledger keeps the drafts, not their worth at one batch size: learned at batch 2, where drafts that survive
     whole three times in five pay (a draft token costs ~0.44 tokens there), it says, when the load grows to 16
-    requests (~0.73 tokens a draft token), that the same drafts do not pay there (its floors cut them to nothing):
+    requests (~0.73 tokens a draft token), that the same drafts do not pay there (its cut leaves nothing of them):
     selection is idle there as soon as a slot of that size has timed its selecting, with no shadow draft seen at it
     (kept per batch size, the ledger knew nothing at 16 until 20 more were)."""
     monkeypatch.setattr(lbss, "DOMINANCE_EVIDENCE", 20)

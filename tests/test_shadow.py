@@ -12,6 +12,7 @@ from spind.config import SelectionConfig
 from spind.coordinator.selection.lbss import LBSSSelector
 from spind.coordinator.selection.protocol import PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback
 from spind.coordinator.selection.shadow import SHADOW_K, Decided, ShadowDrafts, is_shadow_turn
+from spind.draft_cut import CutRule
 from spind.ngram_index import NgramIndex
 
 
@@ -195,12 +196,18 @@ def test_the_targets_worker_drafts_shadow_drafts_from_the_tokens_the_verify_star
     # the second slot: the suffix trie of "a" grew by what it committed, within one slot's tokens: no catch-up
     reply = w.answer(P.Verify(4, 2, [P.VerifyItem("a", [], inline_drafter="suffix", k=2)]))
     assert reply.results[0].switch_s == 0.0 and reply.results[0].shadow == {} and reply.shadow_s < 1e-3
-    # a confidence floor cuts the inline draft before its first token rated below it, on the worker
+    # the cut selection sends keeps the inline draft's prefix of greatest worth, on the worker: each token worth its
+    # rating here (the bin's middle), at a price between the first token's worth and the last one's
     whole = fresh.propose([DraftInput("y", prompt, 4)])[0]
     assert len(whole.tokens) == 4 and whole.confidence[0] > whole.confidence[-1]
-    floor = next(c for c in whole.confidence if c < whole.confidence[0])  # keeps the tokens rated above this one
-    reply = w.answer(P.Verify(5, 3, [P.VerifyItem("c", [], inline_drafter="suffix", k=4, min_confidence=[floor])]))
-    assert reply.results[0].num_drafted == sum(c >= floor for c in whole.confidence) < 4
+    values = tuple((b + 0.5) / 20 for b in range(20))
+    worth = [values[min(19, int(c * 20))] for c in whole.confidence]
+    price = (worth[0] + worth[-1]) / 2
+    rule = CutRule(values, (price,))
+    assert 0 < rule.kept(whole.confidence) < 4
+    reply = w.answer(P.Verify(5, 3, [P.VerifyItem("c", [], inline_drafter="suffix", k=4, cut_values=list(values),
+                                                  cut_prices=[price])]))
+    assert reply.results[0].num_drafted == rule.kept(whole.confidence)
     # a finished request's output, not its prompt (in its own trie), joins suffix decoding's shared cache
     output = w.mirrors["a"].tokens[len(prompt):]
     assert output and not isinstance(w.answer(P.FreeRequests(6, ["a"])), P.ErrorReply)

@@ -314,7 +314,7 @@ class SlotPhases:
                 if used[w] > self.worker_capacity[w]:
                     arm = PLAIN_ARM
             out.arms[st.req_id] = arm
-            st.min_confidence = self.selector.confidence_floor(st.req_id) if arm.drafter is not None else ()
+            st.cut = self.selector.cut_rule(st.req_id) if arm.drafter is not None else None
             if st.seq.params.is_greedy and st.req.drafter == AUTO and is_shadow_turn(self._shadow_turn, i, len(ready)) \
                     and self.selector.wants_shadow(st.req_id):
                 st.shadow = self.shadows.due(st.req_id, self.shadowed, every_slot=len(ready) == 1)
@@ -513,8 +513,9 @@ class SlotPhases:
                 k = st.seq.max_draft(arm.k)
                 if caps is not None and st.req_id in caps:
                     k = min(k, caps[st.req_id])
-                item = P.VerifyItem(st.req_id, [], inline_drafter=arm.drafter, k=k,
-                                    max_draft=forced, min_confidence=list(st.min_confidence))
+                values, prices = (list(st.cut.values), list(st.cut.prices)) if st.cut else ([], [])
+                item = P.VerifyItem(st.req_id, [], inline_drafter=arm.drafter, k=k, max_draft=forced,
+                                    cut_values=values, cut_prices=prices)
             elif d is not None:
                 item = P.VerifyItem(st.req_id, d.tokens, d.has_probs, d.slot, max_draft=forced)
             else:

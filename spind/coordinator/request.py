@@ -18,6 +18,7 @@ import msgspec
 from spind import protocol as P
 from spind.coordinator.interface import EngineRequest
 from spind.coordinator.selection.protocol import Arm
+from spind.draft_cut import CutRule
 from spind.params import SamplingParams
 from spind.tokenizer import Tokenizer
 
@@ -221,8 +222,7 @@ class RequestState:
     synced: dict[str, int] = field(default_factory=dict)  # worker -> committed tokens its mirror holds
     precomputed: set[str] = field(default_factory=set)  # drafters asked to precompute this request's KV
     shadow: list[str] = field(default_factory=list)  # free drafters its next verify drafts shadow drafts of
-    min_confidence: tuple[float, ...] = ()  # its next inline draft is cut before a token its drafter rates below
-    #                                         its position's floor here (`Selector.confidence_floor`)
+    cut: CutRule | None = None  # where its next inline draft stops paying (`Selector.cut_rule`); None: no cut
     select_s: float = 0.0  # its share of the coordinator's seconds selecting its next slot (SlotFeedback.select_s)
     per_drafter: dict[str, SpecStats] = field(default_factory=dict)  # this request's counts per drafter
     num_streamed_chars: int = 0

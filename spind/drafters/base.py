@@ -8,11 +8,12 @@ sequence as it now stands (a drafter with a KV cache rolls back to the common pr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from spind.draft_cut import CutRule
 from spind.params import SamplingParams
 from spind.worker.device import DeviceClock
 
@@ -24,18 +25,15 @@ class Draft:
     switch_s: float = 0.0  # time spent catching this request's KV up beyond the last slot's tokens
     # per token t, the drafter's own estimate that its first t tokens are all accepted (non-increasing); None: it
     # has none. Calibrated online against shadow drafts, it lets the worker cut a draft where it stops paying
-    # (VerifyItem.min_confidence)
+    # (`CutRule`, VerifyItem.cut_values and cut_prices)
     confidence: list[float] | None = None
 
 
-def cut_at(draft: Draft, min_confidence: Sequence[float]) -> Draft:
-    """The draft before its first token whose confidence is below its position's floor in `min_confidence` (past
-    its end, the last one holds; empty: no floor), as it is if it has no confidence."""
-    if draft.confidence is None or not min_confidence:
+def cut_at(draft: Draft, rule: CutRule | None) -> Draft:
+    """The draft cut to its prefix its rule keeps (`CutRule`); as it is with no rule, or no confidence."""
+    if draft.confidence is None or rule is None:
         return draft
-    n, last = 0, len(min_confidence) - 1
-    while n < len(draft.tokens) and draft.confidence[n] >= min_confidence[min(n, last)]:
-        n += 1
+    n = rule.kept(draft.confidence, len(draft.tokens))
     if n == len(draft.tokens):
         return draft
     probs = None if draft.probs is None else draft.probs[:n]

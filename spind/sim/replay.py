@@ -3,8 +3,8 @@ model, so a selector change is judged without the machine's noise.
 
 Under greedy decoding every system's output is the plain decoding one (lossless), so what a system does with a
 request is fully determined by its prompt and that recorded output: each slot, the selector chooses the arms
-(`select`), the free drafters (n-gram lookup, suffix decoding: lookups, run here for real) draft and are cut at the
-selector's confidence floors, the draft is accepted up to its first token that differs from the recording, and the
+(`select`), the free drafters (n-gram lookup, suffix decoding: lookups, run here for real) draft and are cut by the
+selector's rules (`CutRule`), the draft is accepted up to its first token that differs from the recording, and the
 selector learns from the feedback, shadow drafts included, exactly as the coordinator feeds it (`SlotPhases`). Only
 the seconds are modelled: a verify forward of B requests and T tokens from the machine's start-up profile (per batch
 size, its profiled forwards joined by straight lines: one token each, one request with k more, every request with k
@@ -64,7 +64,7 @@ class ReplayCosts:
     calls: dict[str, tuple[float, float]]  # drafter -> (seconds a propose call, per token it takes in)
     base_s: float = 0.15e-3  # the coordinator's own seconds a slot, every system alike
     select_s: float = 0.25e-3  # the coordinator's seconds choosing a fully selected slot's arms (LBSS, not idle)
-    settled_s: float = 0.12e-3  # ... a slot settled on one drafter's (`LBSSSelector._settle`: its floors alone);
+    settled_s: float = 0.12e-3  # ... a slot settled on one drafter's (`LBSSSelector._settle`: its cut alone);
     #   through `bench e2e` (mtbench, batch 1) a settled `spin` coordinator took 0.06 ms a slot more than
     #   fixed:suffix's, a fully selecting one 0.13 ms: select_s scaled by that
 
@@ -230,7 +230,7 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
         else:
             arms = [PLAIN_ARM] * len(ids)
             out.plain_regime_slots += 1
-        floors = {r: selector.confidence_floor(r) if a.drafter else () for r, a in zip(ids, arms)}
+        cuts = {r: selector.cut_rule(r) if a.drafter else None for r, a in zip(ids, arms)}
         wanted = {r: learns and selected and is_shadow_turn(turn_count, i, len(ids)) and selector.wants_shadow(r)
                   for i, r in enumerate(ids)}
         timed = time.perf_counter() - t0
@@ -247,7 +247,7 @@ def replay(recording: Sequence[Recorded], system: str, batch_size: int, costs: R
             draft: Draft | None = None
             k_now = max(0, min(arm.k, left - 1)) if arm.drafter else 0
             if k_now:
-                draft = cut_at(pool[arm.drafter].propose([DraftInput(r, seq, k_now)])[0], floors[r])
+                draft = cut_at(pool[arm.drafter].propose([DraftInput(r, seq, k_now)])[0], cuts[r])
                 draft_s[r] = calls(arm.drafter, r, len(seq))
             if wanted[r]:
                 proposed, rated = {}, {}

@@ -28,6 +28,7 @@ from spind import protocol as P
 from spind.config import TARGET_WORKER, DrafterConfig, SpindConfig, canonical_device, is_cuda, resolve_dtype
 from spind.drafters import Drafter, DraftInput, load_drafter_model, make_drafter, resolve_head_dir
 from spind.drafters.eagle import make_eagle_drafters
+from spind.draft_cut import CutRule
 from spind.drafters.base import cut_at
 from spind.grammar import Grammars
 from spind.models.llama import LlamaModel, layer_subset, load_llama
@@ -364,11 +365,12 @@ class Worker:
                 self._attach(it.req_id, it.inline_drafter, m)
                 inline.setdefault(it.inline_drafter, []).append(DraftInput(it.req_id, m.tokens, it.k))
         switch_s = {}
-        floor = {it.req_id: it.min_confidence for it in items}
+        cut = {it.req_id: CutRule(tuple(it.cut_values), tuple(it.cut_prices)) if it.cut_values and it.cut_prices
+               else None for it in items}
         for name, inputs in inline.items():
             out, elapsed = self._draft(name, inputs)
             for x, d in zip(inputs, out):
-                d = cut_at(d, floor[x.req_id])  # the tokens its drafter is not confident enough of do not pay
+                d = cut_at(d, cut[x.req_id])  # the tokens its drafter is not confident enough of do not pay
                 drafts[x.req_id] = (d.tokens, d.probs)
                 draft_s[x.req_id] = elapsed
                 switch_s[x.req_id] = d.switch_s

@@ -22,7 +22,6 @@ so its own observations take over as they accumulate; n0 = 0 is the paper's plai
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -129,15 +128,14 @@ class Calibration:
     with the tokens that reached it in a decided draft and those whose whole prefix survived. A bin's rate is
     shrunk towards the bin's middle (the drafter taken at its word) with `prior` pseudo-tokens, then made
     non-decreasing in the confidence (pool adjacent violators): a token the drafter is surer of is never worth
-    less. A bin no token fell in reads the nearest one below it that had some (below them all, its middle, capped
-    at the lowest one seen): a confidence never seen is not trusted beyond what was. `floor` turns a price into the
-    confidence a token needs to pay it, which the drafter's worker applies to the draft itself
-    (`VerifyItem.min_confidence`): unlike a request's recent survival, the confidence says which of this slot's
-    tokens will survive. A drafter's counts halve when they pass `window` tokens, so the curve follows the
-    workload. The curve is solved again once the tokens added since it was solved reach 1/`refresh` of the
-    drafter's total (every draft while few are known; every ~10 shadow drafts over a full window): one draft moves a
-    curve over thousands of tokens by less than its noise, and solving it after every draft (the pooling, in Python)
-    was the selector's largest cost at batch 1, where it is read three times a slot."""
+    less. A bin no token fell in reads the nearest one below it that had some (below them all, its middle, capped at the
+    lowest one seen): a confidence never seen is not trusted beyond what was. The curve, with each draft position's
+    price, is how the drafter's worker cuts the draft itself (`spind.draft_cut.CutRule`): unlike a request's recent
+    survival, the confidence says which of this slot's tokens will survive. A drafter's counts halve when they pass
+    `window` tokens, so the curve follows the workload. The curve is solved again once the tokens added since it was
+    solved reach 1/`refresh` of the drafter's total (every draft while few are known; every ~10 shadow drafts over a
+    full window): one draft moves a curve over thousands of tokens by less than its noise, and solving it after every
+    draft (the pooling, in Python) was the selector's largest cost at batch 1, where it is read three times a slot."""
 
     def __init__(self, num_drafters: int, bins: int = 20, prior: float = 2.0, window: float = 4096.0,
                  min_tokens: float = 64.0, refresh: int = 32) -> None:
@@ -187,12 +185,6 @@ class Calibration:
             self._curves[j] = c
             self._pending[j] = 0
         return c
-
-    def floor(self, j: int, price: float) -> float:
-        """The least confidence whose tokens pay `price` (tokens a draft token costs): the lower edge of the first
-        bin whose rate reaches it (every bin above does too); above 1 where none does: no token of j pays."""
-        b = bisect_left(self.curve(j), price)  # the curve is non-decreasing
-        return b / self.bins if b < self.bins else 2.0
 
     def describe(self, j: int) -> list[float] | None:
         return [round(q, 3) for q in self.curve(j)] if self.known(j) else None

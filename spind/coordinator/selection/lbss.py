@@ -70,10 +70,12 @@ between equal gains the request stays on the drafter (TIE_BREAK), where it draft
 Where a drafter rates its own tokens (`Draft.confidence`: n-gram lookup by its match's length, suffix decoding by
 its counts), the cut reads this slot's draft instead of the request's history: the shadow drafts bring the
 ratings back with their outcomes, `Calibration` turns a rating into the chance the token survives, and the
-request's verify carries the least confidence that pays (`confidence_floor` -> `VerifyItem.min_confidence`); the
-target's worker cuts the draft there. A copy run is then drafted from its first slot and dropped at its first
+request's verify carries how its draft is cut (`cut_rule` -> `VerifyItem.cut_values`, `cut_prices`; `CutRule`): each
+token is worth the chance its confidence says it survives, less its position's price, and the target's worker keeps
+the draft's prefix of greatest worth. A first token dearer than the rest (a CPU forward's second row) is drafted where
+the run behind it pays for it. A copy run is then drafted from its first slot and dropped at its first
 doubtful token, which a decaying history can only follow a few slots late. Such a drafter's arms are valued at
-that floor on the request's latest rated drafts (`_under_floor`).
+that cut on the request's latest rated drafts (`_under_rule`).
 
 Config: the `[selection]` section of config.toml (`spind.config.SelectionConfig`, defaults documented there).
 
@@ -88,7 +90,7 @@ the shadow, which has all of its positions.
 What the shadow drafts were worth (`ledger.py`). Every free drafter drafts its shadow drafts on the same slots, so
 their worth can be compared on the same text: the population's latest DOMINANCE_WINDOW decided shadow drafts per
 drafter are kept with their tokens' ratings, and at each price reading valued at this batch size's prices as its
-slots would run them (cut at the drafter's floors of now, `_pricing_at`): the tokens each would add less what the
+slots would run them (cut by the drafter's rule of now, `_pricing_at`): the tokens each would add less what the
 tokens it would draft cost (an empty proposal: 0), averaged. What survives does not depend on the batch size, so
 drafts seen at any load value the drafters at the current one. Three decisions follow, once every drafter has
 DOMINANCE_EVIDENCE drafts:
@@ -101,7 +103,7 @@ DOMINANCE_EVIDENCE drafts:
   and the shadow drafts, measured: `SlotFeedback.select_s`), selection is idle (`_idle`): plain decoding with no
   selection, as where nothing pays, and a shadow draft every IDLE_SHADOW turns to notice when that changes;
 - where every free drafter but one is dominated and that one rates its own tokens (calibrated), selection is
-  settled on it (`_settle`): its confidence floor decides each slot on the draft itself, so the stages' matching and
+  settled on it (`_settle`): its cut decides each slot on the draft itself, so the stages' matching and
   exploration, which could only choose among its k's and plain decoding, are skipped (each request runs it at the
   default k), and only every SETTLED_SHADOW-th shadow turn is granted, which keeps the ledger current.
 Where a model drafter is selectable the ledger cannot value it, and neither decision is taken over it.
@@ -135,6 +137,7 @@ from spind.coordinator.selection.matching import max_weight_assignment
 from spind.coordinator.selection.protocol import (AUTO, PLAIN_ARM, Arm, Capacity, RequestInfo, SlotFeedback,
                                                   fit_capacity)
 from spind.coordinator.selection.shadow import SHADOW_K
+from spind.draft_cut import CutRule
 
 UNKNOWN_WEIGHT = -1e6  # matching weight of an arm nobody has run: exploit only what was observed
 EVIDENCE_SLOTS = 16  # everyone's slots on a drafter before the estimates alone may rule its arms out
@@ -142,9 +145,9 @@ EVIDENCE_SLOTS = 16  # everyone's slots on a drafter before the estimates alone 
 # drafts should stop within a few slots of the copying), each draft's weight decaying by RECENT_DECAY at the next
 # one (~2.5 drafts in all), against POSITION_PRIOR pseudo-drafts of its context's curve
 RECENT_DECAY = 0.6
-RATED_DRAFTS = 6  # a request's latest rated drafts per drafter that value its arms under the confidence floor
+RATED_DRAFTS = 6  # a request's latest rated drafts per drafter that value its arms under its cut (`_under_rule`)
 SHADOW_BACKOFF_MAX = 8  # shadow drafts that keep finding nothing that pays: every 2nd, 4th, then 8th turn
-QUIET_DRAFTS = 2  # ... and those that, with no token above the floor, make its next slot plain in a batch (no draft
+QUIET_DRAFTS = 2  # ... and those that, cut to nothing by its rule, make its next slot plain in a batch (no draft
 #                   drawn up to be cut to nothing: at batch 4 on alpaca that drafting cost spin ~10% of none). Not
 #                   alone: at batch 1 its shadow drafts keep the drafter's state current, a draft costs a lookup, and
 #                   a copy run is caught on its first slot (replayed: the rule cost batch-1 selection 1-2.5%)
@@ -205,7 +208,7 @@ class _Request:
     #         _expected() of this slot (the key says which): cleared at each observe
     rated: dict[int, deque[tuple[tuple[float, ...], int]]] = dataclasses.field(default_factory=dict)
     #      per drafter that rates its tokens, its latest decided shadow drafts: (confidences, accepted), newest last
-    quiet_shadows: int = 0  # its latest shadow drafts in a row in which no drafter had a token above its floor
+    quiet_shadows: int = 0  # its latest shadow drafts in a row that every drafter's cut would have cut to nothing
     shadow_skips: int = 0  # its shadow turns passed over since its last shadow drafts (`wants_shadow`)
 
 
@@ -232,7 +235,7 @@ class LBSSSelector:
         self._draft_prior = np.array([known.get(d, np.nan) for d in self.arm_set.drafters], dtype=float)  # [D]
         self._delta: np.ndarray | None = None  # _draft_s_per_token(), until the next _price_plain
         self._position_prices: dict[int, tuple[float, ...]] = {}  # _prices_of_tokens(j), until the next _price_plain
-        self._floors_at: dict[int, tuple[list[float], tuple[float, ...]]] = {}  # _floor(j) and the curve it read
+        self._rules_at: dict[int, tuple[list[float], CutRule]] = {}  # _cut_rule(j) and the curve it read
         self.price = 0.0  # G: the batch's expected tokens per second at the last priced matching
         self._fit: deque[tuple[float, float]] = deque(maxlen=FIT_HISTORY)  # (predicted, measured) verify seconds
         self.rng = np.random.default_rng(cfg.seed)
@@ -258,8 +261,7 @@ class LBSSSelector:
         self.settled_slots = 0  # slots selected by `_still_plain`
         self._shadowed: set[int] = set()  # drafters whose acceptance shadow drafts have taught
         self.calibration = Calibration(num_drafters)  # drafters' own confidence per token, against what survived
-        self._floors: dict[str, tuple[float, ...]] = {}  # this slot's confidence floors (per draft position) of
-        #                                                  requests cut by their drafts' own ratings
+        self._cuts: dict[str, CutRule] = {}  # this slot's cut of the requests whose drafter rates its tokens
         # the free drafters' shadow drafts, valued at a batch size's prices as its slots would run them (`ledger.py`)
         self.ledger = ShadowLedger(self.arm_set.drafters, DOMINANCE_WINDOW, DOMINANCE_EVIDENCE, DOMINANCE_MARGIN,
                                    SHADOW_K)
@@ -280,10 +282,10 @@ class LBSSSelector:
         (every slot) where drafts may pay: there a drafter's shadow drafts follow its own slots (`ShadowDrafts`: paced),
         which a turn skipped breaks; the thinning below, applied there, left the ledger on the drafter that ran first
         (replayed, one draw of gsm8k at a CPU's cheap draft tokens: 0.94x `fixed:suffix` settled on n-gram lookup, 0.98x
-        with every turn). Past batch 1, a request whose latest QUIET_DRAFTS or more shadow drafts had no token above its
-        drafters' floors is shadowed at every 2nd, then 4th, then SHADOW_BACKOFF_MAX-th of its turns, and at every turn
-        again once one has: on a CPU at batch 4 and more, where nearly every slot decodes plainly, they took ~2% of the
-        target worker's time, and the selection's overhead is what `auto` loses to plain decoding there."""
+        with every turn). Past batch 1, a request whose latest QUIET_DRAFTS or more shadow drafts its drafters' cuts
+        would have cut to nothing is shadowed at every 2nd, then 4th, then SHADOW_BACKOFF_MAX-th of its turns, and at
+        every turn again once one has: on a CPU at batch 4 and more, where nearly every slot decodes plainly, they took
+        ~2% of the target worker's time, and the selection's overhead is what `auto` loses to plain decoding there."""
         if self.nothing_pays:
             if not self.idle:
                 return False
@@ -321,7 +323,7 @@ class LBSSSelector:
         self._advance_stage()
         if self._still_plain(reqs):
             self._capacity = {d: capacity.of(d) for d in self.arm_set.drafters}
-            self._floors.clear()
+            self._cuts.clear()
             self.slot_in_stage += 1
             self.num_slots += 1
             self.settled_slots += 1
@@ -354,13 +356,13 @@ class LBSSSelector:
         # each slot's drafts cut to what pays now; the stage's arm stays the request's. Exploration runs the arm it
         # drew, to learn it, but for drafters whose acceptance shadow drafts teach (there it learns nothing more)
         exploring = self.stage == EXPLORE
-        self._floors.clear()
+        self._cuts.clear()
         cut = []
         for r, b, arm in zip(reqs, bypass, arms):
             if b is None and r.requested_k is None:
-                arm, floor = self._cut(self._reqs[r.req_id], arm, exploring)
-                if floor:
-                    self._floors[r.req_id] = floor
+                arm, rule = self._cut(self._reqs[r.req_id], arm, exploring)
+                if rule is not None:
+                    self._cuts[r.req_id] = rule
             cut.append(arm)
         for before, after in zip(arms, cut):
             if after != before:
@@ -384,10 +386,10 @@ class LBSSSelector:
         seconds per draft token and price of a draft token are solved again at their next reading."""
         self._delta = None
         self._position_prices.clear()
-        self._floors_at.clear()
+        self._rules_at.clear()
         self._plain_price = self._plain_price_at(self._batch_size)
         pricing = self._pricing_at(self._batch_size)
-        self.verdict = self.ledger.verdict(pricing) if pricing is not None else UNKNOWN
+        self.verdict = self.ledger.verdict(pricing, self.default_k) if pricing is not None else UNKNOWN
         self.idle = self._idle()
         self.nothing_pays = self.idle or self._nothing_pays()
         self.dominated = self.verdict.dominated
@@ -421,17 +423,17 @@ class LBSSSelector:
         return choice if self.calibration.known(j) and j in self._shadowed else None
 
     def _select_settled(self, reqs: Sequence[RequestInfo], capacity: Capacity) -> list[Arm]:
-        """Every request on the settled drafter at the default k, cut at its floor (`_settle`)."""
+        """Every request on the settled drafter at the default k, cut by its rule (`_settle`)."""
         arms = fit_capacity([Arm(self.settled_on, self.default_k)] * len(reqs), capacity)
-        self._floors.clear()
+        self._cuts.clear()
         out = []
         for r, arm in zip(reqs, arms):
             self._track(r, is_bypass=False)
             st = self._reqs[r.req_id]
             self._record(st, arm)
-            cut, floor = self._cut(st, arm)
-            if floor:
-                self._floors[r.req_id] = floor
+            cut, rule = self._cut(st, arm)
+            if rule is not None:
+                self._cuts[r.req_id] = rule
             if cut != arm:
                 self.cut_slots["plain" if cut.drafter is None else "shorter"] += 1
             out.append(cut)
@@ -608,26 +610,23 @@ class LBSSSelector:
         return batch_size / plain_s if plain_s else 0.0
 
     def _pricing_at(self, batch_size: int) -> Pricing | None:
-        """How the ledger values a drafter's shadow drafts at this batch size (`ledger.Pricing`): the confidence floor
-        per draft position (where the drafter is calibrated) and what each position's token costs the batch in tokens
-        (without the price margin: the floors keep the tokens worth the margin, which cost what they cost), as the
-        slots of this size cut and price them (`_prices_of_tokens`), and no further than the default k: what a
-        settled drafter runs (`_select_settled`), and the draft lengths the profile priced (past them the last
-        position's price holds, below what a CPU's longer forwards cost); None where nothing is priced."""
+        """How the ledger values a drafter's shadow drafts at this batch size (`ledger.Pricing`): the cut its slots
+        would run them by (where the drafter is calibrated: `CutRule`, at the prices with the margin) and what each
+        position's token costs the batch in tokens (without it: the cut keeps the tokens worth the margin, which cost
+        what they cost), as the slots of this size cut and price them (`_prices_of_tokens`); None where nothing is
+        priced. The ledger reads no further than the default k (`verdict`'s limit): what a settled drafter runs
+        (`_select_settled`), and the draft lengths the profile priced (past them the last position's price holds, below
+        what a CPU's longer forwards cost)."""
         plain_price = self._plain_price_at(batch_size)
         if plain_price <= 0:
             return None
         margin = 1.0 + self.cfg.price_margin
-        k = self.default_k
 
-        def pricing(j: int) -> tuple[tuple[float, ...] | None, tuple[float, ...]]:
+        def pricing(j: int) -> tuple[CutRule | None, tuple[float, ...]]:
             costs = tuple(plain_price * s for s in self._token_seconds(j, batch_size))
-            if self.calibration.known(j):
-                base = [self.calibration.floor(j, margin * c) for c in costs]
-                floors = tuple(base[min(t, len(base) - 1)] for t in range(k))
-            else:
-                floors = (-np.inf,) * k
-            return floors + (np.nan,), costs  # no rating passes a nan floor: every draft cut at k
+            if not self.calibration.known(j):
+                return None, costs
+            return CutRule(tuple(self.calibration.curve(j)), tuple(margin * c for c in costs)), costs
         return pricing
 
     def _quiet(self, j: int, confidence: Sequence[float]) -> bool:
@@ -635,7 +634,7 @@ class LBSSSelector:
         been cut to nothing); False where j is not calibrated yet or no price is known."""
         if self._plain_price <= 0 or not self.calibration.known(j):
             return False
-        return _nothing_above(confidence, self._floor(j)[0])
+        return self._cut_rule(j).kept(confidence) == 0
 
     def remove(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)
@@ -672,7 +671,7 @@ class LBSSSelector:
         verify_cost (the fitted verify seconds per forward, per request and per token, `cost.py`); verify_fit
         ([predicted, measured] ms of the last verify forwards); token_prices {drafter: what its token at each draft
         position costs the batch at the last slot's size, in tokens: `_cut`}; calibration {drafter: [chance a token
-        survives, by confidence bin], null until calibrated}; floors {req_id: the confidences (per position) its draft
+        survives, by confidence bin], null until calibrated}; cuts {req_id: the prices (per position) its draft
         was cut at in the last slot}; ledger {batch size: {drafter: what its shadow drafts would be worth a request
         there, tokens a slot}} (`_describe_ledger`); dominated (free drafters left out at the last slot's batch size);
         idle (selecting did not pay for itself there: `_idle`); overhead_ms (what a fully selected slot of the last
@@ -701,7 +700,7 @@ class LBSSSelector:
             "token_prices": {d: [round(x, 4) for x in self._prices_of_tokens(j)] if self._plain_price > 0 else None
                              for j, d in enumerate(self.arm_set.drafters)},
             "calibration": {d: self.calibration.describe(j) for j, d in enumerate(self.arm_set.drafters)},
-            "floors": {r: [round(x, 3) for x in f] for r, f in self._floors.items()},
+            "cuts": {r: [round(x, 4) for x in c.prices] for r, c in self._cuts.items()},
             "ledger": self._describe_ledger(), "dominated": sorted(self.dominated), "idle": self.idle,
             "overhead_ms": round(self.overhead_s(self._batch_size) * 1e3, 4),
             "config": dataclasses.asdict(self.cfg),
@@ -716,7 +715,7 @@ class LBSSSelector:
         for b in sorted({1, 2, 4, 8, 16, self._batch_size}):
             pricing = self._pricing_at(b)
             if pricing is not None:
-                rates = self.ledger.verdict(pricing).rates
+                rates = self.ledger.verdict(pricing, self.default_k).rates
                 out[str(b)] = {d: None if x is None else round(x, 4) for d, x in zip(self.arm_set.drafters, rates)}
         return out
 
@@ -798,11 +797,11 @@ class LBSSSelector:
         at the batch's price (`_cut`) and read from the request's survival per position, where that is known:
         E[committed] = 1 + h * sum over kept positions t of P(the first t survive), h its proposal rate. An arm
         whose drafts are all cut is worth plain decoding's one token, never less. A drafter whose confidence is
-        calibrated is valued at its floor, on the request's latest rated drafts (`_under_floor`)."""
+        calibrated is valued under its cut, on the request's latest rated drafts (`_under_rule`)."""
         _, h = request_rates(st.counts, st.context, self.population, self.cfg.prior_strength)
         for j in range(len(self.arm_set.drafters)):
             if self.calibration.known(j) and st.rated.get(j):
-                self._under_floor(st, j, committed, drafted)
+                self._under_rule(st, j, committed, drafted)
                 continue
             if np.isnan(h[j]):
                 continue
@@ -818,29 +817,29 @@ class LBSSSelector:
                 committed[a] = 1.0 + h[j] * total[kept]
                 drafted[a] = h[j] * kept
 
-    def _under_floor(self, st: _Request, j: int, committed: np.ndarray, drafted: np.ndarray) -> None:
-        """committed, drafted ([A], in place) for drafter j's arms as its worker will cut them at this slot's
-        confidence floor, from the request's latest drafts on j (its shadow drafts: rated and decided), the newest
-        weighing most (RECENT_DECAY), each cut at the floor and at k: the tokens they keep, and as committed the mean
+    def _under_rule(self, st: _Request, j: int, committed: np.ndarray, drafted: np.ndarray) -> None:
+        """committed, drafted ([A], in place) for drafter j's arms as its worker will cut them by this slot's rule
+        (`_cut_rule`), from the request's latest drafts on j (its shadow drafts: rated and decided), the newest
+        weighing most (RECENT_DECAY), each cut by the rule and at k: the tokens they keep, and as committed the mean
         of what those tokens were worth by their confidence (the calibration) and what of them was accepted (the
         request's own text: between two drafters that both rate their tokens well, the one that was right lately).
-        Every kept token pays its price in expectation, so where that reads below plain decoding (a run of misses)
+        Every kept prefix pays its prices in expectation, so where that reads below plain decoding (a run of misses)
         the arm is valued as plain decoding: the matching keeps the request on the drafter (TIE_BREAK), and the
-        floor decides slot by slot."""
+        cut decides slot by slot."""
         curve, bins = self.calibration.curve(j), self.calibration.bins
-        prices, floors = self._prices_of_tokens(j), self._floor(j)
-        last = len(floors) - 1
+        rule = self._cut_rule(j)
+        prices = rule.prices
+        last = len(prices) - 1
         recent = st.rated[j]
         for a in np.flatnonzero(self.arm_set.drafter_of == j):
             k = self.arm_set.arms[a].k
             weight = kept = rated = accepted = cost = 0.0
             w = 1.0
             for confidence, acc in reversed(recent):
-                n = 0
-                while n < k and n < len(confidence) and confidence[n] >= floors[min(n, last)]:
-                    rated += w * curve[min(bins - 1, int(confidence[n] * bins))]
-                    cost += w * prices[min(n, last)]
-                    n += 1
+                n = rule.kept(confidence, k)
+                for t in range(n):
+                    rated += w * curve[min(bins - 1, int(confidence[t] * bins))]
+                    cost += w * prices[min(t, last)]
                 weight += w
                 kept += w * n
                 accepted += w * min(acc, n)
@@ -859,52 +858,51 @@ class LBSSSelector:
             self._delta = np.where(np.isnan(delta), self._draft_prior, delta)
         return self._delta
 
-    def _cut(self, st: _Request, arm: Arm, exploring: bool = False) -> tuple[Arm, tuple[float, ...]]:
-        """The arm with its draft cut to the tokens worth verifying this slot, and the confidence floors (per draft
-        position) its drafter's worker cuts the draft at (empty: none). Draft token t adds the chance that the request's
-        first t drafts survive and costs the seconds it adds to the slot (`_survival_and_price`). Where the drafter
-        rates its own tokens and that rating is calibrated (`Calibration`), the chance is read from each token's
-        confidence, on the draft itself: the arm keeps its k and the worker drops the tokens below the floor (none
-        clears it: a plain slot; a floor per position, as the prices are); in a batch of more than one, where the
-        request's latest QUIET_DRAFTS shadow drafts on it had no token above the floor, the slot is plain without
-        drafting. Else it is read from the request's recent drafts on that drafter, real and shadow, shrunk towards its
-        context's (`survival_of`), which cuts k. A request whose drafter's next token does not pay decodes plainly this
-        slot: the matching picked its arm for the stage, the cut follows the text (copying comes in runs). Not where
-        nothing is known of the drafter's survival yet, nor an exploring arm of a drafter without shadow drafts:
-        exploration is how those are learned."""
+    def _cut(self, st: _Request, arm: Arm, exploring: bool = False) -> tuple[Arm, CutRule | None]:
+        """The arm with its draft cut to the tokens worth verifying this slot, and the rule its drafter's worker cuts
+        the draft by (None: none). Draft token t adds the chance that the request's first t drafts survive and costs
+        the seconds it adds to the slot (`_survival_and_price`). Where the drafter rates its own tokens and that rating
+        is calibrated (`Calibration`), the chance is read from each token's confidence, on the draft itself: the arm
+        keeps its k and the worker keeps the draft's prefix of greatest worth (`CutRule`; where even a draft rated
+        surest throughout would not pay: a plain slot); in a batch of more than one, where the request's latest
+        QUIET_DRAFTS shadow drafts on it would have been cut to nothing, the slot is plain without drafting. Else it is
+        read from the request's recent drafts on that drafter, real and shadow, shrunk towards its context's
+        (`survival_of`), which cuts k. A request whose drafter's next token does not pay decodes plainly this slot: the
+        matching picked its arm for the stage, the cut follows the text (copying comes in runs). Not where nothing is
+        known of the drafter's survival yet, nor an exploring arm of a drafter without shadow drafts: exploration is how
+        those are learned."""
         j = self.arm_set.drafter_index.get(arm.drafter)
         if j is None or self._plain_price <= 0 or exploring and j not in self._shadowed:
-            return arm, ()
+            return arm, None
         if self.calibration.known(j):
-            floors = self._floor(j)
-            recent = st.rated.get(j, ())
-            if floors[0] > 1.0:
-                return PLAIN_ARM, ()  # no token pays: no draft to make
-            lately = [c for c, _ in list(recent)[-QUIET_DRAFTS:]] if self._batch_size > 1 else ()
-            if len(lately) == QUIET_DRAFTS and all(_nothing_above(c, floors[0]) for c in lately):
-                return PLAIN_ARM, ()  # none of its latest drafts had a token that pays: no draft to make
-            return arm, floors
+            rule = self._cut_rule(j)
+            if not rule.pays(arm.k):
+                return PLAIN_ARM, None  # no token pays: no draft to make
+            lately = [c for c, _ in list(st.rated.get(j, ()))[-QUIET_DRAFTS:]] if self._batch_size > 1 else ()
+            if len(lately) == QUIET_DRAFTS and all(rule.kept(c, arm.k) == 0 for c in lately):
+                return PLAIN_ARM, None  # none of its latest drafts had a prefix that pays: no draft to make
+            return arm, rule
         survival, prices = self._survival_and_price(st, j)
         if survival[0] != survival[0]:
-            return arm, ()
+            return arm, None
         k = worth_drafting(survival, prices, arm.k)
-        return (arm if k == arm.k else PLAIN_ARM if k == 0 else Arm(arm.drafter, k)), ()
+        return (arm if k == arm.k else PLAIN_ARM if k == 0 else Arm(arm.drafter, k)), None
 
-    def _floor(self, j: int) -> tuple[float, ...]:
-        """The confidence calibrated drafter j's tokens need at this slot's prices, per draft position (above 1: none
-        pays; non-decreasing, as the prices are). Read every slot: kept until the next `_price_plain` or the next
-        solve of j's calibration curve (`Calibration.curve` returns the same list until then)."""
+    def _cut_rule(self, j: int) -> CutRule:
+        """How calibrated drafter j's drafts are cut at this slot's prices (`CutRule`: its calibration curve, the
+        prices of its draft positions). Read every slot: kept until the next `_price_plain` or the next solve of j's
+        calibration curve (`Calibration.curve` returns the same list until then)."""
         curve = self.calibration.curve(j)
-        kept = self._floors_at.get(j)
+        kept = self._rules_at.get(j)
         if kept is not None and kept[0] is curve:
             return kept[1]
-        floors = tuple(self.calibration.floor(j, p) for p in self._prices_of_tokens(j))
-        self._floors_at[j] = (curve, floors)
-        return floors
+        rule = CutRule(tuple(curve), self._prices_of_tokens(j))
+        self._rules_at[j] = (curve, rule)
+        return rule
 
-    def confidence_floor(self, req_id: str) -> tuple[float, ...]:
-        """The confidence its drafter's tokens need this slot, per draft position (`_cut`); empty: no floor."""
-        return self._floors.get(req_id, ())
+    def cut_rule(self, req_id: str) -> CutRule | None:
+        """How its drafter's draft is cut this slot (`_cut`); None: not cut."""
+        return self._cuts.get(req_id)
 
     def _survival_and_price(self, st: _Request, j: int) -> tuple[list[float], tuple[float, ...]]:
         """The request's survival per draft position on drafter j, and what each draft position costs the batch in
@@ -1119,11 +1117,6 @@ class LBSSSelector:
             st.catchup_tokens = st.num_tokens - int(st.kv_len[j]) if arm.drafter != previous else 0
             st.kv_len[j] = st.num_tokens
         st.current = arm
-
-
-def _nothing_above(confidence: Sequence[float], floor: float) -> bool:
-    """A draft with these confidences (non-increasing) has no token at or above the floor."""
-    return not confidence or confidence[0] < floor
 
 
 def _rounded(names: Sequence[str], values: np.ndarray, digits: int = 3) -> dict[str, float | None]:

@@ -5,11 +5,11 @@ Every free drafter (n-gram lookup, suffix decoding) drafts a shadow draft on the
 worth can be compared on the same text. The ledger keeps each drafter's latest `window` decided shadow drafts as they
 were drafted: each token's own rating (where the drafter rates its tokens) and how many tokens survived. It values
 them at the prices of the batch size it is asked about (`Pricing`, the selector's at that size): each draft cut where
-its slot would have cut it (at the confidence floor of each draft position; all of it where the drafter is not
-calibrated), the tokens it would have added less what those it would have drafted cost, in tokens (an empty proposal:
-0), averaged over the drafts with the latest weighing most (exponential decay), each weighed by the drafter's own
-slots it stands for (`add`: a copy run seen at several slots of another drafter is one or two of its own;
-`LBSSSelector._ledger` says how many), and no further than the default k (`LBSSSelector._pricing_at`).
+its slot would have cut it (by the drafter's `CutRule`; all of it where the drafter is not calibrated), the tokens it
+would have added less what those it would have drafted cost, in tokens (an empty proposal: 0), averaged over the drafts
+with the latest weighing most (exponential decay), each weighed by the drafter's own slots it stands for (`add`: a copy
+run seen at several slots of another drafter is one or two of its own; `LBSSSelector._ledger` says how many), and no
+further than the default k (`LBSSSelector._pricing_at`).
 
 What survives does not depend on the batch size; what a token costs does. So every draft, whatever batch it was
 drafted in, values the drafters at every batch size, and a server whose load changes knows at once whether drafting
@@ -27,9 +27,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# drafter index -> (confidence floor per draft position, or None where the drafter's tokens are not cut by their
-# ratings; what a token at each draft position costs the batch, in tokens). Past a tuple's end its last entry holds.
-Pricing = Callable[[int], tuple[tuple[float, ...] | None, tuple[float, ...]]]
+from spind.draft_cut import CutRule
+
+# drafter index -> (how its drafts are cut by their ratings, or None where they are not; what a token at each draft
+# position costs the batch, in tokens). Past the costs' end their last entry holds.
+Pricing = Callable[[int], tuple[CutRule | None, tuple[float, ...]]]
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,9 @@ class ShadowLedger:
         self.drafters = list(drafters)
         self.window, self.evidence, self.margin, self.max_len = window, evidence, margin, max_len
         d = len(self.drafters)
-        # per drafter and kept draft, each position's rating: +inf where the drafter gave none (never cut), nan past
-        # the draft (a cut there: the draft ends); one position more than a draft has, always nan, so that every
-        # draft has a first position that fails its floor (`worth`: one argmin)
-        self._rating = np.full((d, window, max_len + 1), np.nan)
+        # per drafter and kept draft, each position's rating: 1 where the drafter gave none (a rule reads it surest),
+        # nan past the draft (where it ends)
+        self._rating = np.full((d, window, max_len), np.nan)
         self._drafted = np.zeros((d, window), dtype=np.int64)
         self._accepted = np.zeros((d, window), dtype=np.int64)
         self._slots = np.ones((d, window))  # the drafter's own slots each draft stands for (`add`)
@@ -76,7 +77,7 @@ class ShadowLedger:
         row = self._rating[j, i]
         row[:] = np.nan
         if rating is None:
-            row[:n] = np.inf
+            row[:n] = 1.0
         else:
             r = list(rating)[:n]
             row[:len(r)] = r
@@ -88,20 +89,27 @@ class ShadowLedger:
     def seen(self, j: int) -> int:
         return self._seen[j]
 
-    def worth(self, j: int, floors: tuple[float, ...] | None, costs: tuple[float, ...]) -> float | None:
-        """Drafter j's mean worth of a draft (tokens) cut at `floors` with each position costing `costs` (see
+    def worth(self, j: int, rule: CutRule | None, costs: tuple[float, ...], limit: int | None = None) -> float | None:
+        """Drafter j's mean worth of a draft (tokens) cut by `rule` (`CutRule.kept`, vectorized: its prefix of
+        greatest worth, the shortest of equals) and at `limit` tokens, with each position costing `costs` (see
         Pricing); None below the evidence."""
         seen = self._seen[j]
         if seen < self.evidence:
             return None
         n = min(seen, self.window)
+        width = self.max_len if limit is None else max(0, min(limit, self.max_len))
         drafted, accepted = self._drafted[j, :n], self._accepted[j, :n]
-        if floors is None:
-            kept = drafted
+        if rule is None:
+            kept = np.minimum(drafted, width)
         else:
-            f = np.array([floors[min(t, len(floors) - 1)] for t in range(self.max_len + 1)])
-            with np.errstate(invalid="ignore"):
-                kept = np.argmin(self._rating[j, :n] >= f, axis=1)  # the first position below its floor (nan is)
+            rating = self._rating[j, :n, :width]
+            values, bins = np.asarray(rule.values), len(rule.values)
+            prices = np.array([rule.prices[min(t, len(rule.prices) - 1)] for t in range(width)])
+            inside = ~np.isnan(rating)
+            b = np.clip((np.where(inside, rating, 0.0) * bins).astype(np.int64), 0, bins - 1)
+            gains = np.where(inside, values[b] - prices, -np.inf)  # past the draft: no prefix reaches there
+            worth = np.concatenate((np.zeros((n, 1)), np.cumsum(gains, axis=1)), axis=1)
+            kept = np.argmax(worth, axis=1)  # the shortest prefix of greatest worth (0: none pays)
         per_position = np.array([costs[min(t, len(costs) - 1)] for t in range(self.max_len)])
         cost = np.concatenate(([0.0], np.cumsum(per_position)))[kept]
         value = np.minimum(accepted, kept) - cost
@@ -110,9 +118,9 @@ class ShadowLedger:
         total = w.sum()
         return float(np.dot(w, value) / total) if total > 0 else 0.0
 
-    def verdict(self, pricing: Pricing) -> Verdict:
-        """The ledger read at one batch size's prices."""
-        rates = tuple(self.worth(j, *pricing(j)) for j in range(len(self.drafters)))
+    def verdict(self, pricing: Pricing, limit: int | None = None) -> Verdict:
+        """The ledger read at one batch size's prices, each draft at most `limit` tokens."""
+        rates = tuple(self.worth(j, *pricing(j), limit) for j in range(len(self.drafters)))
         known = [x for x in rates if x is not None]
         best = max(known) if known else None
         dominated: frozenset[str] = frozenset()

@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from spind.draft_cut import CutRule
+
 AUTO = "auto"
 PLAIN = "none"  # the API's name for plain decoding; an Arm spells it drafter=None
 
@@ -114,10 +116,9 @@ class Selector(Protocol):
         """The drafter this request most likely switches to next (other than its current one), whose KV is
         worth precomputing now; None for no precompute."""
 
-    def confidence_floor(self, req_id: str) -> tuple[float, ...]:
-        """After select: the confidence (`Draft.confidence`) its drafter's tokens need this slot, per draft position
-        (past the last, the last holds); its worker cuts the draft before the first token below its floor. Empty: no
-        floor."""
+    def cut_rule(self, req_id: str) -> CutRule | None:
+        """After select: where its drafter's draft stops paying this slot, by its tokens' confidences
+        (`Draft.confidence`): its worker cuts the draft to the prefix the rule keeps. None: no cut."""
 
     def wants_shadow(self, req_id: str) -> bool:
         """After select, at the request's turn for shadow drafts (the free drafters' counterfactual drafts, which
@@ -182,8 +183,8 @@ class StaticSelector:
         """The default drafter: every AUTO request drafts with it."""
         return self.default_drafter
 
-    def confidence_floor(self, req_id: str) -> tuple[float, ...]:
-        return ()
+    def cut_rule(self, req_id: str) -> CutRule | None:
+        return None
 
     def wants_shadow(self, req_id: str) -> bool:
         return False
