@@ -306,6 +306,27 @@ def test_settled_selection_learns_the_matchings_estimates_from_a_sample_of_its_s
     assert len(readings) == 4 and readings[1] - readings[0] == lbss.REPRICE_SETTLED
 
 
+def test_a_batch_going_back_and_forth_between_two_sizes_reads_the_ledger_once_per_size_and_reading(monkeypatch):
+    """A closed loop's batch goes 4, 3, 4 as requests end and the next ones join: each size keeps its ledger verdict
+    for as long as a price reading lasts (REPRICE_FORWARDS forwards), rather than reading it (its dearest part) at
+    every change of size."""
+    sel = LBSSSelector(SelectionConfig(seed=0, alpha=2), ["ngram", "suffix"], 4, verify_points=profile_points(),
+                       draft_s_per_token={"ngram": 1e-5, "suffix": 1e-5})
+    cap = Capacity({"ngram": 16, "suffix": 16})
+    for t in range(40):  # evidence for both drafters, so that the verdict is read
+        arms = sel.select([info("a", t), info("b", t)], cap)
+        sel.observe([shadow_feedback(r, arm, 2, {"suffix": 4, "ngram": 2}) for r, arm in zip("ab", arms)])
+    readings = []
+    verdict = sel.ledger.verdict
+    monkeypatch.setattr(sel.ledger, "verdict", lambda *a: (readings.append(1), verdict(*a))[1])
+    n = 4 * lbss.REPRICE_FORWARDS
+    for t in range(40, 40 + n):
+        batch = ["a", "b"] if t % 2 else ["a"]
+        arms = sel.select([info(r, t) for r in batch], cap)
+        sel.observe([shadow_feedback(r, arm, len(batch), {"suffix": 4, "ngram": 2}) for r, arm in zip(batch, arms)])
+    assert 2 * n // lbss.REPRICE_FORWARDS - 2 <= len(readings) <= 2 * n // lbss.REPRICE_FORWARDS + 2 < n
+
+
 def test_drafts_seen_at_one_load_value_the_drafters_at_another(monkeypatch):
     """The ledger keeps the drafts, not their worth at one batch size: learned at batch 2, where drafts that survive
     whole three times in five pay (a draft token costs ~0.44 tokens there), it says, when the load grows to 16

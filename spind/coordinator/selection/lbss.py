@@ -266,6 +266,7 @@ class LBSSSelector:
         self.ledger = ShadowLedger(self.arm_set.drafters, DOMINANCE_WINDOW, DOMINANCE_EVIDENCE, DOMINANCE_MARGIN,
                                    SHADOW_K)
         self.verdict: Verdict = UNKNOWN  # ... read at the last price reading's batch size
+        self._verdicts: dict[int, tuple[int, Verdict]] = {}  # batch size -> (_cost_seen when read, its verdict)
         self.dominated: frozenset[str] = frozenset()  # free drafters another one dominates at the last slot's size
         # per batch-size bucket: the latest fully selected slots' seconds selecting (SlotFeedback.select_s)
         self._overhead: list[deque[float]] = [deque(maxlen=OVERHEAD_WINDOW) for _ in range(NUM_BUCKETS)]
@@ -377,19 +378,29 @@ class LBSSSelector:
     def _stale_prices(self) -> bool:
         """Whether the prices must be read again: the batch size changed, or REPRICE_FORWARDS forwards were learned
         (REPRICE_SETTLED while settled)."""
-        every = REPRICE_FORWARDS if self.settled_on is None else REPRICE_SETTLED
-        return self._batch_size != self._priced_batch or self._cost_seen - self._priced_at >= every
+        return self._batch_size != self._priced_batch or self._cost_seen - self._priced_at >= self._reprice_every()
+
+    def _reprice_every(self) -> int:
+        return REPRICE_FORWARDS if self.settled_on is None else REPRICE_SETTLED
 
     def _price_plain(self) -> None:
         """Plain decoding's tokens per second at this batch size, whether any draft token could beat it, whether
         selecting is worth its own cost, and which free drafters are dominated at this batch size; each drafter's
-        seconds per draft token and price of a draft token are solved again at their next reading."""
+        seconds per draft token and price of a draft token are solved again at their next reading. The ledger's
+        verdict (~0.3 ms run cold: the reading's dearest part) is kept per batch size for as long as a reading is
+        (`_reprice_every`): a closed loop's batch goes 4, 3, 4 as requests end and the next ones join, and each change
+        read it afresh, every ~10th slot at batch 4."""
         self._delta = None
         self._position_prices.clear()
         self._rules_at.clear()
         self._plain_price = self._plain_price_at(self._batch_size)
-        pricing = self._pricing_at(self._batch_size)
-        self.verdict = self.ledger.verdict(pricing, self.default_k) if pricing is not None else UNKNOWN
+        kept = self._verdicts.get(self._batch_size)
+        if kept is not None and self._cost_seen - kept[0] < self._reprice_every():
+            self.verdict = kept[1]
+        else:
+            pricing = self._pricing_at(self._batch_size)
+            self.verdict = self.ledger.verdict(pricing, self.default_k) if pricing is not None else UNKNOWN
+            self._verdicts[self._batch_size] = (self._cost_seen, self.verdict)
         self.idle = self._idle()
         self.nothing_pays = self.idle or self._nothing_pays()
         self.dominated = self.verdict.dominated
