@@ -217,6 +217,18 @@ def settling_selector(monkeypatch) -> tuple[LBSSSelector, Capacity]:
     return sel, Capacity({"ngram": 16, "suffix": 16})
 
 
+def settle(sel: LBSSSelector, cap: Capacity) -> int:
+    """Slots of one request until selection settles (suffix's drafts accepted whole, n-gram's one time in four);
+    returns the slots run."""
+    t = 0
+    while sel.settled_on is None:
+        arm = sel.select([info("r", t)], cap)[0]
+        sel.observe([shadow_feedback("r", arm, 1, {"suffix": 4, "ngram": 4 if t % 4 == 0 else 0})])
+        t += 1
+        assert t < 500
+    return t
+
+
 def test_with_one_calibrated_drafter_left_selection_settles_on_it_without_the_matching(monkeypatch):
     """Once the ledger leaves suffix decoding alone (n-gram dominated) and its confidence is calibrated, the stages'
     exploration and matching could only choose among its k's and plain decoding, which its cut already
@@ -224,12 +236,7 @@ def test_with_one_calibrated_drafter_left_selection_settles_on_it_without_the_ma
     batch 1 only every SETTLED_SHADOW-th shadow turn is granted. A request that names its drafter, a model drafter in
     the arm set, or n-gram catching up on the text unsettles it."""
     sel, cap = settling_selector(monkeypatch)
-    t = 0
-    while sel.settled_on is None:
-        arm = sel.select([info("r", t)], cap)[0]
-        sel.observe([shadow_feedback("r", arm, 1, {"suffix": 4, "ngram": 4 if t % 4 == 0 else 0})])
-        t += 1
-        assert t < 500
+    t = settle(sel, cap)
     assert sel.settled_on == "suffix" and sel.dominated == {"ngram"}
 
     def no_matching(*_):
@@ -284,11 +291,7 @@ def test_settled_selection_learns_the_matchings_estimates_from_a_sample_of_its_s
     the ledger, which decide each settled slot and whether it stays settled, learn from every one; the prices are read
     every REPRICE_SETTLED forwards (here every forward while not settled)."""
     sel, cap = settling_selector(monkeypatch)
-    t = 0
-    while sel.settled_on is None:
-        arm = sel.select([info("r", t)], cap)[0]
-        sel.observe([shadow_feedback("r", arm, 1, {"suffix": 4, "ngram": 4 if t % 4 == 0 else 0})])
-        t += 1
+    t = settle(sel, cap)
     readings = []  # the slots a price reading read the ledger at
     verdict = sel.ledger.verdict
     monkeypatch.setattr(sel.ledger, "verdict", lambda *a: (readings.append(t), verdict(*a))[1])
