@@ -118,7 +118,7 @@ class VerifyItem(_Rec):
     max_draft: Count = 0  # a request with a grammar: the tokens it forces may lengthen the draft up to this (0: never)
     shadow: list[Name] = []  # model-free drafters hosted here that draft counterfactually for it (never verified)
     shadow_k: Count = 0  # tokens each shadow draft proposes
-    # the inline draft is cut to its prefix of greatest worth (`spind.drafters.base.CutRule`: per confidence bin the
+    # the inline draft is cut to its prefix of greatest worth (`spind.draft_cut.CutRule`: per confidence bin the
     # chance a token survives, per position what it costs; empty: no cut)
     cut_values: list[float] = []
     cut_prices: list[float] = []

@@ -501,7 +501,7 @@ class SlotPhases:
     def verify_items(self, batch: list[RequestState], arms: dict[str, Arm], drafts: dict[str, P.DraftRecord],
                      caps: dict[str, int] | None = None) -> dict[str, P.VerifyItem]:
         """What the target verifies for each request, from its arm, its draft and its state now: an inline drafter
-        drafts at most the request's `max_draft` (or its `caps` entry, where lower), its confidence floor and the
+        drafts at most the request's `max_draft` (or its `caps` entry, where lower), its cut (`CutRule`) and the
         shadow drafts selection asked of this pass go with it."""
         items = {}
         for st in batch:

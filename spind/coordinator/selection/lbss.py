@@ -166,7 +166,7 @@ DOMINANCE_MARGIN = 0.05  # ... where it is worth less than (1 - this) x the best
 IDLE_SHADOW = 8  # while selecting does not pay (`_idle`): every IDLE_SHADOW-th shadow turn is granted
 SETTLED_SHADOW = 16  # while settled on one drafter (`_settle`): every SETTLED_SHADOW-th shadow turn is granted
 SETTLED_SAMPLE = 4  # ... and the matching's estimates (the population's, each request's counts and survival) learn
-#                    from every SETTLED_SAMPLE-th slot only: nothing settled reads them (the floor, the calibration
+#                    from every SETTLED_SAMPLE-th slot only: nothing settled reads them (the cut, the calibration
 #                    and the ledger decide, and learn from every slot), and they are what the matching starts from
 #                    when selection unsettles, where a quarter of the evidence still fills their windows. Learning
 #                    them was ~30% of a settled slot's selecting (batch 1, gsm8k), run cold after each forward
@@ -410,13 +410,13 @@ class LBSSSelector:
     def _settle(self) -> str | None:
         """The drafter selection is settled on at this batch size, or None: where drafts may pay, every free drafter
         but one is dominated (the ledger; never while a model drafter is selectable: the ledger cannot value it), and
-        that one rates its own tokens, calibrated. The matching then has one family of arms left, and the confidence
-        floor already decides each slot, on the draft itself, whether and how far it drafts (`_cut`): LBSS's stages,
-        exploration and matching would only choose among that drafter's k's and plain decoding, at ~60 us a slot
+        that one rates its own tokens, calibrated. The matching then has one family of arms left, and its cut
+        (`CutRule`) already decides each slot, on the draft itself, whether and how far it drafts (`_cut`): LBSS's
+        stages, exploration and matching would only choose among that drafter's k's and plain decoding, at ~60 us a slot
         (with its feedback's ~45 us: ~2% of a batch-1 slot of the default model on a 2-core CPU, where suffix decoding
         at a fixed k beat `spin` by 3-6% through `bench e2e`). Settled, each request runs the drafter at the default k
-        (what `fixed:` runs) and its floor; the shadow drafts go on, fewer (SETTLED_SHADOW), so the ledger sees
-        another drafter catch up and the next price reading (every REPRICE_FORWARDS forwards) unsettles it.
+        (what `fixed:` runs) and its cut; the shadow drafts go on, fewer (SETTLED_SHADOW), so the ledger sees
+        another drafter catch up and the next price reading (every REPRICE_SETTLED forwards) unsettles it.
 
         Settled, it stays so while no other drafter dominates its drafter (hysteresis): where two drafters' drafts are
         worth about the same (within DOMINANCE_MARGIN), the ledger's noise would otherwise settle and unsettle it by
