@@ -434,7 +434,7 @@ def test_calibration_turns_a_drafters_confidence_into_the_chance_its_token_survi
 
 def test_a_draft_is_cut_to_its_prefix_of_greatest_worth_not_at_its_first_token_below_a_floor():
     """Each kept token adds the chance its rating says it survives with its prefix, less its position's price. Where
-    the first position costs more than the rest (a CPU forward's second row: 0.5-0.8 ms against 0.15-0.4 for each
+    the first position costs more than the rest (a CPU forward's second row: 0.5 ms against 0.1-0.6 for each
     later one at batch 1), a first token that does not pay alone is kept for the run behind it that pays for it; a
     run too unsure for even the cheap positions is not; of equal worths the shortest prefix. Past the prices' end
     the last one holds; a token past `limit` is never kept."""
