@@ -355,7 +355,8 @@ def occupancy_frame(state: SpindState) -> pd.DataFrame:
 
 
 def occupancy_timeline(state: SpindState) -> alt.Chart:
-    """What each worker did over the last window; white = idle."""
+    """What each worker did over the last window, per 0.2 s (spind.coordinator.history.RESOLUTION_S: each bin's
+    busy seconds per activity side by side from its start); white = idle."""
     df = occupancy_frame(state)
     return alt.Chart(df).mark_bar(height=26).encode(
         x=_time_axis(state, "start"), x2="end:Q",

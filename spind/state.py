@@ -28,13 +28,15 @@ class _State(msgspec.Struct):
 
 
 class BusySpan(_State, array_like=True):
-    """A stretch of one worker's time (array-like on the wire: thousands per snapshot)."""
+    """A stretch of one worker's time (array-like on the wire: hundreds per snapshot). The daemon's snapshot gives
+    one per activity per 0.2 s of the window, its seconds laid from the start of that 0.2 s
+    (spind.coordinator.history)."""
 
     kind: str  # one of BUSY_KINDS
     drafter: str  # for draft and precompute: which drafter; else ""
     start: float
     end: float
-    num_reqs: int = 0
+    num_reqs: int = 0  # the most requests one of its intervals served
 
 
 class WorkerState(_State):

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from spind import protocol as P
-from spind.coordinator.history import MAX_BUSY, WINDOW_S, History
+from spind.coordinator.history import NUM_BINS, RESOLUTION_S, WINDOW_S, History
 from spind.state import STATE_VERSION, LatencyState, SpindState, StateVersionError, decode_state, encode_state
 
 
@@ -41,18 +41,56 @@ def test_another_version_is_refused_with_a_clear_message():
         decode_state(b'{"detail": "not a state"}')
 
 
-def test_history_is_bounded_and_windows_busy_time():
+def test_history_keeps_the_whole_window_of_busy_time_in_bounded_bins_under_any_load():
+    """200 intervals a second (a 4 ms verify and a 1 ms n-gram draft every 10 ms) for a minute: the snapshot still
+    reaches back the whole window (a ring of 4096 intervals held 20 s of it) with a few spans per bin, and each
+    activity's seconds in it are the intervals'."""
     clock = Clock()
     h = History(clock)
-    for i in range(MAX_BUSY + 10):  # 10 ms busy in every 20 ms
-        t = clock.t - 100 + i * 0.02
-        h.add_busy("target", P.BusyInterval("verify", t, t + 0.01, 2))
-    assert len(h.busy["target"]) == MAX_BUSY
-    now = clock.t - 100 + (MAX_BUSY + 10) * 0.02
+    start = clock.t - 60
+    for i in range(6000):
+        t = start + i * 0.01
+        h.add_busy("target", P.BusyInterval("verify", t, t + 0.004, 2))
+        h.add_busy("target", P.BusyInterval("draft", t + 0.004, t + 0.005, 2, "ngram"))
+    now = start + 60
+    assert len(h.busy["target"]) <= NUM_BINS
     spans = h.busy_spans("target", now)
-    assert spans and all(s.end >= now - WINDOW_S for s in spans) and spans[0].start < spans[-1].start
+    assert len(spans) <= 2 * (WINDOW_S / RESOLUTION_S + 1)
+    assert spans[0].start <= now - WINDOW_S and spans[-1].start >= now - RESOLUTION_S
+    assert [s.start for s in spans] == sorted(s.start for s in spans)
+    verify = sum(s.end - s.start for s in spans if s.kind == "verify")
+    draft = sum(s.end - s.start for s in spans if s.kind == "draft" and s.drafter == "ngram")
+    assert verify == pytest.approx(0.4 * WINDOW_S, rel=0.01) and draft == pytest.approx(0.1 * WINDOW_S, rel=0.01)
     assert h.utilisation(spans, now) == pytest.approx(0.5, abs=0.01)
-    assert h.busy_s["target"]["verify"] == pytest.approx(0.01 * (MAX_BUSY + 10))  # totals are not windowed
+    assert {s.num_reqs for s in spans} == {2}
+    assert h.busy_s["target"]["verify"] == pytest.approx(0.004 * 6000)  # totals are not windowed
+
+
+def test_an_interval_across_bins_is_split_and_one_reported_late_lands_in_its_own_bin():
+    clock = Clock()
+    h = History(clock)
+    r = RESOLUTION_S
+    h.add_busy("target", P.BusyInterval("prefill", 990 + 0.5 * r, 990 + 3.5 * r, 1))  # 3 bins' time across 4
+    h.add_busy("draft", P.BusyInterval("draft", 991.0, 991.0 + r / 2, 1, "int8"))
+    h.add_busy("draft", P.BusyInterval("precompute", 990.0, 990.0 + r / 4, 0, "int8"))  # ran before the draft
+    spans = h.busy_spans("target", 1000.0)
+    assert [s.kind for s in spans] == ["prefill"] * 4
+    assert sum(s.end - s.start for s in spans) == pytest.approx(3 * r)
+    assert spans[0].start == pytest.approx(990.0) and spans[-1].end == pytest.approx(990 + 3.5 * r, abs=1e-4)
+    assert [(s.kind, s.start) for s in h.busy_spans("draft", 1000.0)] == [("precompute", 990.0), ("draft", 991.0)]
+    # a bin outside the window is not shown; one older than a full ring holds is dropped, not misfiled
+    assert h.busy_spans("target", 990 + 4 * r + WINDOW_S) == []
+    for i in range(NUM_BINS):
+        h.add_busy("late", P.BusyInterval("verify", 2000 + i * r, 2000 + i * r + r / 10))
+    h.add_busy("late", P.BusyInterval("verify", 1000.0, 1000.0 + r / 10))
+    assert len(h.busy["late"]) == NUM_BINS and min(b.index for b in h.busy["late"]) >= round(2000 / r)
+
+
+def test_a_long_interval_keeps_its_last_window():
+    h = History(Clock())
+    h.add_busy("target", P.BusyInterval("prefill", 900.0, 1000.0, 1))  # 100 s (longer than the ring reaches)
+    assert NUM_BINS - 1 <= len(h.busy["target"]) <= NUM_BINS  # (the bin starting at 1000.0 has none of it)
+    assert h.utilisation(h.busy_spans("target", 1000.0), 1000.0) == pytest.approx(1.0, abs=1e-3)
 
 
 def test_overlapping_busy_intervals_count_once():
