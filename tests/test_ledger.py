@@ -109,6 +109,27 @@ def test_the_ledger_cuts_each_draft_where_its_worker_would():
         assert got == pytest.approx(float(np.dot(weights, values) / weights.sum())), trial
 
 
+def test_drafts_read_in_between_or_only_at_the_end_value_alike():
+    """Drafts are kept as added and written into the ledger's arrays when it is next read: two drafters' drafts,
+    interleaved and past the window (the oldest overwritten), value the same read after every few adds as read
+    once at the end, and the count of drafts seen is exact throughout."""
+    rng = np.random.default_rng(5)
+    rule, costs = CutRule(tuple(np.linspace(0.05, 0.95, 20)), (0.4, 0.1)), (0.3, 0.1)
+    often, once = (ShadowLedger(["ngram", "suffix"], window=16, evidence=4, max_len=8) for _ in range(2))
+    for i in range(100):
+        j, n = int(rng.integers(0, 2)), int(rng.integers(0, 9))
+        rating = None if j == 0 else tuple(np.sort(rng.uniform(0, 1, n))[::-1])
+        args = (j, n, int(rng.integers(0, n + 1)), rating, float(rng.choice([1.0, 0.5])))
+        often.add(*args)
+        once.add(*args)
+        assert often.seen(j) == once.seen(j)
+        if i % 7 == 0:
+            often.worth(0, None, costs)
+            often.worth(1, rule, costs, 4)
+    for j, r in ((0, None), (1, rule)):
+        assert often.worth(j, r, costs, 4) == pytest.approx(once.worth(j, r, costs, 4))
+
+
 def shadow_feedback(req_id: str, arm, batch: int, worth: dict[str, int], select_s: float = 0.0) -> SlotFeedback:
     """A plain-decoded slot of `batch` requests whose shadow drafts (4 tokens each, all rated 0.95) had worth[d]
     tokens accepted per drafter."""
@@ -288,13 +309,17 @@ def test_settled_selection_learns_the_matchings_estimates_from_a_sample_of_its_s
         monkeypatch):
     """Settled, nothing reads the matching's estimates (the population's, the request's counts): they learn from
     every SETTLED_SAMPLE-th slot, what the matching starts from when selection unsettles, while the calibration and
-    the ledger, which decide each settled slot and whether it stays settled, learn from every one; the prices are read
-    every REPRICE_SETTLED forwards (here every forward while not settled)."""
+    the ledger, which decide each settled slot and whether it stays settled, learn from every one; the cost model
+    learns from every SETTLED_SAMPLE-th forward, and the prices are read every REPRICE_SETTLED forwards, all of them
+    counted (here every forward while not settled)."""
     sel, cap = settling_selector(monkeypatch)
     t = settle(sel, cap)
     readings = []  # the slots a price reading read the ledger at
     verdict = sel.ledger.verdict
     monkeypatch.setattr(sel.ledger, "verdict", lambda *a: (readings.append(t), verdict(*a))[1])
+    forwards = []
+    observe = sel.cost.observe
+    monkeypatch.setattr(sel.cost, "observe", lambda *a: (forwards.append(a), observe(*a))[1])
     slots, tokens = sel.population.counts.slots.sum(), list(sel.calibration.total)
     drafts = [sel.ledger.seen(j) for j in range(2)]
     n = 4 * lbss.REPRICE_SETTLED
@@ -307,6 +332,7 @@ def test_settled_selection_learns_the_matchings_estimates_from_a_sample_of_its_s
     assert [a - b for a, b in zip(sel.calibration.total, tokens)] == [4 * n, 4 * n]
     assert [sel.ledger.seen(j) - d for j, d in enumerate(drafts)] == [n, n]
     assert len(readings) == 4 and readings[1] - readings[0] == lbss.REPRICE_SETTLED
+    assert len(forwards) == n // lbss.SETTLED_SAMPLE
 
 
 def test_a_batch_going_back_and_forth_between_two_sizes_reads_the_ledger_once_per_size_and_reading(monkeypatch):
