@@ -216,6 +216,21 @@ def test_no_selection_where_selecting_costs_more_than_the_drafts_are_worth():
     assert any(a.drafter is not None for _ in range(20) for a in slot({"ngram": 4, "suffix": 4}, 0.002)[0])
 
 
+def test_batch_1_never_idles_however_little_the_drafts_are_worth():
+    """Alone in its slot a request keeps selection (its cut decides each slot) where the same drafts and selecting
+    seconds idle a batch of 2 (IDLE_MIN_BATCH): idling thins the shadow drafts that tell when the text turns."""
+    sel = LBSSSelector(SelectionConfig(seed=0, alpha=0), ["ngram", "suffix"], 4, verify_points=profile_points(),
+                       draft_s_per_token={"ngram": 1e-5, "suffix": 1e-5})
+    cap = Capacity({"ngram": 16, "suffix": 16})
+    for t in range(1500):
+        arm = sel.select([info("a", t)], cap)[0]
+        shadowed = sel.wants_shadow("a")
+        worth = {"ngram": 4 if t % 16 == 0 else 0, "suffix": 4 if t % 16 == 0 else 0}
+        sel.observe([shadow_feedback("a", arm, 1, worth if shadowed else {}, 0.002)])
+        assert not sel.idle and shadowed, t
+    assert sel.verdict.best is not None  # the ledger knew every drafter: it was the batch size that kept it on
+
+
 def test_a_model_drafter_keeps_selection_on():
     """The ledger values only free drafters (shadow drafts); with a model drafter in the arm set, nothing says it would
     not pay, so selection never goes idle however little the free ones are worth."""

@@ -164,6 +164,12 @@ DOMINANCE_MARGIN = 0.05  # ... where it is worth less than (1 - this) x the best
 #                         one run's slots (3-8% in others), though `fixed:` runs find suffix decoding the better one on
 #                         every workload of the shared datasets
 IDLE_SHADOW = 8  # while selecting does not pay (`_idle`): every IDLE_SHADOW-th shadow turn is granted
+IDLE_MIN_BATCH = 2  # the least batch selection idles at. At batch 1 idling saves a slot's selecting (~0.1 ms of a
+#                    ~3.5 ms slot) but thins the shadow drafts to one in IDLE_SHADOW, so the ledger takes hundreds of
+#                    slots to see the text turn: `bench e2e` (alpaca, batch 1, 2-core EPYC) ran 13-33 of 96 requests
+#                    wholly plain where `fixed:suffix` took ~20% fewer steps on some of them; never idling there, side
+#                    by side, `spin` read 0.952 / 0.960 of `fixed:suffix` against 0.943 / 0.939 (two runs), and
+#                    gsm8k 0.973 against 0.964, mtbench 0.979 against 0.967 and 0.992 (runs of 48 requests x 2)
 SETTLED_SHADOW = 16  # while settled on one drafter (`_settle`): every SETTLED_SHADOW-th shadow turn is granted
 SETTLED_SAMPLE = 4  # ... and the matching's estimates (the population's, each request's counts and survival) learn
 #                    from every SETTLED_SAMPLE-th slot only: nothing settled reads them (the cut, the calibration
@@ -465,10 +471,11 @@ class LBSSSelector:
         keeps the ledger current: where the text starts to repeat, selection comes back. On a 2-core CPU at batch 4
         that cost was ~0.3 ms of a ~7 ms slot (4%), and on chat and math text the drafts that paid at that batch size
         won back less (replayed selection). Not on the population's mean alone: where one request's drafts pay and
-        the others' do not, selection drafts for that one (`_cut`), worth the selecting however low the mean."""
+        the others' do not, selection drafts for that one (`_cut`), worth the selecting however low the mean. Never
+        at batch 1 (IDLE_MIN_BATCH)."""
         overhead_s = self.overhead_s(self._batch_size)
         best = self.verdict.best
-        if self._plain_price <= 0 or overhead_s <= 0 or best is None:
+        if self._batch_size < IDLE_MIN_BATCH or self._plain_price <= 0 or overhead_s <= 0 or best is None:
             return False
         return self._batch_size * max(best, 0.0) < self._plain_price * overhead_s
 
