@@ -100,8 +100,9 @@ DOMINANCE_EVIDENCE drafts:
   often as the stronger: replaying selection on recorded greedy outputs at batch 1 (Zen 4 costs), n-gram lookup ran
   35-55% of the drafted slots beside suffix decoding, which it trails by 15-30% there;
 - where even the best drafter's drafts are worth less to the batch than what selecting costs (the selector's calls
-  and the shadow drafts, measured: `SlotFeedback.select_s`), selection is idle (`_idle`): plain decoding with no
-  selection, as where nothing pays, and a shadow draft every IDLE_SHADOW turns to notice when that changes;
+  and the shadow drafts, measured: `SlotFeedback.select_s`), selection is idle (`_idle`, past batch 1): plain
+  decoding with no selection, as where nothing pays, and a shadow draft every IDLE_SHADOW turns to notice when that
+  changes;
 - where every free drafter but one is dominated and that one rates its own tokens (calibrated), selection is
   settled on it (`_settle`): its cut decides each slot on the draft itself, so the stages' matching and
   exploration, which could only choose among its k's and plain decoding, are skipped (each request runs it at the
