@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 from spind import protocol as P
 from spind.config import TARGET_WORKER, DrafterConfig, SpindConfig, canonical_device, is_cuda, resolve_dtype
-from spind.drafters import Drafter, DraftInput, load_drafter_model, make_drafter, resolve_head_dir
-from spind.drafters.eagle import make_eagle_drafters
 from spind.draft_cut import CutRule
+from spind.drafters import Drafter, DraftInput, load_drafter_model, make_drafter, resolve_head_dir
 from spind.drafters.base import cut_at
+from spind.drafters.eagle import make_eagle_drafters
 from spind.grammar import Grammars
 from spind.models.llama import LlamaModel, layer_subset, load_llama
 from spind.models.loader import resolve_model_dir
@@ -359,18 +359,19 @@ class Worker:
         drafts = {it.req_id: (it.draft, None) for it in items}
         draft_s = {}
         inline: dict[str, list[DraftInput]] = {}
+        cut: dict[str, CutRule] = {}  # the inline drafts' cuts (none: not cut)
         for it in items:
             if it.inline_drafter and it.k:
                 m = self._mirror(it.req_id)
                 self._attach(it.req_id, it.inline_drafter, m)
                 inline.setdefault(it.inline_drafter, []).append(DraftInput(it.req_id, m.tokens, it.k))
+                if it.cut_values and it.cut_prices:
+                    cut[it.req_id] = CutRule(tuple(it.cut_values), tuple(it.cut_prices))
         switch_s = {}
-        cut = {it.req_id: CutRule(tuple(it.cut_values), tuple(it.cut_prices)) if it.cut_values and it.cut_prices
-               else None for it in items}
         for name, inputs in inline.items():
             out, elapsed = self._draft(name, inputs)
             for x, d in zip(inputs, out):
-                d = cut_at(d, cut[x.req_id])  # the tokens its drafter is not confident enough of do not pay
+                d = cut_at(d, cut.get(x.req_id))  # the tokens its drafter is not confident enough of do not pay
                 drafts[x.req_id] = (d.tokens, d.probs)
                 draft_s[x.req_id] = elapsed
                 switch_s[x.req_id] = d.switch_s
