@@ -38,10 +38,12 @@ def datasets_dir(tmp_path: Path) -> Path:
 
 def test_settings_reject_bad_arguments(cfg: SpindConfig, datasets_dir: Path) -> None:
     s = batch_settings(args(datasets_dir), cfg)
-    assert (s.batches, s.context, s.k, s.rounds) == ((1, 4), 64, 0, 2)
+    assert (s.batches, s.context, s.k, s.rounds, s.after_decodes) == ((1, 4), 64, 0, 2, 0)
+    assert batch_settings(args(datasets_dir, after_decodes=3), cfg).after_decodes == 3
     for bad, message in ((dict(batch="4,1"), "increasing"), (dict(batch="1,1"), "increasing"),
                          (dict(batch="0"), ">= 1"), (dict(context=0), "context"), (dict(k=-1), "--k"),
-                         (dict(context=cfg.model.max_model_len), "max_model_len"), (dict(rounds=0), "rounds")):
+                         (dict(context=cfg.model.max_model_len), "max_model_len"), (dict(rounds=0), "rounds"),
+                         (dict(after_decodes=-1), "after-decodes")):
         with pytest.raises(ValueError, match=message):
             batch_settings(args(datasets_dir, **bad), cfg)
 
@@ -79,6 +81,30 @@ def test_a_short_run_accounts_for_the_step(cfg: SpindConfig, datasets_dir: Path,
     assert run["rows"][0]["step_over_first"] == 1.0
     table = render_tables(results)
     assert "Where a batched step goes" in table and ("gemm" in table) == run["stack_profiled"]
+
+
+def test_after_decodes_steps_the_requests_plainly_before_each_timed_step(cfg: SpindConfig, datasets_dir: Path,
+                                                                        monkeypatch) -> None:
+    """`--after-decodes N`: every timed (k+1)-row step (the warm-up's too) follows N decode steps of the same requests,
+    untimed and rolled back like it, so every round still sees the same contexts."""
+    from spind.worker.target import TargetVerifier
+
+    calls = []
+    verify = TargetVerifier.verify
+
+    def counted(self, items):
+        calls.append(tuple(len(item.draft) for item in items))
+        return verify(self, items)
+    monkeypatch.setattr(TargetVerifier, "verify", counted)
+    settings = BatchBenchSettings(batches=(1, 2), context=48, k=2, rounds=2, threads=(1,), datasets_dir=datasets_dir,
+                                  after_decodes=3)
+    results = run_batch_bench(cfg, settings)
+    timed = [i for i, c in enumerate(calls) if any(c)]
+    assert [calls[i] for i in timed] == [(2,), (2, 2)] * 3  # warm-up and 2 rounds, at B = 1 and 2
+    for i in timed:  # each after 3 decode steps of its requests
+        assert calls[i - 3:i] == [(0,) * len(calls[i])] * 3
+    assert len(calls) == 4 * len(timed)
+    assert "each after 3 untimed decode steps" in render_tables(results)
 
 
 @pytest.mark.skipif(not cpu_ext.available(), reason="the fused stack needs spind's CPU kernels")

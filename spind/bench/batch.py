@@ -20,6 +20,12 @@ and every round steps both, in alternating order, on the same contexts; per B, t
 per-round ratios of this build's time to the other's, for the step, its GEMMs and its attention. Two daemons or two
 runs minutes apart on a shared 2-core VM drift by more than a kernel change gains (18-40 % seen within an hour);
 round-by-round pairs do not.
+
+`--after-decodes N` steps the same requests N times as decode rows (untimed, rolled back) before each timed step:
+the step as a server runs it after plain slots. Speculation at batch 1 alternates 1-row decode steps with
+(k+1)-row verifies, and on AMD EPYC (Zen 5, 32 MB L3) the many-row GEMMs ran ~30% slower after a few 1-row GEMMs
+had streamed the weights (the hardware prefetchers' state, `kernels/csrc/quant_gemm.cpp`): a verify timed after a
+verify sees none of that.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ class BatchBenchSettings:
     threads: tuple[int, ...] = (1,)
     datasets_dir: Path = DEFAULT_DATASETS_DIR
     against: Path | None = None  # another tree's kernel sources (kernels/csrc), timed beside this one's
+    after_decodes: int = 0  # untimed decode steps (1 row a request) of the same requests before each timed round:
+    #                        the step as it runs after plain slots (a CPU's many-row GEMMs can run slower after
+    #                        the 1-row GEMMs streamed the weights: kernels/csrc/quant_gemm.cpp)
 
 
 def _stack_ops(verifier: TargetVerifier):
@@ -162,7 +171,12 @@ class _Target:
             engine.close()
             raise
 
-    def round(self, b: int) -> dict[str, float]:
+    def round(self, b: int, after_decodes: int = 0) -> dict[str, float]:
+        """One timed step of the first b requests, after `after_decodes` untimed decode steps of them (each rolled
+        back like the timed one)."""
+        plain = dict.fromkeys(self.req_ids[:b], [])
+        for _ in range(after_decodes):
+            _round(self.engine.target, self.req_ids[:b], plain, None)
         return _round(self.engine.target, self.req_ids[:b], self.drafts, self.ops)
 
 
@@ -191,14 +205,14 @@ def _measure(cfg: SpindConfig, settings: BatchBenchSettings, progress: Progress,
             targets.append(_Target.load(cfg, settings, against))
         for t in targets:
             for b in settings.batches:  # warm-up: per-shape state
-                t.round(b)
+                t.round(b, settings.after_decodes)
         times: list[dict[int, dict[str, list[float]]]] = [{b: defaultdict(list) for b in settings.batches}
                                                           for _ in targets]
         for i in range(settings.rounds):
             for b in settings.batches:
                 # alternate which build steps first: the one after inherits the other's spinning pool helpers
                 for j in (range(len(targets)) if i % 2 == 0 else reversed(range(len(targets)))):
-                    for phase, ms in targets[j].round(b).items():
+                    for phase, ms in targets[j].round(b, settings.after_decodes).items():
                         times[j][b][phase].append(ms)
             progress.step(f"{torch.get_num_threads()} threads: round {i + 1}/{settings.rounds} over B = "
                           f"{', '.join(map(str, settings.batches))}")
@@ -250,6 +264,8 @@ def run_batch_bench(cfg: SpindConfig, settings: BatchBenchSettings) -> dict:
 def render_tables(results: dict) -> str:
     s, env = results["settings"], results["environment"]
     what = "decode rows" if s["k"] == 0 else f"verifies of {s['k'] + 1} rows"
+    if s.get("after_decodes"):
+        what += f", each after {s['after_decodes']} untimed decode steps"
     parts = []
     for run in results["runs"]:
         phases = [p for p in PHASES if p in run["rows"][0]["phases_ms"]]

@@ -126,6 +126,9 @@ def add_parsers(sub: argparse._SubParsersAction,
     b.add_argument("--context", type=int, default=256, help="KV tokens each request holds")
     b.add_argument("--k", type=int, default=0, help="draft tokens per request (0: decode rows; k: (k+1)-row verifies)")
     b.add_argument("--rounds", type=int, default=16, help="interleaved rounds timed per batch size")
+    b.add_argument("--after-decodes", type=int, default=0, metavar="N",
+                   help="untimed decode steps of the same requests before each timed one: a verify as it runs after "
+                        "plain slots (default 0: after the previous round's step)")
     b.add_argument("--datasets-dir", type=Path, default=DEFAULT_DATASETS_DIR)
     b.add_argument("--against", type=Path, default=None, metavar="DIR",
                    help="another checkout (or its kernels/csrc): its CPU kernels built beside this one's and timed "
@@ -328,6 +331,8 @@ def batch_settings(args: argparse.Namespace, cfg: SpindConfig) -> BatchBenchSett
     _check_positive(context=args.context, rounds=args.rounds)
     if args.k < 0:
         raise ValueError("--k must be >= 0")
+    if getattr(args, "after_decodes", 0) < 0:
+        raise ValueError("--after-decodes must be >= 0")
     if args.context + args.k + 1 > cfg.model.max_model_len:
         raise ValueError(f"--context {args.context} + k + 1 must fit max_model_len {cfg.model.max_model_len}")
     threads = _ints("--threads", args.threads) if args.threads else (usable_cores(),)
@@ -338,7 +343,8 @@ def batch_settings(args: argparse.Namespace, cfg: SpindConfig) -> BatchBenchSett
             raise ValueError(f"--against {against}: neither it nor its kernels/csrc holds kernel sources (*.cpp)")
         against = csrc.resolve()
     return BatchBenchSettings(batches=batches, context=args.context, k=args.k, rounds=args.rounds, threads=threads,
-                              datasets_dir=check_datasets_dir(args.datasets_dir), against=against)
+                              datasets_dir=check_datasets_dir(args.datasets_dir), against=against,
+                              after_decodes=getattr(args, "after_decodes", 0))
 
 
 def cmd_bench_batch(args: argparse.Namespace) -> int:
