@@ -88,15 +88,6 @@ struct Weights {
       for (int64_t off = 0; off < block_bytes(); off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(blocks + i * block_bytes() + off), _MM_HINT_T1);
   }
-  // Single-row calls (decode) read the weights once, in stream order, which the hardware prefetchers follow: one
-  // line 16 KB ahead per block, into L2, only keeps the stream going across 4 KB pages (where prefetchers that work
-  // on physical pages stop). Measured on Zen 4, a decode step's GEMMs over the default model's 97 MB at 1 thread:
-  // 6.1-6.8 ms when every line of the next pair's block was prefetched into L1 (the previous scheme), 4.9-5.4 ms
-  // with this one or none at all.
-  void prefetch_page_ahead(const uint8_t* blk) const {
-    const int64_t ahead = (blk - blocks) + 16 * 1024;
-    if (ahead < num_blocks * block_bytes()) _mm_prefetch(reinterpret_cast<const char*>(blocks + ahead), _MM_HINT_T1);
-  }
   const uint16_t* d(const uint8_t* b) const { return reinterpret_cast<const uint16_t*>(b); }
   const uint16_t* m(const uint8_t* b) const { return reinterpret_cast<const uint16_t*>(b + 64); }
   const uint8_t* codes(const uint8_t* b, int64_t tile) const {
@@ -540,10 +531,17 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
     // order (column by column, each pair's blocks were read twice; ~2x slower on Zen 4 once the weights come from
     // memory: the default model's Q8_0 lm_head 2.25 -> 1.19 ms at 1 thread). Two accumulators and two columns' codes
     // fit the registers at one row. Each output's blocks are still added in increasing order: the same results.
+    // Every line of the stream is prefetched into L2 kPrefetchBlocks ahead, as the many-row loop does. Left to the
+    // hardware prefetchers (one software prefetch a block, 16 KB ahead, to carry the stream across 4 KB pages: until
+    // stop 83), the 1-row GEMMs left them in a state that slowed the many-row GEMMs after them: on AMD EPYC (Zen 5,
+    // 32 MB L3, 2 vCPUs) the default model's 5-row GEMMs took 8.4-9.7 ms after four 1-row passes against 6.8-7.3
+    // after a 5-row one (1 thread; 2 threads 5.3-6.1 against 4.4-4.8), a verify at batch 1 after 8 decode steps
+    // 4.0-4.4 ms against 3.3-3.5 after a verify. Prefetched so, both read alike after either (5-row 7.0-7.3 ms),
+    // and a whole decode step at 2 threads took 2.43-2.45 ms against 2.83-2.88 (1 thread: 3.72-3.89 against 3.70-3.76).
     vf acc[kCols] = {vzero(), vzero()};
     for (int64_t g = 0; g < w.groups; ++g) {
       const uint8_t* blk = w.block(pair, g);
-      w.prefetch_page_ahead(blk);
+      w.prefetch_l2(pair, g, 0);
       const int64_t rg = r0 * w.groups + g;
       const int32_t* quads = reinterpret_cast<const int32_t*>(a.at(r0, g));
 #pragma GCC unroll 2
