@@ -310,7 +310,11 @@ class StepCurve:
     drift by 10% within a minute. Read against the median of the latest plain forwards instead, c1 swung from 1.1 to
     2.1 ms between quarters of one `bench e2e` run whose quarters' own medians put it at 1.3-1.7 (gsm8k, batch 1; to
     0.6 on humaneval's `fixed:suffix`): a plain forward is rare where requests draft, and the plain step it was read
-    against was minutes old. Replayed over the same forwards, the pairs read 1.4-1.8 (1.5 on humaneval)."""
+    against was minutes old. Replayed over the same forwards, the pairs read 1.4-1.8 (1.5 on humaneval). Much of what
+    serving read above the probe was the kernels': on that CPU a many-row GEMM ran ~30% slower after 1-row GEMMs had
+    streamed the weights (the hardware prefetchers' state), so a drafted forward after plain slots cost 0.6-0.9 ms
+    more than one after a drafted forward; the 1-row loop prefetches its stream itself since stop 83
+    (kernels/csrc/quant_gemm.cpp; `spind bench batch --after-decodes`)."""
 
     def __init__(self, prior: dict[int, float], weight: float) -> None:
         self.ts = sorted(prior)
