@@ -98,6 +98,25 @@ def test_a_drafter_drafts_again_once_its_last_draft_is_decided_and_then_stands_a
     assert shadows.resolve("r", prompt + [4, 5, 9, 1, 7, 2, 3, 4]) == [Decided("ng", 1, 1, (), (1, ""))]
 
 
+def test_a_turn_chosen_ahead_of_the_slot_in_flight_asks_every_drafter_and_keeps_the_paced_drafts():
+    """The lockstep's follow-on selects the next slot before the slot in flight commits, so which drafters' last
+    drafts that slot decides is not known yet: every drafter is asked (`due(ahead=True)`), and at batch 1 a draft of a
+    drafter whose last draft is still undecided when it comes back is dropped (`add` returns the drafters kept), while
+    one whose last draft the slot in flight decided stands at its drafter's own slot, as a paced one does."""
+    shadows = ShadowDrafts()
+    prompt = [1, 2, 3, 4, 5, 9, 1, 2, 3]
+    one = {"every_slot": True}
+    assert shadows.add("r", 9, {"ng": [4, 5, 9, 1], "sfx": [4, 7]}, slot=(1, ""), **one) == {"ng", "sfx"}
+    assert shadows.due("r", ["ng", "sfx"], **one) == []  # both undecided: paced, neither drafts again
+    assert shadows.due("r", ["ng", "sfx"], ahead=True, **one) == ["ng", "sfx"]  # the slot in flight may decide them
+    assert shadows.resolve("r", prompt + [4, 5]) == [Decided("sfx", 2, 1, (), (1, ""))]  # the slot in flight commits
+    kept = shadows.add("r", 11, {"ng": [9, 1], "sfx": [9]}, slot=(2, "sfx"), **one)  # the follow-on's drafts
+    assert kept == {"sfx"}  # n-gram's last draft is still undecided: its new one is dropped
+    decided = shadows.resolve("r", prompt + [4, 5, 9, 1])
+    assert sorted(decided) == [Decided("ng", 4, 4, (), (1, "")), Decided("sfx", 1, 1, (), (2, "sfx"))]  # paced
+    assert shadows.add("r", 13, {"ng": [2]}, slot=(1, "")) == {"ng"}  # past batch 1 nothing is dropped
+
+
 def test_lbss_learns_a_requests_ngram_acceptance_from_shadows_alone():
     """Two requests that never ran n-gram: the one whose shadows were all accepted is estimated far above the
     one whose shadows all failed."""

@@ -199,7 +199,7 @@ class Lockstep:
         if caps is None:
             return None
         regime = ph.regime_of(batch)
-        selection = ph.select(batch, plain=regime == PLAIN)
+        selection = ph.select(batch, plain=regime == PLAIN, ahead=True)
         arms = selection.arms
         if any(ph.needs_draft(st, arms.get(st.req_id)) for st in batch if st.req_id in arms):
             self._preselected = _Preselected(frozenset(st.req_id for st in batch), selection, regime)

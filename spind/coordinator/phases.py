@@ -276,12 +276,14 @@ class SlotPhases:
         if regime is not None and self._trial is not None:
             self._trial.record(bucket_of(batch_size), regime, tokens, batch_size, seconds)
 
-    def select(self, ready: list[RequestState], held: dict[str, Arm] | None = None, plain: bool = False) -> Selection:
+    def select(self, ready: list[RequestState], held: dict[str, Arm] | None = None, plain: bool = False,
+               ahead: bool = False) -> Selection:
         """Arms for `ready`, within each drafter's B_j and each worker's limit less what `held` (the arms other
         requests still run with: the pipeline selects some requests while others are mid-cycle) takes; and the
         precompute and shadow work they imply. Decides only: nothing is sent. plain: the requests that leave the
         drafter to spind decode plainly, unselected (no arm, no shadow drafts, no feedback: what `none` does; the
-        lockstep's regime trial, `selection/regime.py`); those that named a drafter are selected as always."""
+        lockstep's regime trial, `selection/regime.py`); those that named a drafter are selected as always. ahead:
+        selected before the slot in flight commits (the lockstep's follow-on; `ShadowDrafts.due`)."""
         if plain:
             ready = [st for st in ready if st.req.drafter != AUTO]
         start = time.perf_counter()
@@ -317,7 +319,7 @@ class SlotPhases:
             st.cut = self.selector.cut_rule(st.req_id) if arm.drafter is not None else None
             if st.seq.params.is_greedy and st.req.drafter == AUTO and is_shadow_turn(self._shadow_turn, i, len(ready)) \
                     and self.selector.wants_shadow(st.req_id):
-                st.shadow = self.shadows.due(st.req_id, self.shadowed, every_slot=len(ready) == 1)
+                st.shadow = self.shadows.due(st.req_id, self.shadowed, every_slot=len(ready) == 1, ahead=ahead)
             hint = self.selector.precompute_hint(st.req_id)
             if hint is not None and hint in self.model_drafters and hint not in st.precomputed:
                 out.precompute.append((st, hint))
@@ -618,11 +620,12 @@ class SlotPhases:
             self.drafter_counters[name].record(r.num_drafted, r.num_accepted)
             self.metrics.record_verify(name, r.num_drafted, r.num_accepted)
         names = st.shadow if shadow is None else shadow.get(st.req_id, ())
-        shadowed = arm.drafter is not None and arm.drafter in names
         if shadow is None:
             st.shadow = []
-        self.shadows.add(st.req_id, len(seq.token_ids), r.shadow, r.shadow_confidence,
-                         (len(r.tokens), arm.drafter if r.num_drafted else ""), every_slot=len(outcome.batch) == 1)
+        taken = self.shadows.add(st.req_id, len(seq.token_ids), r.shadow, r.shadow_confidence,
+                                 (len(r.tokens), arm.drafter if r.num_drafted else ""),
+                                 every_slot=len(outcome.batch) == 1)
+        shadowed = arm.drafter is not None and arm.drafter in names and arm.drafter in taken
         kept = seq.append(r.tokens)
         self.committed_tokens += len(kept)
         if seq.params.grammar is not None:
