@@ -89,8 +89,12 @@ class ShadowDrafts:
         0.471, n-gram lookup on 9% and 2% of the slots."""
         if not every_slot or ahead:
             return list(drafters)
-        busy = {p.drafter for p in self._pending.get(req_id, ())}
+        busy = self._busy(req_id)
         return [d for d in drafters if d not in busy]
+
+    def _busy(self, req_id: str) -> set[str]:
+        """The drafters with an undecided shadow draft of the request."""
+        return {p.drafter for p in self._pending.get(req_id, ())}
 
     def add(self, req_id: str, position: int, drafts: dict[str, list[int]],
             confidence: dict[str, list[float]] | None = None, slot: tuple[int, str] = (0, ""),
@@ -106,7 +110,7 @@ class ShadowDrafts:
         to decide that one (`due`), it stands nowhere its drafter's own slot would. Returns the drafters whose drafts
         were kept."""
         if every_slot and drafts:
-            busy = {p.drafter for p in self._pending.get(req_id, ())}
+            busy = self._busy(req_id)
             drafts = {n: d for n, d in drafts.items() if n not in busy}
         if drafts:
             conf = confidence or {}
