@@ -19,7 +19,8 @@ from spind.bench.datasets import Prompt
 from spind.bench.serve import (PEER, Level, RequestRecord, ServeSettings, add_identity, add_ratios, check_prompts,
                                compare_table, follows_schema, free_port, load_serve_prompts, median_rows,
                                median_versus, medians_table, percentile, prompt_slices, prompts_needed, render_table,
-                               run_serve_bench, summarize, versus_peers, versus_table, wait_for_quiet, cpu_times)
+                               run_serve_bench, summarize, versus_peers, versus_table, wait_for_quiet, cpu_times,
+                               busy_tokens_per_s)
 
 
 def record(ttft_s: float | None, latency_s: float, tokens: int, slots: int = 0, accepted_len: float = 0.0,
@@ -56,6 +57,28 @@ def test_summarize_one_level() -> None:
     assert row["prefill_ms_per_slot"] is row["verify_ms_per_slot"] is None  # a daemon that reports no busy time
 
 
+def test_tokens_per_second_while_every_client_is_busy() -> None:
+    """Two clients, four requests: both busy from 0 (the second request sent) to 3 s (the last one sent); after it
+    the level drains. Each request's tokens spread over its decoding, first token to last."""
+    def sent(at: float, ttft: float | None, latency: float, tokens: int, error: str | None = None) -> RequestRecord:
+        return replace(record(ttft, latency, tokens, error=error), sent_s=at, concurrency=2)
+
+    records = [sent(0.0, 1.0, 3.0, 20),  # decodes 1-3 s: all of it inside
+               sent(0.0, 0.5, 2.5, 40),  # 0.5-2.5 s: inside
+               sent(2.5, 0.5, 4.5, 80),  # 3-7 s: none of it inside (it starts decoding as the window ends)
+               sent(3.0, 1.0, 2.0, 10)]  # the last one sent: the window's end; decodes 4-5 s
+    assert busy_tokens_per_s(records, 2) == pytest.approx((20 + 40) / 3.0)
+    # a request that decodes across the window's end counts the share it decoded inside
+    records[2] = sent(2.5, 0.0, 1.0, 80)  # decodes 2.5-3.5 s: half inside
+    assert busy_tokens_per_s(records, 2) == pytest.approx((20 + 40 + 40) / 3.0)
+    # a failed request is time without tokens; no more requests than clients: no window where clients are replaced
+    records[1] = sent(0.0, None, 0.1, 0, error="HTTP 503: overloaded")
+    assert busy_tokens_per_s(records, 2) == pytest.approx((20 + 40) / 3.0)
+    assert busy_tokens_per_s(records[:2], 2) is None and busy_tokens_per_s(records, 4) is None
+    row = summarize(Level("spind", 64, 2, "none"), records, 5.0, {}, {})
+    assert row["busy_tokens_per_s"] == pytest.approx(20.0) and row["tokens_per_s"] == pytest.approx(110 / 5.0)
+
+
 def test_a_slot_s_prefill_and_verify_are_the_workers_busy_time_over_the_level_s_slots() -> None:
     before = {"num_slots": 10, "mean_slot_ms": 20.0, "mean_overhead_ms": 1.0,
               "busy_s": {"prefill": 0.5, "verify": 1.0, "draft": 0.2}}
@@ -88,11 +111,12 @@ def test_summarize_without_successes_or_slots() -> None:
 
 
 def test_ratios_against_none_at_the_same_concurrency() -> None:
-    rows = add_ratios([{"drafter": "int8", "concurrency": 1, "tokens_per_s": 30.0},
-                       {"drafter": "none", "concurrency": 1, "tokens_per_s": 20.0},
+    rows = add_ratios([{"drafter": "int8", "concurrency": 1, "tokens_per_s": 30.0, "busy_tokens_per_s": 33.0},
+                       {"drafter": "none", "concurrency": 1, "tokens_per_s": 20.0, "busy_tokens_per_s": 30.0},
                        {"drafter": "int8", "concurrency": 4, "tokens_per_s": 50.0},
                        {"drafter": "ngram", "concurrency": 16, "tokens_per_s": 10.0}])
     assert [r["speedup_vs_none"] for r in rows] == [pytest.approx(1.5), 1.0, None, None]
+    assert [r["busy_speedup_vs_none"] for r in rows] == [pytest.approx(1.1), 1.0, None, None]
 
 
 def test_ratios_stay_within_one_daemon_and_output_length() -> None:
@@ -304,7 +328,8 @@ def test_medians_take_each_runs_own_ratio() -> None:
     of tokens/s would say 40/40 = 1.00, while auto was ahead in two runs of three)."""
     def row(drafter: str, rep: int, tps: float, same: str | None = None) -> dict:
         return {"daemon": "spind", "max_tokens": 96, "concurrency": 4, "drafter": drafter, "repeat": rep,
-                "num_requests": 8, "num_errors": 0, "tokens_per_s": tps, "ttft_p50_ms": 100.0 + rep,
+                "num_requests": 8, "num_errors": 0, "tokens_per_s": tps, "busy_tokens_per_s": tps + 10.0,
+                "ttft_p50_ms": 100.0 + rep,
                 "latency_p50_s": 1.0, "mean_accepted_length": 1.0, "slot_ms": 10.0, "overhead_ms_per_slot": 0.5,
                 "same_as_none": same}
 
@@ -315,11 +340,13 @@ def test_medians_take_each_runs_own_ratio() -> None:
     assert (auto["tokens_per_s"], auto["tokens_per_s_min"], auto["tokens_per_s_max"]) == (40.0, 30.0, 55.0)
     assert auto["speedup_vs_none"] == pytest.approx(1.1)  # runs: 1.10, 0.75, 1.33
     assert (auto["speedup_vs_none_min"], auto["speedup_vs_none_max"]) == (pytest.approx(0.75), pytest.approx(4 / 3))
+    assert auto["busy_speedup_vs_none"] == pytest.approx(65 / 60)  # runs: 65/60, 40/50, 50/40
+    assert (auto["busy_speedup_vs_none_min"], auto["busy_speedup_vs_none_max"]) == (0.8, 1.25)
     assert auto["same_as_none"] == "23/24" and auto["num_requests"] == 24 and auto["ttft_p50_ms"] == 101.0
     table = medians_table([none, auto], 3)
     assert table.startswith("Medians over 3 runs")
     assert table.splitlines()[-1].split() == ["spind", "96", "auto", "4", "3", "0", "101", "40.0", "30.0-55.0",
-                                              "1.00", "1.10", "0.75-1.33", "23/24"]
+                                              "1.00", "1.10", "0.75-1.33", "1.08", "0.80-1.25", "23/24"]
 
 
 def test_versus_peers_over_runs_takes_each_runs_ratio() -> None:
@@ -443,6 +470,12 @@ def test_a_peer_end_to_end_through_the_real_clients() -> None:
     ok = [r for r in results["requests"] if r["error"] is None]
     assert len(ok) == 4 and all(r["output"] == "w0 w1 w2 w3 w4 " and r["completion_tokens"] == 5
                                 and 0 < r["ttft_s"] <= r["latency_s"] for r in ok)
+    # each request's send time in its level: a client sends its next request once its last one ended, so one client's
+    # follow one another, and of two clients' the third goes once the first of the first two ended
+    for c in (1, 2):
+        reqs = sorted((r for r in results["requests"] if r["concurrency"] == c), key=lambda r: r["sent_s"])
+        assert reqs[c]["sent_s"] >= min(r["sent_s"] + r["latency_s"] for r in reqs[:c])
+    assert all(r["busy_tokens_per_s"] is not None and r["busy_tokens_per_s"] > 0 for r in results["rows"])
     assert "fake" in render_table(results)
 
 

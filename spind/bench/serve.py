@@ -110,6 +110,7 @@ class RequestRecord:
     concurrency: int
     index: int  # into the level's prompts: the same index is the same prompt for every drafter and peer
     repeat: int = 0  # the run of the level: each has its own prompts
+    sent_s: float = 0.0  # when it was sent, seconds into its level (its ttft_s and latency_s count from then)
     ttft_s: float | None = None
     latency_s: float = 0.0
     completion_tokens: int = 0
@@ -207,6 +208,7 @@ def summarize(level: Level, records: list[RequestRecord], wall_s: float, slots_b
         "ttft_p50_ms": percentile(ttfts_ms, 0.5), "ttft_p90_ms": percentile(ttfts_ms, 0.9),
         "latency_p50_s": percentile(latencies, 0.5), "latency_p90_s": percentile(latencies, 0.9),
         "tokens_per_s": tokens / wall_s if wall_s > 0 else None,
+        "busy_tokens_per_s": busy_tokens_per_s(records, level.concurrency),
         "request_tokens_per_s_p50": percentile([r.completion_tokens / r.latency_s for r in ok if r.latency_s > 0],
                                                0.5),
         # weighted by time slots: committed tokens per verification over the whole level
@@ -223,6 +225,37 @@ def summarize(level: Level, records: list[RequestRecord], wall_s: float, slots_b
         "schema_valid": f"{sum(checked)}/{len(checked)}" if checked else None,
         "grammar_ms_per_token": grammar_ms / grammar_tokens if grammar_tokens else None,
     }
+
+
+def busy_tokens_per_s(records: list[RequestRecord], concurrency: int) -> float | None:
+    """Tokens per second while every client had a request in flight: from when the last of the first `concurrency`
+    requests was sent to when the level's last one was (past it a client that finishes finds no more work, and the
+    level drains, its last requests running a few at a time). A level's `tokens_per_s` counts its whole wall time,
+    the drain with it. With two requests a client the window is about the first wave, its prefills all at once; with
+    many, the level's steady state. Each request's tokens are spread evenly over its decoding (first token to last),
+    so the window counts a request's share of them; prefill inside the window is time without tokens, as it is. None
+    where the level has no such window (no more requests than clients) or a request in it has no timing (a peer's
+    stream without tokens)."""
+    if len(records) <= concurrency:
+        return None
+    sent = sorted(r.sent_s for r in records)
+    start, end = sent[concurrency - 1], sent[-1]
+    if end <= start:
+        return None
+    tokens = 0.0
+    for r in records:
+        if r.error is not None or not r.completion_tokens:
+            continue
+        if r.ttft_s is None:
+            return None
+        first, last = r.sent_s + r.ttft_s, r.sent_s + r.latency_s
+        if last <= first:  # one chunk: its tokens at once
+            tokens += r.completion_tokens if start <= last <= end else 0
+            continue
+        inside = min(last, end) - max(first, start)
+        if inside > 0:
+            tokens += r.completion_tokens * inside / (last - first)
+    return tokens / (end - start)
 
 
 def _cached_share(ok: list[RequestRecord]) -> float | None:
@@ -242,10 +275,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def add_ratios(rows: list[dict]) -> list[dict]:
     """Fill `speedup_vs_none`: aggregate tokens/s over the `none` drafter's on the same daemon, output length and
-    concurrency."""
-    plain = {_cell(r): r["tokens_per_s"] for r in rows if r["drafter"] == PLAIN}
+    concurrency; and `busy_speedup_vs_none`, the same of `busy_tokens_per_s` (while every client is busy)."""
+    plain = {_cell(r): r for r in rows if r["drafter"] == PLAIN}
     for r in rows:
-        r["speedup_vs_none"] = _ratio(r["tokens_per_s"], plain.get(_cell(r)))
+        p = plain.get(_cell(r), {})
+        r["speedup_vs_none"] = _ratio(r["tokens_per_s"], p.get("tokens_per_s"))
+        r["busy_speedup_vs_none"] = _ratio(r.get("busy_tokens_per_s"), p.get("busy_tokens_per_s"))
     return rows
 
 
@@ -310,6 +345,7 @@ def median_rows(rows: list[dict]) -> list[dict]:
     for (daemon, n, c, drafter), runs in groups.items():
         tps, tps_lo, tps_hi = _spread([r["tokens_per_s"] for r in runs])
         x, x_lo, x_hi = _spread([r["speedup_vs_none"] for r in runs])
+        bx, bx_lo, bx_hi = _spread([r.get("busy_speedup_vs_none") for r in runs])
         same = [r["same_as_none"] for r in runs if r["same_as_none"]]
         out.append({"daemon": daemon, "max_tokens": n, "concurrency": c, "drafter": drafter, "runs": len(runs),
                     "num_requests": sum(r["num_requests"] for r in runs),
@@ -323,6 +359,9 @@ def median_rows(rows: list[dict]) -> list[dict]:
                     "prefill_ms_per_slot": _spread([r.get("prefill_ms_per_slot") for r in runs])[0],
                     "verify_ms_per_slot": _spread([r.get("verify_ms_per_slot") for r in runs])[0],
                     "speedup_vs_none": x, "speedup_vs_none_min": x_lo, "speedup_vs_none_max": x_hi,
+                    "busy_tokens_per_s": _spread([r.get("busy_tokens_per_s") for r in runs])[0],
+                    "busy_speedup_vs_none": bx, "busy_speedup_vs_none_min": bx_lo,
+                    "busy_speedup_vs_none_max": bx_hi,
                     "same_as_none": (f"{sum(int(v.split('/')[0]) for v in same)}/"
                                      f"{sum(int(v.split('/')[1]) for v in same)}") if same else None})
     return out
@@ -490,7 +529,8 @@ async def run_level(session: aiohttp.ClientSession, url: str, prompts: list[Prom
     async def client() -> None:
         for i in todo:
             rec = RequestRecord(daemon=level.daemon, max_tokens=level.max_tokens, drafter=level.drafter,
-                                concurrency=level.concurrency, index=i, repeat=level.repeat)
+                                concurrency=level.concurrency, index=i, repeat=level.repeat,
+                                sent_s=time.perf_counter() - start)
             rec = await send_request(session, url, prompts[i], None if level.is_peer else level.drafter, settings, rec,
                                      model)
             records.append(rec)
@@ -499,7 +539,7 @@ async def run_level(session: aiohttp.ClientSession, url: str, prompts: list[Prom
                            f"{rec.completion_tokens} tokens, ttft {fmt(rec.ttft_s)}s, {rec.latency_s:.2f}s"))
 
     before = {} if level.is_peer else (await _state(session, url)).slots
-    start = time.perf_counter()
+    start = time.perf_counter()  # the clients' records count from here (`sent_s`)
     await asyncio.gather(*(client() for _ in range(level.concurrency)))
     wall_s = time.perf_counter() - start
     after = {} if level.is_peer else (await _state(session, url)).slots
@@ -623,15 +663,17 @@ def render_table(results: dict) -> str:
              f"{s['temperature']}, closed-loop clients")
     repeats = s.get("repeats", 1)
     header = ["daemon", "max tok", "drafter", "conc", *(["run"] if repeats > 1 else []), "reqs", "err", "TTFT p50 ms",
-              "TTFT p90 ms", "cached %", "lat p50 s", "lat p90 s", "tok/s", "tok/s/req p50", "acc len", "slot ms",
-              "prefill ms/slot", "verify ms/slot", "overhead ms/slot", "x none", "= none"]
+              "TTFT p90 ms", "cached %", "lat p50 s", "lat p90 s", "tok/s", "tok/s all busy", "tok/s/req p50",
+              "acc len", "slot ms", "prefill ms/slot", "verify ms/slot", "overhead ms/slot", "x none",
+              "x none all busy", "= none"]
     rows = [[r["daemon"], str(r["max_tokens"]), r["drafter"], str(r["concurrency"]),
              *([str(r.get("repeat", 0) + 1)] if repeats > 1 else []), str(r["num_requests"]),
              str(r["num_errors"]), fmt(r["ttft_p50_ms"], 0), fmt(r["ttft_p90_ms"], 0),
              fmt(None if r.get("cached_share") is None else 100 * r["cached_share"], 1), fmt(r["latency_p50_s"]),
-             fmt(r["latency_p90_s"]), fmt(r["tokens_per_s"], 1), fmt(r["request_tokens_per_s_p50"], 1),
-             fmt(r["mean_accepted_length"]), fmt(r["slot_ms"], 1), fmt(r.get("prefill_ms_per_slot"), 1),
-             fmt(r.get("verify_ms_per_slot"), 1), fmt(r["overhead_ms_per_slot"], 3), fmt(r["speedup_vs_none"]),
+             fmt(r["latency_p90_s"]), fmt(r["tokens_per_s"], 1), fmt(r.get("busy_tokens_per_s"), 1),
+             fmt(r["request_tokens_per_s_p50"], 1), fmt(r["mean_accepted_length"]), fmt(r["slot_ms"], 1),
+             fmt(r.get("prefill_ms_per_slot"), 1), fmt(r.get("verify_ms_per_slot"), 1),
+             fmt(r["overhead_ms_per_slot"], 3), fmt(r["speedup_vs_none"]), fmt(r.get("busy_speedup_vs_none")),
              r["same_as_none"] or "-"]
             for r in results["rows"]]
     if any(r.get("schema_valid") for r in results["rows"]):
@@ -655,10 +697,12 @@ def medians_table(medians: list[dict], repeats: int) -> str:
     rows = [[r["daemon"], str(r["max_tokens"]), r["drafter"], str(r["concurrency"]), str(r["runs"]),
              str(r["num_errors"]), fmt(r["ttft_p50_ms"], 0), fmt(r["tokens_per_s"], 1),
              _range(r, "tokens_per_s", 1) or "-", fmt(r["mean_accepted_length"]), fmt(r["speedup_vs_none"]),
-             _range(r, "speedup_vs_none") or "-", r["same_as_none"] or "-"] for r in medians]
+             _range(r, "speedup_vs_none") or "-", fmt(r.get("busy_speedup_vs_none")),
+             _range(r, "busy_speedup_vs_none") or "-", r["same_as_none"] or "-"] for r in medians]
     return format_table(f"Medians over {repeats} runs (each run its own prompts; x none taken within each run)",
                         ["daemon", "max tok", "drafter", "conc", "runs", "err", "TTFT p50 ms", "tok/s",
-                         "tok/s range", "acc len", "x none", "x none range", "= none"], rows)
+                         "tok/s range", "acc len", "x none", "x none range", "x none all busy",
+                         "x none all busy range", "= none"], rows)
 
 
 def compare_table(rows: list[dict], base: str, others: list[str]) -> str:
