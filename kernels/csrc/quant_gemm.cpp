@@ -604,6 +604,90 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
   }
 }
 
+#ifdef SPIND_VNNI
+// Calls of 2 to 8 rows on VNNI at D = 2 (`gguf-q16`'s decode batches and batch-1 verifies): a block of rows x the
+// unit's two columns (32 outputs) per block of K, code vector by code vector, so each broadcast activation quad feeds
+// both columns' vpdpbusd (int_row_block's many-row loop, a column at a time, broadcasts every quad once a column: a
+// load beside every vpdpbusd, and unpacks the codes once per column and row block). Four int32 chains a row (a
+// digit's dot a column) beside the two columns' two code vectors, so at most 6 rows a block: a call of 7 rows, one
+// block of 7, keeps the column loop. The fp32 sums are the output rows themselves (in L1), each block added as
+// add_block adds it, blocks in increasing order: the same operations on the same values as every other loop, so the
+// same bits, and a call may take either loop.
+// Same-process A/B against the column loop on AMD EPYC (Zen 5, 2 vCPUs; `spind bench batch --against`, 24 rounds),
+// the default target's GEMMs at 2 threads: decode rows B = 2 0.77x the time, B = 4 0.87x, B = 6 0.90x, B = 8 0.86x
+// (1 thread: 0.63x, 0.83x, 0.88x, 0.85x); a batch-1 verify of 8 rows 0.88x (1 thread 0.84x), of 5 rows 1.01x (0.85x).
+// Above 8 rows it read 0.93-1.06x: faster for 16 decode rows, slower for a request's 16 or 64 verify rows (its
+// prefill: through the daemon the time to first token 1.04-1.31x), so larger calls keep the column loop. At one
+// digit (`gguf-q8`, two chains a row there) it read 1.04-1.09x slower from 5 rows on: D = 1 keeps it too.
+constexpr int kBothColumnsRows = 6;         // rows a block at most (4 int32 chains a row beside 4 code vectors)
+constexpr int64_t kBothColumnsMaxCall = 8;  // rows a call at most
+
+template <int MR, int D, bool kQ4>
+void int_rows_both_columns(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r0, float* y, int64_t ldy,
+                           int pass) {
+  static_assert(D == 2 && MR <= kBothColumnsRows && kUnit == kPair, "one unit is one pair of 16-output tiles");
+  constexpr bool q4 = kQ4;
+  const int64_t pair = unit;
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < kCols; ++c) vstore(y + r * ldy + c * kLanes, vzero());
+  const vi low4 = iset1(0x0F0F0F0F), flip = iset1(static_cast<int32_t>(0x80808080));
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const uint8_t* blk = w.block(pair, g);
+    w.prefetch_l2(pair, g, pass);
+    const int32_t* quads = reinterpret_cast<const int32_t*>(a.at(r0, g));
+    vi s0[MR][kCols], s1[MR][kCols];  // digit 0's and digit 1's dots
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < kCols; ++c) s0[r][c] = s1[r][c] = izero();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      vi lo[kCols], hi[kCols];  // code vectors j and j + 4 of each column
+      for (int c = 0; c < kCols; ++c) {
+        const uint8_t* codes = w.codes(blk, c);
+        if (q4) {
+          const vi v = iload(codes + j * 64);
+          lo[c] = iand(v, low4);
+          hi[c] = iand(srl16(v, 4), low4);
+        } else {
+          lo[c] = ixor(iload(codes + j * 64), flip);
+          hi[c] = ixor(iload(codes + (j + 4) * 64), flip);
+        }
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const int32_t* qr = quads + r * D * 8;
+        vi b = iset1(qr[j]);
+        for (int c = 0; c < kCols; ++c) s0[r][c] = dpbusd(s0[r][c], lo[c], b);
+        b = iset1(qr[j + 4]);
+        for (int c = 0; c < kCols; ++c) s0[r][c] = dpbusd(s0[r][c], hi[c], b);
+        b = iset1(qr[8 + j]);
+        for (int c = 0; c < kCols; ++c) s1[r][c] = dpbusd(s1[r][c], lo[c], b);
+        b = iset1(qr[8 + j + 4]);
+        for (int c = 0; c < kCols; ++c) s1[r][c] = dpbusd(s1[r][c], hi[c], b);
+      }
+    }
+    vf d[kCols], m[kCols];
+    for (int c = 0; c < kCols; ++c) {
+      d[c] = load_f16(w.d(blk) + c * kLanes);
+      m[c] = q4 ? load_f16(w.m(blk) + c * kLanes) : vzero();
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const int64_t rg = (r0 + r) * w.groups + g;
+      const int32_t* ds = &a.digit_sum[rg * D];  // Q8_0's +128 code offset, as rows_block_dots takes it off
+      const int32_t offset = q4 ? 0 : 128 * (Digits<D>::kBase * ds[0] + ds[1]);
+      for (int c = 0; c < kCols; ++c) {
+        vi lead = iadd(_mm512_slli_epi32(s0[r][c], 8), s1[r][c]);  // 256 dot_0 + dot_1
+        if (!q4) lead = isub(lead, iset1(offset));
+        float* out = y + r * ldy + c * kLanes;
+        vstore(out, add_block(vload(out), to_float(lead), d[c], m[c], q4, a.scale[rg], a.sum[rg]));
+      }
+    }
+  }
+}
+#endif
+
 template <int D>
 struct IntPath {
   using Inputs = Digits<D>;
@@ -622,6 +706,15 @@ struct IntPath {
 #endif
   template <int MR>
   static void block(const Weights& w, const Inputs& in, int64_t unit, int64_t r0, float* y, int64_t ldy, int pass) {
+#ifdef SPIND_VNNI
+    if constexpr (D == 2 && MR > 1 && MR <= kBothColumnsRows) {
+      if (in.rows <= kBothColumnsMaxCall) {
+        if (w.format == Format::kQ4_1) int_rows_both_columns<MR, D, true>(w, in, unit, r0, y, ldy, pass);
+        else int_rows_both_columns<MR, D, false>(w, in, unit, r0, y, ldy, pass);
+        return;
+      }
+    }
+#endif
     if (w.format == Format::kQ4_1) int_row_block<MR, D, true>(w, in, unit, r0, y, ldy, pass);
     else int_row_block<MR, D, false>(w, in, unit, r0, y, ldy, pass);
   }
