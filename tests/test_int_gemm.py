@@ -114,16 +114,16 @@ def test_integer_sums_are_exact(isa: str, mode: str, qtype: str) -> None:
     n, k, bound = (64, 256, LIMIT[1]) if digits == 1 else (64, 32, 300)
     b = random_blocks(qtype, n, k, seed=1, unit_scales=True)
     g = torch.Generator().manual_seed(2)
-    x = torch.randint(-bound, bound + 1, (9, k), generator=g)
-    x.view(9, k // 32, 32)[:, :, 0] = LIMIT[digits]  # every block's maximum: activation scale exactly 1
+    x = torch.randint(-bound, bound + 1, (20, k), generator=g)
+    x.view(20, k // 32, 32)[:, :, 0] = LIMIT[digits]  # every block's maximum: activation scale exactly 1
     x[0, 1::32], x[1, 2::32] = -LIMIT[digits], -LIMIT[digits]
     codes, _, m = signed_codes(b)
-    exact = torch.einsum("mgk,ngk->mn", x.view(9, k // 32, 32), codes)  # int64
+    exact = torch.einsum("mgk,ngk->mn", x.view(20, k // 32, 32), codes)  # int64
     if m is not None:  # Q4_0: + m sum(x) with m = -8 (exact too); Q4_1: m = 0
-        exact = exact + torch.einsum("mg,ng->mn", x.view(9, k // 32, 32).sum(-1), m.long())
+        exact = exact + torch.einsum("mg,ng->mn", x.view(20, k // 32, 32).sum(-1), m.long())
     assert exact.abs().max() < 2**24  # so that the fp32 outputs can be exact
-    # 9 rows, and 5 (on AVX-512 VNNI at 15 bits, calls of up to 8 rows take the loop over both columns at once)
-    for rows in (9, 5):
+    # 20 rows, 9 and 5 (on AVX-512 VNNI at 15 bits, calls of up to 16 rows take the loop over both columns at once)
+    for rows in (20, 9, 5):
         y = linear(ops, qtype, mode)(x[:rows].float().contiguous(), pack(b))
         assert torch.equal(y.double(), exact[:rows].double()), rows
 
@@ -224,7 +224,7 @@ def test_rows_are_batch_invariant_at_every_width_and_thread_count(isa: str, mode
 def test_builds_are_bit_identical(mode: str, qtype: str) -> None:
     b = pack(random_blocks(qtype, 128, 576, seed=7))
     x = torch.randn(23, 576, generator=torch.Generator().manual_seed(8)) * 3
-    for rows in (2, 5, 8, 23):  # VNNI's loops: both columns at once up to 8 rows (15-bit), a column at a time above
+    for rows in (2, 5, 8, 12, 16, 23):  # VNNI: both columns at once up to 16 rows (15-bit), a column at a time above
         outs = [linear(ops_for(isa), qtype, mode)(x[:rows].contiguous(), b) for isa in ("avx512vnni", "avx2")]
         assert torch.equal(*outs), rows
 

@@ -605,22 +605,27 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
 }
 
 #ifdef SPIND_VNNI
-// Calls of 2 to 8 rows on VNNI at D = 2 (`gguf-q16`'s decode batches and batch-1 verifies): a block of rows x the
-// unit's two columns (32 outputs) per block of K, code vector by code vector, so each broadcast activation quad feeds
-// both columns' vpdpbusd (int_row_block's many-row loop, a column at a time, broadcasts every quad once a column: a
-// load beside every vpdpbusd, and unpacks the codes once per column and row block). Four int32 chains a row (a
-// digit's dot a column) beside the two columns' two code vectors, so at most 6 rows a block: a call of 7 rows, one
-// block of 7, keeps the column loop. The fp32 sums are the output rows themselves (in L1), each block added as
-// add_block adds it, blocks in increasing order: the same operations on the same values as every other loop, so the
-// same bits, and a call may take either loop.
-// Same-process A/B against the column loop on AMD EPYC (Zen 5, 2 vCPUs; `spind bench batch --against`, 24 rounds),
-// the default target's GEMMs at 2 threads: decode rows B = 2 0.77x the time, B = 4 0.87x, B = 6 0.90x, B = 8 0.86x
-// (1 thread: 0.63x, 0.83x, 0.88x, 0.85x); a batch-1 verify of 8 rows 0.88x (1 thread 0.84x), of 5 rows 1.01x (0.85x).
-// Above 8 rows it read 0.93-1.06x: faster for 16 decode rows, slower for a request's 16 or 64 verify rows (its
-// prefill: through the daemon the time to first token 1.04-1.31x), so larger calls keep the column loop. At one
-// digit (`gguf-q8`, two chains a row there) it read 1.04-1.09x slower from 5 rows on: D = 1 keeps it too.
-constexpr int kBothColumnsRows = 6;         // rows a block at most (4 int32 chains a row beside 4 code vectors)
-constexpr int64_t kBothColumnsMaxCall = 8;  // rows a call at most
+// Calls of 2 to 16 rows on VNNI at D = 2 (`gguf-q16`'s decode batches and verifies): a block of rows x the unit's
+// two columns (32 outputs) per block of K, code vector by code vector, so each broadcast activation quad feeds both
+// columns' vpdpbusd (int_row_block's many-row loop, a column at a time, broadcasts every quad once a column: a load
+// beside every vpdpbusd, and unpacks the codes once per column and row block). Four int32 chains a row (a digit's dot
+// a column) beside the two columns' two code vectors, so at most 6 rows a block (IntPath::block_rows: 9 to 16 rows in
+// blocks of at most 6; a call of 7 rows, one block of 7, keeps the column loop). The fp32 sums are the output rows
+// themselves (in L1), each block added as add_block adds it, blocks in increasing order: the same operations on the
+// same values as every other loop, so the same bits, and a call may take either loop.
+// Same-process A/B on AMD EPYC (Zen 5, 2 vCPUs; `spind bench batch --against`, 24 rounds), the default target's GEMMs
+// at 2 threads against the column loop: decode rows B = 2 0.77x the time, B = 4 0.87x, B = 6 0.90x, B = 8 0.86x
+// (1 thread: 0.63x, 0.83x, 0.88x, 0.85x), a batch-1 verify of 8 rows 0.88x (of 5 rows 1.01x, 1 thread 0.85x); 9 to
+// 16 rows in blocks of 6 against the column loop's blocks of 7: decode rows B = 9 0.88x, B = 12 0.92x, B = 16 0.94x,
+// verifies of 10, 15 and 16 rows 0.89x, 0.92x, 0.93x. Through the daemon (`spind bench serve`, mixed prompts, `none`,
+// 1 to 16 clients, medians of 6 runs) it read 0.97-1.00x the column loop's tokens/s, two daemons on identical kernels
+// 0.99-1.02x each other's: no gain shown there, where the calls it speeds are a part of a loaded server's work and its
+// prefill chunks (calls of more rows) are left as they were. For calls of more rows the paired A/B read either way
+// from one session to the next (a request's 16 verify rows 1.06x and 0.93x the time), and every call through this
+// loop gave the daemon no faster prefill (its time to first token 1.04-1.31x, within its noise): they keep the column
+// loop. At one digit (`gguf-q8`, two chains a row there) it read 1.04-1.09x slower from 5 rows on: D = 1 keeps it too.
+constexpr int kBothColumnsRows = 6;          // rows a block at most (4 int32 chains a row beside 4 code vectors)
+constexpr int64_t kBothColumnsMaxCall = 16;  // rows a call at most
 
 template <int MR, int D, bool kQ4>
 void int_rows_both_columns(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r0, float* y, int64_t ldy,
@@ -704,6 +709,14 @@ struct IntPath {
   // 10 rows (the GEMM alone)
   static constexpr int kRows = D == 2 ? 8 : 5;
 #endif
+  // rows a block at most in a call of M rows: 9 to 16 rows in int_rows_both_columns' blocks (up to 8, kRows' blocks
+  // fit them but for a call of 7)
+  static int64_t block_rows(int64_t M) {
+#ifdef SPIND_VNNI
+    if (D == 2 && M > 8 && M <= kBothColumnsMaxCall) return kBothColumnsRows;
+#endif
+    return kRows;
+  }
   template <int MR>
   static void block(const Weights& w, const Inputs& in, int64_t unit, int64_t r0, float* y, int64_t ldy, int pass) {
 #ifdef SPIND_VNNI
@@ -1041,6 +1054,7 @@ void fp32_row_block(const Weights& w, const Fp32Rows& in, int64_t unit, int64_t 
 struct Fp32Path {
   using Inputs = Fp32Rows;
   static constexpr int kRows = 2;
+  static int64_t block_rows(int64_t) { return kRows; }
   template <int MR>
   static void block(const Weights& w, const Inputs& in, int64_t unit, int64_t r0, float* y, int64_t ldy,
                     int /*pass*/) {
@@ -1068,11 +1082,12 @@ at::Tensor gemm(const at::Tensor& x, const Weights& w, int64_t n_out) {
   // integer paths: x as digits, once for every unit
   const typename Path::Inputs in(x.data_ptr<float>(), M, K, w.format == Format::kQ8_0);
   float* yp = y.data_ptr<float>();
+  const int64_t per_block = Path::block_rows(M);  // <= kRows
   parallel_for(0, n_out / kUnit, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tile = 0; tile < M; tile += kRowTile) {
       const int64_t tile_end = std::min(M, tile + kRowTile);
-      // row blocks of at most kRows, as even as they go: with 5, 16 rows are 4 blocks of 4, not 5 + 5 + 5 + 1
-      const int64_t n = tile_end - tile, blocks = (n + kRows - 1) / kRows;
+      // row blocks of at most per_block, as even as they go: with 5, 16 rows are 4 blocks of 4, not 5 + 5 + 5 + 1
+      const int64_t n = tile_end - tile, blocks = (n + per_block - 1) / per_block;
       for (int64_t u = begin; u < end; ++u)
         for (int64_t b = 0, r0 = tile; b < blocks; ++b) {
           const int64_t rows_b = n / blocks + (b < n % blocks ? 1 : 0);
