@@ -610,9 +610,16 @@ void int_row_block(const Weights& w, const Digits<D>& a, int64_t unit, int64_t r
 // columns' vpdpbusd (int_row_block's many-row loop, a column at a time, broadcasts every quad once a column: a load
 // beside every vpdpbusd, and unpacks the codes once per column and row block). Four int32 chains a row (a digit's dot
 // a column) beside the two columns' two code vectors, so at most 6 rows a block (IntPath::block_rows: 9 to 16 rows in
-// blocks of at most 6; a call of 7 rows, one block of 7, keeps the column loop). The fp32 sums are the output rows
-// themselves (in L1), each block added as add_block adds it, blocks in increasing order: the same operations on the
-// same values as every other loop, so the same bits, and a call may take either loop.
+// blocks of at most 6; a call of 7 rows, one block of 7, keeps the column loop). The fp32 sums (2 MR vectors, which
+// do not fit the registers beside the 4 MR chains) live in L1, each block added as add_block adds it, blocks in
+// increasing order: the same operations on the same values as every other loop, so the same bits, and a call may take
+// either loop. From 3 rows they sit in a buffer on the stack, copied to the output rows at the end: read and written
+// in the output rows themselves (until stop 87), the sums of a 5-row block took the gate_up GEMM 1.10x the time
+// (its rows are 12 KB apart, a multiple of 4 KB: every row's lines fall in the same L1 sets), the other three GEMMs
+// 1.02-1.05x (streamed shapes, 2 threads). In the default target's forward (`spind bench batch --against`, 30
+// rounds, GEMM time against the output-row sums): a batch-1 verify of 5 rows 0.87x at 2 threads (step 0.92x), 0.96x
+// at 1; of 8 rows 0.96x; of 16 rows 0.975x; 4, 8 and 16 decode rows 0.95-0.97x at 1 and 2 threads. At 2 rows the
+// buffer read 1.10-1.18x the time (cause not found): 2-row blocks keep the output rows.
 // Same-process A/B on AMD EPYC (Zen 5, 2 vCPUs; `spind bench batch --against`, 24 rounds), the default target's GEMMs
 // at 2 threads against the column loop: decode rows B = 2 0.77x the time, B = 4 0.87x, B = 6 0.90x, B = 8 0.86x
 // (1 thread: 0.63x, 0.83x, 0.88x, 0.85x), a batch-1 verify of 8 rows 0.88x (of 5 rows 1.01x, 1 thread 0.85x); 9 to
@@ -633,9 +640,12 @@ void int_rows_both_columns(const Weights& w, const Digits<D>& a, int64_t unit, i
   static_assert(D == 2 && MR <= kBothColumnsRows && kUnit == kPair, "one unit is one pair of 16-output tiles");
   constexpr bool q4 = kQ4;
   const int64_t pair = unit;
+  alignas(64) float buffer[MR][kUnit];  // the sums from 3 rows (above); 2-row blocks keep them in the output rows
+  float* const acc = MR > 2 ? &buffer[0][0] : y;
+  const int64_t ld = MR > 2 ? kUnit : ldy;
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < kCols; ++c) vstore(y + r * ldy + c * kLanes, vzero());
+    for (int c = 0; c < kCols; ++c) vstore(acc + r * ld + c * kLanes, vzero());
   const vi low4 = iset1(0x0F0F0F0F), flip = iset1(static_cast<int32_t>(0x80808080));
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* blk = w.block(pair, g);
@@ -685,10 +695,15 @@ void int_rows_both_columns(const Weights& w, const Digits<D>& a, int64_t unit, i
       for (int c = 0; c < kCols; ++c) {
         vi lead = iadd(_mm512_slli_epi32(s0[r][c], 8), s1[r][c]);  // 256 dot_0 + dot_1
         if (!q4) lead = isub(lead, iset1(offset));
-        float* out = y + r * ldy + c * kLanes;
+        float* out = acc + r * ld + c * kLanes;
         vstore(out, add_block(vload(out), to_float(lead), d[c], m[c], q4, a.scale[rg], a.sum[rg]));
       }
     }
+  }
+  if constexpr (MR > 2) {
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < kCols; ++c) vstore(y + r * ldy + c * kLanes, vload(acc + r * ld + c * kLanes));
   }
 }
 #endif
